@@ -1,0 +1,146 @@
+"""The Transformer-XL hyper-parameters, and the published shapes as data.
+
+`TxlConfig` is plain data (no torch): it travels as JSON inside our checkpoint folder, in the ONNX
+`metadata_props` and in TensorRT engine sidecars, so every runtime can rebuild what it needs from it.
+Names follow the paper and the original code (`mem_len`, `clamp_len`, `same_length`, `div_val`, `cutoffs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .errors import TxlError
+
+
+@dataclass
+class TxlConfig:
+    n_token: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_head: int
+    d_inner: int
+    d_embed: int | None = None  # defaults to d_model
+    # Adaptive input / adaptive softmax. Empty cutoffs mean a plain softmax (character-level models).
+    cutoffs: list[int] = field(default_factory=list)
+    div_val: int = 1
+    tie_weight: bool = True
+    # One flag per cluster (len(cutoffs) + 1): share out_projs[i] with the embedding projection.
+    tie_projs: list[bool] = field(default_factory=list)
+    pre_lnorm: bool = False
+    # One (r_w_bias, r_r_bias) pair per layer instead of one shared by all layers.
+    untie_r: bool = False
+    mem_len: int = 0
+    tgt_len: int = 128
+    clamp_len: int = 0  # <= 0: no clamping (the original code clamps only when clamp_len > 0)
+    same_length: bool = False
+    # NVIDIA's same_length lets each query see one key more than the original code (klen - mem_len - 1).
+    same_length_extra: int = 0
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self):
+        if self.d_embed is None:
+            self.d_embed = self.d_model
+        self.cutoffs = [int(c) for c in self.cutoffs]
+        if not self.tie_projs:
+            self.tie_projs = [False] * (len(self.cutoffs) + 1)
+        self.tie_projs = [bool(t) for t in self.tie_projs]
+        self.validate()
+
+    def validate(self):
+        problems = []
+        for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.mem_len < 0:
+            problems.append(f"mem_len must be >= 0, got {self.mem_len}")
+        if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(
+            c <= 0 or c >= self.n_token for c in self.cutoffs
+        ):
+            problems.append(f"cutoffs must be increasing and inside (0, n_token={self.n_token}), got {self.cutoffs}")
+        if len(self.tie_projs) != len(self.cutoffs) + 1:
+            problems.append(f"tie_projs needs {len(self.cutoffs) + 1} entries (one per cluster), got {len(self.tie_projs)}")
+        if self.div_val > 1 and any(self.d_embed // self.div_val**i == 0 for i in range(len(self.cutoffs) + 1)):
+            problems.append(f"d_embed={self.d_embed} is too small for div_val={self.div_val}")
+        if problems:
+            raise TxlError("invalid Transformer-XL config: " + "; ".join(problems))
+
+    # -- derived sizes ---------------------------------------------------------------------------------
+    @property
+    def n_clusters(self) -> int:
+        return len(self.cutoffs)
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.cutoffs)
+
+    def memory_bytes_per_stream(self, mem_len: int | None = None, bytes_per_value: int = 4) -> dict:
+        """Bytes of recurrent state for one stream (one batch row).
+
+        `hidden`: what the paper caches (the input of every layer, n_layer x mem_len x d_model).
+        `kv_cache`: what the exported graphs cache instead (projected keys and values, 2 x n_head x d_head per
+        slot), which spares each decode step the re-projection of the whole memory.
+        """
+        m = self.mem_len if mem_len is None else mem_len
+        return {
+            "hidden": self.n_layer * m * self.d_model * bytes_per_value,
+            "kv_cache": self.n_layer * m * 2 * self.n_head * self.d_head * bytes_per_value,
+        }
+
+    # -- serialisation ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TxlConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TxlError(f"unknown config keys: {', '.join(unknown)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # missing required fields
+            raise TxlError(f"incomplete config: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "TxlConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes) -> "TxlConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# The published shapes (Dai et al. 2019, Table and the original run scripts), as in gpt-fast's ModelArgs
+# registry: tests and benchmarks build random-weight stand-ins of these.
+PUBLISHED_SHAPES: dict[str, dict] = {
+    "wt103-base": dict(
+        n_token=267735, n_layer=16, n_head=10, d_model=410, d_head=41, d_inner=2100,
+        cutoffs=[20000, 40000, 200000], div_val=1, tie_weight=True, tie_projs=[False, True, True, True],
+        mem_len=640, tgt_len=64, clamp_len=400, same_length=True,
+    ),
+    "wt103-large": dict(
+        n_token=267735, n_layer=18, n_head=16, d_model=1024, d_head=64, d_inner=4096,
+        cutoffs=[20000, 40000, 200000], div_val=4, tie_weight=True, tie_projs=[False, True, True, True],
+        mem_len=1600, tgt_len=128, clamp_len=1000, same_length=True,
+    ),
+    "enwik8-base": dict(
+        n_token=204, n_layer=12, n_head=8, d_model=512, d_head=64, d_inner=2048,
+        mem_len=2100, tgt_len=80, clamp_len=820,
+    ),
+    "enwik8-large": dict(
+        n_token=204, n_layer=24, n_head=8, d_model=1024, d_head=128, d_inner=3072,
+        mem_len=3800, tgt_len=128, clamp_len=1000,
+    ),
+}
+
+
+def published_config(name: str, **overrides) -> TxlConfig:
+    if name not in PUBLISHED_SHAPES:
+        raise TxlError(f"unknown shape {name!r}; known: {', '.join(PUBLISHED_SHAPES)}")
+    return TxlConfig(**{**PUBLISHED_SHAPES[name], **overrides})

@@ -1,0 +1,124 @@
+"""The exported graphs' inputs, outputs and memory pairing, declared once (as optimum's export configs do).
+
+The exporter, the verifier, every runtime and the Triton writer read names, shapes and the pairing
+(input `mem_k.i` -> output `new_k.i` or `next_mem_k.i`) from here. No torch.
+
+The memory is what makes Transformer-XL stateful. In the graphs it is a fixed ring buffer of `mem_len` slots
+per layer holding the *projected* keys and values of the cached hidden states (they never change once written,
+so a decode step does not re-project the memory through `qkv_net`), plus one per-row counter:
+
+- `mem_k.i`   [B, n_head, d_head, mem_len] float: keys of layer i, stored pre-transposed so q @ K is a MatMul;
+- `mem_v.i`   [B, n_head, mem_len, d_head] float: values of layer i;
+- `mem_count` [B] int64: tokens this row has consumed since its reset. The token at stream position p lives in
+  slot p % mem_len, the number of valid slots is min(mem_count, mem_len), so step 0 is an all-zero state:
+  no zero-size tensor, and the shapes never change (TensorRT profiles, CUDA graphs, Triton implicit state).
+
+Two layouts of the same computation (`state` in the export metadata):
+- `incremental`: outputs only the entries of this segment (`new_k.i` [B, H, d_head, Q], `new_v.i` [B, H, Q, d_head]);
+  the runtime writes them into its ring buffer in place, so no step copies the whole memory.
+- `full`: outputs the whole next state (`next_mem_k.i`, `next_mem_v.i`, `next_mem_count`), for consumers that
+  swap state tensors (Triton's implicit state, ping-pong device buffers).
+
+`out_positions` [B, P] int64 selects the segment positions whose log-probabilities are computed: a prefill that
+needs only the last position asks for one and never materialises [B, Q, V].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+META_PREFIX = "txl_deploy."
+STATE_LAYOUTS = ("incremental", "full")
+
+TOKENS = "tokens"
+OUT_POSITIONS = "out_positions"
+LOG_PROBS = "log_probs"
+MEM_COUNT = "mem_count"
+NEXT_MEM_COUNT = "next_mem_count"
+
+
+def mem_k(i: int) -> str:
+    return f"mem_k.{i}"
+
+
+def mem_v(i: int) -> str:
+    return f"mem_v.{i}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple  # ints, or strings naming dynamic axes ("batch", "segment", "positions")
+    dtype: str  # numpy dtype name; "float" means the graph's float type (float32 or float16)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    n_layer: int
+    n_head: int
+    d_head: int
+    mem_len: int
+    n_token: int
+    state: str = "incremental"
+
+    def __post_init__(self):
+        if self.state not in STATE_LAYOUTS:
+            raise ValueError(f"state layout must be one of {STATE_LAYOUTS}, got {self.state!r}")
+        if self.mem_len <= 0:
+            raise ValueError("exported graphs need mem_len >= 1 (a fixed memory buffer)")
+
+    # shapes of one layer's memory
+    def k_shape(self, batch="batch", slots=None):
+        return (batch, self.n_head, self.d_head, self.mem_len if slots is None else slots)
+
+    def v_shape(self, batch="batch", slots=None):
+        return (batch, self.n_head, self.mem_len if slots is None else slots, self.d_head)
+
+    def state_inputs(self) -> list[TensorSpec]:
+        specs = []
+        for i in range(self.n_layer):
+            specs.append(TensorSpec(mem_k(i), self.k_shape(), "float"))
+            specs.append(TensorSpec(mem_v(i), self.v_shape(), "float"))
+        specs.append(TensorSpec(MEM_COUNT, ("batch",), "int64"))
+        return specs
+
+    def inputs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(TOKENS, ("batch", "segment"), "int64"),
+            TensorSpec(OUT_POSITIONS, ("batch", "positions"), "int64"),
+        ] + self.state_inputs()
+
+    def state_outputs(self) -> list[TensorSpec]:
+        specs = []
+        for i in range(self.n_layer):
+            if self.state == "incremental":
+                specs.append(TensorSpec(f"new_k.{i}", self.k_shape(slots="segment"), "float"))
+                specs.append(TensorSpec(f"new_v.{i}", self.v_shape(slots="segment"), "float"))
+            else:
+                specs.append(TensorSpec(f"next_mem_k.{i}", self.k_shape(), "float"))
+                specs.append(TensorSpec(f"next_mem_v.{i}", self.v_shape(), "float"))
+        if self.state == "full":
+            specs.append(TensorSpec(NEXT_MEM_COUNT, ("batch",), "int64"))
+        return specs
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(LOG_PROBS, ("batch", "positions", self.n_token), "float")] + self.state_outputs()
+
+    def pairing(self) -> dict[str, str]:
+        """state input name -> the output that feeds it (full layout) or carries its new entries (incremental)."""
+        out = {}
+        for i in range(self.n_layer):
+            if self.state == "incremental":
+                out[mem_k(i)], out[mem_v(i)] = f"new_k.{i}", f"new_v.{i}"
+            else:
+                out[mem_k(i)], out[mem_v(i)] = f"next_mem_k.{i}", f"next_mem_v.{i}"
+        if self.state == "full":
+            out[MEM_COUNT] = NEXT_MEM_COUNT
+        return out
+
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs()]
+
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.outputs()]
