@@ -1,0 +1,16 @@
+"""Checkpoint import and export: every published format maps to one `TxlConfig` + a state_dict in our names.
+
+`load_model(path)` detects the format and returns a `LoadedModel`. Our own format (what `txl-deploy convert`
+writes) is a folder: `config.json`, `model.safetensors` (tied parameters stored once) and `vocab.json`.
+"""
+
+from .ours import LoadedModel, load_ours, save_checkpoint
+
+__all__ = ["LoadedModel", "load_ours", "save_checkpoint", "load_model"]
+
+
+def load_model(path, **kwargs):
+    """Load any supported checkpoint (format detected) into a `LoadedModel`."""
+    from .detect import load_any
+
+    return load_any(path, **kwargs)
