@@ -232,6 +232,11 @@ class MemTransformerLM(nn.Module):
             elif cfg.div_val != 1:
                 self.crit.out_projs[i] = self.word_emb.emb_projs[i]
 
+    def reset_length(self, mem_len: int):
+        """Use another memory length (as the original eval.py does); relative positions allow any length."""
+        self.cfg = self.cfg.replace(mem_len=int(mem_len))
+        return self
+
     def tied_keys(self) -> set[str]:
         """state_dict keys that alias another parameter (omitted from our own checkpoint format)."""
         seen, tied = {}, set()
