@@ -1,3 +1,1 @@
-"""Exporters: ONNX graphs with the memory as explicit I/O, reduced-precision variants, TensorRT engines.
-
-Heavy dependencies (torch, onnxruntime, tensorrt) are imported inside the functions that need them."""
+"""Exporters: ONNX (with reduced precision variants), TensorRT engines, Triton model repositories."""

@@ -62,14 +62,15 @@ class CachedTxl(nn.Module):
         for _ in range(s.n_layer):
             mems.append(torch.zeros(s.k_shape(batch), dtype=dtype, device=device))
             mems.append(torch.zeros(s.v_shape(batch), dtype=dtype, device=device))
-        return torch.zeros(batch, dtype=torch.int64, device=device), mems
+        return mems + [torch.zeros(batch, dtype=torch.int64, device=device)]
 
-    def forward(self, tokens, out_positions, mem_count, *mems):
-        """tokens [B, Q]; out_positions [B, P]; mem_count [B]; mems = mem_k.0, mem_v.0, mem_k.1, ... (io_spec).
+    def forward(self, tokens, out_positions, *state):
+        """tokens [B, Q]; out_positions [B, P]; state = mem_k.0, mem_v.0, mem_k.1, ..., mem_count [B] (io_spec order).
 
         Returns (log_probs [B, P, V], *state outputs in io_spec order).
         """
         cfg, M, T = self.cfg, self.mem_len, self.table_size
+        mems, mem_count = state[:-1], state[-1]
         B, Q = tokens.shape
         H, Dh = cfg.n_head, cfg.d_head
         dev = tokens.device

@@ -11,6 +11,10 @@ __all__ = ["LoadedModel", "load_ours", "save_checkpoint", "load_model"]
 
 def load_model(path, **kwargs):
     """Load any supported checkpoint (format detected) into a `LoadedModel`."""
+    from .ours import is_ours
+
+    if is_ours(path) and not kwargs:
+        return load_ours(path)
     from .detect import load_any
 
     return load_any(path, **kwargs)

@@ -34,3 +34,17 @@ def build_model(config, state_dict, path="<memory>"):
             if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), expected[k]):
                 raise CheckpointError(path, f"tensor {k!r} should be tied to its embedding but differs from it")
     return model.eval()
+
+
+def weights_sha256(state_dict) -> str:
+    """Content hash of a state_dict (names and bytes): identifies the weights behind an export or a saved state."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().contiguous().cpu()
+        h.update(k.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,181 @@
+"""ONNX export: the cached step (`txl_deploy.cached.CachedTxl`) with the memory as explicit graph inputs/outputs.
+
+One file serves decode (Q = 1) and prefill (Q up to `max_segment`) at any batch size. The graph is static apart
+from the batch, segment and positions axes: a fixed `mem_len` ring buffer per layer and a per-row token counter
+(see `txl_deploy.io_spec`), so TensorRT profiles, CUDA graphs and Triton's implicit state all work on it.
+Config, vocabulary and export settings go into `metadata_props`, so the file alone is enough to run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from txl_deploy import __version__
+from txl_deploy.errors import ExportError, TxlError
+from txl_deploy.files import atomic_path
+from txl_deploy.metadata import ExportInfo
+
+DEFAULT_OPSET = 18
+DEFAULT_MAX_SEGMENT = 512
+FORBIDDEN_OPS = {"If", "Loop", "Scan", "NonZero"}  # data-dependent control flow / shapes break TensorRT and CUDA graphs
+EXTERNAL_DATA_BYTES = 2_000_000_000  # protobuf's 2 GB limit
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    info: ExportInfo
+    verification: dict | None
+
+
+def check_graph(model_proto) -> list[str]:
+    """Problems that make a graph unfit for the static-shape runtimes: forbidden ops, zero-size tensors, low opset."""
+    problems = []
+    opset = max((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset < 17:
+        problems.append(f"opset {opset} < 17")
+    for node in model_proto.graph.node:
+        if node.op_type in FORBIDDEN_OPS:
+            problems.append(f"node {node.name or '?'} is a {node.op_type}")
+    for init in model_proto.graph.initializer:
+        if any(d == 0 for d in init.dims):
+            problems.append(f"initializer {init.name} has a zero-size dimension {list(init.dims)}")
+    for vi in list(model_proto.graph.input) + list(model_proto.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if any(d.HasField("dim_value") and d.dim_value == 0 for d in dims):
+            problems.append(f"graph I/O {vi.name} has a zero-size dimension")
+    return problems
+
+
+def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
+    import torch
+
+    spec = cached.spec
+    p = next(cached.parameters())
+    state = cached.empty_state(batch, dtype=p.dtype)
+    args = (torch.zeros(batch, segment, dtype=torch.long), torch.zeros(batch, positions, dtype=torch.long), *state)
+    # torch.export specialises any dimension whose example size is 0 or 1, so every example size is >= 2.
+    b = torch.export.Dim("batch", min=1, max=65536)
+    q = torch.export.Dim("segment", min=1, max=65536)
+    pos = torch.export.Dim("positions", min=1, max=65536)
+    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple({0: b} for _ in state))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            cached, args, input_names=spec.input_names(), output_names=spec.output_names(),
+            dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False, report=False,
+        )
+    return program
+
+
+def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DEFAULT_OPSET,
+                state: str = "incremental", max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True,
+                force: bool = False, log=print) -> ExportResult:
+    """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
+
+    mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
+    state: "incremental" (outputs this segment's entries; the runtimes keep the ring buffer) or "full" (outputs
+    the whole next state, for Triton's implicit state and ping-pong buffers).
+    verify: run ONNX Runtime against the PyTorch reference on a multi-segment stream and refuse a mismatch.
+    """
+    import torch
+
+    from txl_deploy.cached import CachedTxl, r_table_size
+    from txl_deploy.checkpoints import LoadedModel, load_model
+    from txl_deploy.checkpoints.weights import weights_sha256
+
+    out_path = Path(out_path)
+    if out_path.exists() and not force:
+        from txl_deploy.errors import OutputExistsError
+
+        raise OutputExistsError(out_path)
+    if opset < 17:
+        raise ExportError(f"opset {opset} is too old: the exported graph needs opset >= 17 (LayerNormalization)")
+    loaded = source if isinstance(source, LoadedModel) else load_model(source)
+    config = loaded.config
+    mem_len = int(mem_len if mem_len is not None else config.mem_len)
+    if mem_len <= 0:
+        raise ExportError(f"{loaded.path}: the model has mem_len {config.mem_len}; pass --mem-len N (N >= 1)")
+    if max_segment < 1:
+        raise ExportError("max_segment must be >= 1")
+
+    log(f"loading {loaded.source_format} checkpoint {loaded.path}")
+    model = loaded.build().reset_length(mem_len)
+    config = model.cfg
+    cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
+    export_meta = {
+        "mem_len": mem_len, "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
+        "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
+        "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
+        "weights_sha256": weights_sha256(model.state_dict()),
+        "txl_deploy_version": __version__, "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "io": {"inputs": [s.name for s in cached.spec.inputs()], "outputs": [s.name for s in cached.spec.outputs()]},
+    }
+    info = ExportInfo(config, loaded.vocab, export_meta)
+
+    log(f"exporting to ONNX (opset {opset}, mem_len {mem_len}, {state} state, segments up to {max_segment})")
+    try:
+        with torch.no_grad():
+            program = _torch_export(cached, batch=2, segment=3, positions=2, opset=opset)
+    except TxlError:
+        raise
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+    n_bytes = sum(p.numel() * p.element_size() for p in cached.parameters()) + sum(
+        b.numel() * b.element_size() for b in cached.buffers())
+    with atomic_path(out_path, force=force) as tmp:
+        for key, value in info.to_props().items():
+            program.model.metadata_props[key] = value
+        external = n_bytes >= EXTERNAL_DATA_BYTES
+        program.save(str(tmp), external_data=external)
+        problems = _check_saved(tmp)
+        if problems:
+            raise ExportError(f"the exported graph is not portable: {'; '.join(problems)}")
+        verification = None
+        if verify:
+            from .verify import verify_export
+
+            log("verifying with ONNX Runtime against the PyTorch reference ...")
+            verification = verify_export(tmp, model, log=log)
+            info.verification = verification
+            _write_verification(tmp, info)
+            if not verification["passed"]:
+                raise ExportError(
+                    f"verification failed: max abs difference {verification['max_abs_diff']:.3g} > tolerance "
+                    f"{verification['tolerance']:.3g} (top-1 agreement {verification['top1_agreement']:.4f}); "
+                    "nothing was written")
+        if external:  # the weights file travels beside the model
+            for extra in tmp.parent.iterdir():
+                if extra.name != tmp.name and extra.name.startswith(tmp.name):
+                    dest = out_path.parent / extra.name
+                    if dest.exists() and not force:
+                        from txl_deploy.errors import OutputExistsError
+
+                        raise OutputExistsError(dest)
+                    os.replace(extra, dest)
+    log(f"wrote {out_path}")
+    return ExportResult(out_path, info, verification)
+
+
+def _check_saved(path) -> list[str]:
+    import onnx
+
+    return check_graph(onnx.load(str(path), load_external_data=False))
+
+
+def _write_verification(path, info: ExportInfo):
+    """Store the verification result in the file's metadata (rewriting only the protobuf, not external data)."""
+    import onnx
+
+    from txl_deploy.metadata import set_onnx_props
+
+    model = onnx.load(str(path), load_external_data=False)
+    set_onnx_props(model, info)
+    onnx.save_model(model, str(path))
+

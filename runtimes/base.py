@@ -1,0 +1,374 @@
+"""`TxlRuntime`: one interface over every backend, with the memory kept inside between calls.
+
+As in Polygraphy's runners, the runtime owns the lifecycle (`with TxlRuntime.load(...) as rt:`) and checks every
+input once, here, before a backend sees it; a backend only implements `run` on already-valid arrays. A rejected
+call leaves the memory exactly as it was: validation happens first, and backends commit new state only after the
+computation succeeded.
+
+Rows of a batch are independent streams. The batch size is fixed by the first call after a full `reset()`.
+Thread safety: every call that reads or changes the memory holds the runtime's lock, so a runtime may be shared
+across threads without corrupting its memory; calls are serialised (for parallel streams, use batch rows or one
+runtime per thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from txl_deploy.errors import CheckpointError, InputError
+
+# Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
+SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
+
+
+class Backend:
+    """What a backend implements. `state` is opaque to the runtime."""
+
+    name = "?"
+    config = None  # TxlConfig
+    vocab = None  # Vocab or None
+    mem_len = 0
+    max_segment = 512
+    precision = "fp32"
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def new_state(self, batch: int):
+        raise NotImplementedError
+
+    def state_batch(self, state) -> int:
+        raise NotImplementedError
+
+    def run(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+        """tokens [B, Q] int64 (Q <= max_segment), out_positions [B, P] int64 -> log_probs [B, P, V] float32.
+
+        Advances `state` by Q tokens, only once the computation has succeeded."""
+        raise NotImplementedError
+
+    def reset_rows(self, state, rows: np.ndarray):
+        raise NotImplementedError
+
+    def state_arrays(self, state) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def state_from_arrays(self, arrays: dict[str, np.ndarray]):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+def _backend_for(path: Path, backend: str | None) -> str:
+    if backend:
+        return backend
+    suffix = path.suffix.lower()
+    if suffix == ".onnx":
+        return "onnxruntime"
+    if suffix in (".engine", ".plan", ".trt"):
+        return "tensorrt"
+    return "torch"
+
+
+BACKENDS = ("onnxruntime", "tensorrt", "torch", "torch-fast")
+
+
+class TxlRuntime:
+    """Incremental Transformer-XL inference with the memory threaded between calls.
+
+    >>> rt = TxlRuntime.load("model.onnx")
+    >>> log_probs = rt.step([[12, 7, 99]])          # [1, 3, V], memory advanced by 3 tokens
+    >>> for tok in rt.generate("The", max_new_tokens=20, seed=0): ...
+    """
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self._state = None
+        self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
+        self._lock = threading.RLock()
+
+    # -- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
+             mem_len: int | None = None, max_segment: int | None = None) -> "TxlRuntime":
+        """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
+        a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
+        `mem_len` / `max_segment` apply to the PyTorch backends (an exported graph has its own)."""
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError(path, "file not found")
+        kind = _backend_for(path, backend)
+        if kind == "onnxruntime":
+            from .onnxruntime import OrtBackend
+
+            impl = OrtBackend(path, providers=providers)
+        elif kind == "tensorrt":
+            from .tensorrt import TensorRTBackend
+
+            impl = TensorRTBackend(path)
+        elif kind in ("torch", "torch-fast"):
+            from .pytorch import TorchCachedBackend, TorchEagerBackend
+
+            klass = TorchEagerBackend if kind == "torch" else TorchCachedBackend
+            impl = klass.from_checkpoint(path, device=device, mem_len=mem_len, max_segment=max_segment)
+        else:
+            raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        return cls(impl)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        with self._lock:
+            self._state = None
+            self.backend.close()
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.backend.config
+
+    @property
+    def vocab(self):
+        return self.backend.vocab
+
+    @property
+    def mem_len(self) -> int:
+        return self.backend.mem_len
+
+    @property
+    def n_token(self) -> int:
+        return self.backend.config.n_token
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self._state is None else self.backend.state_batch(self._state)
+
+    def __repr__(self):
+        return (f"TxlRuntime(backend={self.backend.name}, n_token={self.n_token}, mem_len={self.mem_len}, "
+                f"batch={self.batch_size})")
+
+    # -- validation (one place for every backend) -----------------------------------------------------------
+    def _check_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer)):
+            raise InputError(f"token ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != 2:
+            raise InputError(f"tokens must have shape [batch, segment], got rank {arr.ndim} shape {arr.shape}")
+        if arr.shape[0] < 1 or arr.shape[1] < 1:
+            raise InputError(f"tokens must have at least one row and one position, got shape {arr.shape}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.n_token:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.n_token})")
+        if self._state is not None and arr.shape[0] != self.backend.state_batch(self._state):
+            raise InputError(f"batch size {arr.shape[0]} does not match the runtime's memory "
+                             f"({self.backend.state_batch(self._state)} rows); call reset() to start new streams")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _ensure_state(self, batch: int):
+        if self._state is None:
+            self._state = self.backend.new_state(batch)
+
+    # -- the calls -----------------------------------------------------------------------------------------
+    def step(self, tokens) -> np.ndarray:
+        """Feed tokens [B, Q]; return log-probabilities [B, Q, V] (float32) of the next token at each position.
+
+        Longer segments than the model's max_segment are fed in pieces: the result is the same."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            return self._feed(tokens, want="all")
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Feed tokens [B, Q]; return only the last position's log-probabilities [B, V].
+
+        Never materialises [B, Q, V] (a 512-token segment over 267,735 words would be 548 MB)."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            return self._feed(tokens, want="last")
+
+    def _feed(self, tokens: np.ndarray, want: str):
+        B, Q = tokens.shape
+        self._ensure_state(B)
+        pieces = []
+        step = self.backend.max_segment
+        for start in range(0, Q, step):
+            seg = tokens[:, start:start + step]
+            q = seg.shape[1]
+            if want == "all":
+                positions = np.broadcast_to(np.arange(q, dtype=np.int64), (B, q))
+            else:
+                positions = np.full((B, 1), q - 1, dtype=np.int64)
+            lp = self.backend.run(self._state, seg, np.ascontiguousarray(positions))
+            if want == "all":
+                pieces.append(lp)
+            self._last_log_probs = lp[:, -1]
+        if want == "all":
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
+        return self._last_log_probs
+
+    def reset(self, rows=None):
+        """Forget the memory: of every row (the next call may use any batch size), or of the given rows only."""
+        with self._lock:
+            if rows is None:
+                self._state, self._last_log_probs = None, None
+                return
+            if self._state is None:
+                raise InputError("reset(rows) needs a running batch; call step() first or reset() without rows")
+            batch = self.backend.state_batch(self._state)
+            idx = np.atleast_1d(np.asarray(rows))
+            if not np.issubdtype(idx.dtype, np.integer) or idx.ndim != 1:
+                raise InputError(f"rows must be a list of row indices, got {rows!r}")
+            if idx.size and (idx.min() < 0 or idx.max() >= batch):
+                raise InputError(f"row {int(idx.max() if idx.max() >= batch else idx.min())} is outside the batch "
+                                 f"[0, {batch})")
+            self.backend.reset_rows(self._state, idx.astype(np.int64))
+            if self._last_log_probs is not None:
+                self._last_log_probs = self._last_log_probs.copy()
+                self._last_log_probs[idx] = np.nan  # no prediction for a fresh row until it is fed
+
+    def score(self, tokens) -> np.ndarray:
+        """Negative log-likelihood (nats) of tokens[:, 1:] given what precedes them: returns [B, Q - 1].
+
+        The memory advances over all of `tokens`; log-probs are materialised only in bounded chunks."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            B, Q = tokens.shape
+            if Q < 2:
+                raise InputError("score() needs at least two tokens per row")
+            self._ensure_state(B)
+            chunk = max(1, min(self.backend.max_segment, SCORE_CHUNK_FLOATS // (B * self.n_token)))
+            nll = np.empty((B, Q - 1), dtype=np.float64)
+            rows = np.arange(B)[:, None]
+            for start in range(0, Q - 1, chunk):
+                seg = tokens[:, start:start + chunk]
+                q = seg.shape[1]
+                positions = np.ascontiguousarray(np.broadcast_to(np.arange(q, dtype=np.int64), (B, q)))
+                lp = self.backend.run(self._state, seg, positions)
+                self._last_log_probs = lp[:, -1]
+                targets = tokens[:, start + 1:start + 1 + q]
+                nll[:, start:start + targets.shape[1]] = -lp[rows, np.arange(targets.shape[1])[None], targets]
+            # the last token is fed too, so the memory covers the whole input
+            self._last_log_probs = self.backend.run(self._state, tokens[:, Q - 1:], np.zeros((B, 1), np.int64))[:, -1]
+            return nll
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def save_state(self, path=None) -> dict:
+        """The memory as plain numpy arrays (with the model's fingerprint), to park a conversation and resume it.
+
+        With `path`, also written atomically as an .npz file."""
+        with self._lock:
+            if self._state is None:
+                raise InputError("there is no memory to save yet: call step() first")
+            arrays = {k: np.array(v, copy=True) for k, v in self.backend.state_arrays(self._state).items()}
+            arrays["__fingerprint__"] = np.array(self.backend.fingerprint())
+            arrays["__backend__"] = np.array(self.backend.name)
+            if self._last_log_probs is not None:
+                arrays["__last_log_probs__"] = np.array(self._last_log_probs, copy=True)
+        if path is not None:
+            from txl_deploy.files import atomic_path
+
+            with atomic_path(path, force=True) as tmp:
+                with open(tmp, "wb") as f:
+                    np.savez(f, **arrays)
+        return arrays
+
+    def load_state(self, state):
+        """Resume from `save_state()`'s dict or .npz file. A state of another model is refused, nothing changes."""
+        if isinstance(state, (str, Path)):
+            try:
+                with np.load(state, allow_pickle=False) as z:
+                    state = {k: z[k] for k in z.files}
+            except (OSError, ValueError) as e:
+                raise InputError(f"{state}: not a saved txl-deploy state ({e})") from None
+        if not isinstance(state, dict) or "__fingerprint__" not in state:
+            raise InputError("not a saved txl-deploy state (no fingerprint)")
+        theirs, ours = str(state["__fingerprint__"]), self.backend.fingerprint()
+        if theirs != ours:
+            raise InputError(f"this state was saved from another model or backend (fingerprint {theirs}, "
+                             f"this runtime's is {ours})")
+        arrays = {k: v for k, v in state.items() if not k.startswith("__")}
+        with self._lock:
+            new_state = self.backend.state_from_arrays(arrays)  # validates shapes and dtypes
+            self._state = new_state
+            last = state.get("__last_log_probs__")
+            self._last_log_probs = None if last is None else np.array(last, dtype=np.float32)
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> np.ndarray:
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: pass token ids instead of text")
+        return self.vocab.encode(text)
+
+    def decode(self, ids) -> str:
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: cannot turn token ids into text")
+        return self.vocab.decode(ids)
+
+    def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop=None) -> Iterator[int]:
+        """Yield new token ids one at a time (batch of one stream), continuing the current memory.
+
+        prompt: text (needs the vocabulary) or token ids; None continues from the last call.
+        temperature 0 is greedy; top_k / top_p filter before sampling; `seed` makes sampling reproducible.
+        stop: token ids that end generation (yielded, then stop)."""
+        if temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise InputError(f"top_k must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {top_p}")
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        stop = set() if stop is None else {int(s) for s in np.atleast_1d(stop)}
+        ids = None
+        if prompt is not None:
+            ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
+            ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+            if ids.shape[1] == 0:
+                ids = None
+        rng = np.random.default_rng(seed)
+        with self._lock:
+            if ids is not None:
+                log_probs = self.prefill(ids)[0]
+            elif self._last_log_probs is not None and self.batch_size == 1:
+                log_probs = self._last_log_probs[0]
+            else:
+                raise InputError("generate() needs a prompt (nothing has been fed to this stream yet)")
+            if self.batch_size != 1:
+                raise InputError("generate() runs one stream; reset() and feed a single row")
+            for _ in range(max_new_tokens):
+                tok = sample(log_probs, temperature, top_k, top_p, rng)
+                yield tok
+                if tok in stop:
+                    return
+                log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]
+
+
+def sample(log_probs: np.ndarray, temperature: float, top_k, top_p, rng: np.random.Generator) -> int:
+    """One token from a log-distribution. Deterministic for a given rng state on every platform (no BLAS)."""
+    lp = np.asarray(log_probs, dtype=np.float64)
+    if temperature == 0:
+        return int(np.argmax(lp))
+    logits = lp / temperature
+    if top_k is not None and top_k < logits.size:
+        kth = np.partition(logits, -top_k)[-top_k]
+        logits = np.where(logits < kth, -np.inf, logits)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        keep = cum - probs[order] < top_p  # always keeps the most likely token
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(min(np.searchsorted(np.cumsum(probs), rng.random(), side="right"), probs.size - 1))

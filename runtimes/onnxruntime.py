@@ -1,0 +1,194 @@
+"""ONNX Runtime backend: numpy and onnxruntime only (no torch), for servers and edge devices.
+
+On the CPU the memory is a set of numpy ring buffers owned by the backend. ONNX Runtime reads them in place (no
+copy for contiguous host arrays); an `incremental` graph returns only this segment's keys and values, which are
+written into their ring slots here, so no step copies or reallocates the whole memory.
+On CUDA a `full`-state graph keeps the memory on the device: two sets of device buffers bound with IO binding and
+swapped by reference each step (the outputs of step t are the inputs of step t + 1), never copied to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from txl_deploy import io_spec
+from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.metadata import read_onnx_info
+
+from .base import Backend
+
+_GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def choose_providers(requested=None) -> list:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if requested is None:
+        return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    names = [p if isinstance(p, str) else p[0] for p in requested]
+    short = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+    out = []
+    for p, name in zip(requested, names):
+        full = short.get(name.lower(), name)
+        if full not in available:
+            raise InputError(f"ONNX Runtime provider {name!r} is not available here (available: "
+                             f"{', '.join(available)}); onnxruntime-gpu brings CUDA and TensorRT")
+        out.append(full if isinstance(p, str) else (full, p[1]))
+    return out
+
+
+class OrtBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, path, providers=None):
+        import onnxruntime as ort
+
+        self.path = str(path)
+        self.info = read_onnx_info(path)
+        self.config, self.vocab = self.info.config, self.info.vocab
+        self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
+        self.spec = self.info.spec()
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(self.path, opts, providers=choose_providers(providers))
+        except InputError:
+            raise
+        except Exception as e:
+            raise CheckpointError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        missing = [n for n in self.spec.input_names() if n not in inputs]
+        if missing:
+            raise CheckpointError(path, f"graph lacks the inputs its metadata declares ({', '.join(missing[:3])})")
+        self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
+        self.output_names = self.spec.output_names()
+        self.on_device = self.session.get_providers()[0] in _GPU_PROVIDERS and self.spec.state == "full"
+
+    def fingerprint(self) -> str:
+        return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def new_state(self, batch: int):
+        arrays = {}
+        for s in self.spec.state_inputs():
+            shape = tuple(batch if d == "batch" else d for d in s.shape)
+            arrays[s.name] = np.zeros(shape, dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
+        return _DeviceState(self, arrays) if self.on_device else arrays
+
+    def state_batch(self, state) -> int:
+        if isinstance(state, _DeviceState):
+            return state.batch
+        return state[io_spec.MEM_COUNT].shape[0]
+
+    def state_arrays(self, state) -> dict:
+        return state.to_numpy() if isinstance(state, _DeviceState) else dict(state)
+
+    def state_from_arrays(self, arrays):
+        specs = self.spec.state_inputs()
+        names = {s.name for s in specs}
+        if set(arrays) != names:
+            raise InputError("this state does not belong to this model (its tensors differ: "
+                             f"{sorted(set(arrays) ^ names)[:3]})")
+        count = np.asarray(arrays[io_spec.MEM_COUNT])
+        if count.ndim != 1:
+            raise InputError(f"mem_count must be [batch], got shape {count.shape}")
+        batch = count.shape[0]
+        out = {}
+        for s in specs:
+            want = tuple(batch if d == "batch" else d for d in s.shape)
+            a = np.asarray(arrays[s.name])
+            dtype = np.int64 if s.dtype == "int64" else self.float_dtype
+            if a.shape != want or a.dtype != dtype:
+                raise InputError(f"state tensor {s.name} has shape {a.shape} {a.dtype}, this model needs "
+                                 f"{want} {np.dtype(dtype).name}")
+            out[s.name] = np.array(a, copy=True)
+        return _DeviceState(self, out) if self.on_device else out
+
+    def reset_rows(self, state, rows):
+        if isinstance(state, _DeviceState):
+            arrays = state.to_numpy()
+            self._zero_rows(arrays, rows)
+            state.upload(arrays)
+        else:
+            self._zero_rows(state, rows)
+
+    @staticmethod
+    def _zero_rows(arrays, rows):
+        for a in arrays.values():
+            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
+
+    # -- compute ----------------------------------------------------------------------------------------------
+    def run(self, state, tokens, out_positions):
+        if isinstance(state, _DeviceState):
+            return state.run(tokens, out_positions)
+        feeds = dict(state)
+        feeds[io_spec.TOKENS], feeds[io_spec.OUT_POSITIONS] = tokens, out_positions
+        outs = self.session.run(self.output_names, feeds)
+        # Commit only after the run succeeded: a failed call leaves the memory as it was.
+        if self.spec.state == "incremental":
+            write_ring(state, outs[1:], self.spec, tokens.shape[1])
+        else:
+            for name, value in zip(self.output_names[1:], outs[1:]):
+                state[_input_for(name)] = value
+        return outs[0] if outs[0].dtype == np.float32 else outs[0].astype(np.float32)
+
+
+def _input_for(output_name: str) -> str:
+    return output_name[len("next_"):] if output_name.startswith("next_") else output_name
+
+
+def write_ring(state: dict, new_entries: list, spec: io_spec.GraphSpec, q: int):
+    """Write this segment's keys/values (new_k.i, new_v.i, ...) into their ring slots, in place."""
+    M = spec.mem_len
+    count = state[io_spec.MEM_COUNT]
+    keep = min(q, M)  # of a segment longer than the memory only the last M entries survive
+    first = q - keep
+    offsets = first + np.arange(keep)
+    if np.all(count == count[0]):  # the usual case: one fancy-index write per tensor
+        slots = (count[0] + offsets) % M
+        for i in range(spec.n_layer):
+            state[io_spec.mem_k(i)][..., slots] = new_entries[2 * i][..., first:]
+            state[io_spec.mem_v(i)][:, :, slots] = new_entries[2 * i + 1][:, :, first:]
+    else:
+        for b in range(count.shape[0]):
+            slots = (count[b] + offsets) % M
+            for i in range(spec.n_layer):
+                state[io_spec.mem_k(i)][b][..., slots] = new_entries[2 * i][b][..., first:]
+                state[io_spec.mem_v(i)][b][:, slots] = new_entries[2 * i + 1][b][:, first:]
+    count += q
+
+
+class _DeviceState:
+    """The memory on the GPU: two sets of OrtValues, inputs and outputs, swapped after every step."""
+
+    def __init__(self, backend: OrtBackend, arrays: dict):
+        import onnxruntime as ort
+
+        self.backend, self.ort = backend, ort
+        self.batch = arrays[io_spec.MEM_COUNT].shape[0]
+        self.pairing = backend.spec.pairing()  # input -> output
+        self.upload(arrays)
+
+    def upload(self, arrays):
+        dev = ("cuda", 0)
+        self.cur = {k: self.ort.OrtValue.ortvalue_from_numpy(v, *dev) for k, v in arrays.items()}
+        self.nxt = {k: self.ort.OrtValue.ortvalue_from_numpy(np.zeros_like(v), *dev) for k, v in arrays.items()}
+
+    def to_numpy(self) -> dict:
+        return {k: v.numpy() for k, v in self.cur.items()}
+
+    def run(self, tokens, out_positions):
+        sess = self.backend.session
+        io = sess.io_binding()
+        io.bind_cpu_input(io_spec.TOKENS, tokens)
+        io.bind_cpu_input(io_spec.OUT_POSITIONS, out_positions)
+        io.bind_output(io_spec.LOG_PROBS, "cpu")
+        for name, value in self.cur.items():
+            io.bind_ortvalue_input(name, value)
+            io.bind_ortvalue_output(self.pairing[name], self.nxt[name])
+        sess.run_with_iobinding(io)
+        log_probs = io.copy_outputs_to_cpu()[0]
+        self.cur, self.nxt = self.nxt, self.cur  # zero-copy: this step's outputs are the next step's inputs
+        return log_probs.astype(np.float32, copy=False)

@@ -1,0 +1,216 @@
+"""PyTorch backends: the eager reference (the paper's memory of hidden states) and the fast cached path.
+
+`torch`: `MemTransformerLM` exactly as trained: the memory holds each layer's input hidden states, starts empty
+and grows to mem_len, and every step re-projects it. This is the baseline users know and what every exported
+artefact is checked against.
+
+`torch-fast`: the same numbers through `CachedTxl` (projected keys/values in preallocated ring buffers, the
+positional table precomputed), for users who stay in PyTorch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from txl_deploy import io_spec
+from txl_deploy.errors import InputError
+
+from .base import Backend
+
+
+def _load(path, device, mem_len):
+    import torch
+
+    from txl_deploy.checkpoints import load_model
+
+    loaded = load_model(path)
+    model = loaded.build()
+    if mem_len is not None:
+        model.reset_length(mem_len)
+    if model.cfg.mem_len <= 0:
+        raise InputError(f"{path}: the model has mem_len {model.cfg.mem_len}; pass mem_len >= 1")
+    device = torch.device(device or "cpu")
+    return loaded, model.to(device), device
+
+
+class _TorchBase(Backend):
+    def _init_common(self, loaded, model, device, max_segment):
+        from txl_deploy.checkpoints.weights import weights_sha256
+        from txl_deploy.metadata import ExportInfo
+
+        self.model, self.device = model, device
+        self.config, self.vocab = model.cfg, loaded.vocab
+        self.mem_len = model.cfg.mem_len
+        self.max_segment = int(max_segment or 512)
+        info = ExportInfo(model.cfg, loaded.vocab, {"mem_len": self.mem_len,
+                                                    "weights_sha256": weights_sha256(model.state_dict())})
+        self._fp = info.fingerprint()
+
+    def _tensor(self, a):
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+
+class TorchEagerBackend(_TorchBase):
+    """State: per layer [B, mlen, d_model] hidden states shared by all rows, or per-row lists once rows diverge
+    (after `reset(rows)`), in which case rows of different memory lengths run one at a time."""
+
+    name = "torch"
+
+    @classmethod
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None):
+        self = cls()
+        loaded, model, device = _load(path, device, mem_len)
+        self._init_common(loaded, model, device, max_segment)
+        return self
+
+    def fingerprint(self):
+        return f"hidden-{self._fp}"
+
+    def new_state(self, batch):
+        return {"rows": [self.model.init_mems(1) for _ in range(batch)], "batched": self.model.init_mems(batch)}
+
+    def state_batch(self, state):
+        return len(state["rows"]) if state["batched"] is None else state["batched"][0].shape[0]
+
+    def run(self, state, tokens, out_positions):
+        import torch
+
+        x = self._tensor(tokens)
+        with torch.no_grad():
+            if state["batched"] is not None:
+                log_probs, new = self.model(x, state["batched"])
+                state["batched"] = new
+            else:
+                outs, new_rows = [], []
+                for b, mems in enumerate(state["rows"]):
+                    lp, new = self.model(x[b:b + 1], mems)
+                    outs.append(lp)
+                    new_rows.append(new)
+                log_probs = torch.cat(outs)
+                state["rows"] = new_rows
+                lens = {r[0].shape[1] for r in new_rows}
+                if len(lens) == 1:  # rows caught up (all full): batch them again
+                    state["batched"] = [torch.cat([r[i] for r in new_rows]) for i in range(self.config.n_layer)]
+            idx = self._tensor(out_positions)
+            picked = torch.gather(log_probs, 1, idx[:, :, None].expand(-1, -1, log_probs.shape[-1]))
+        return picked.float().cpu().numpy()
+
+    def reset_rows(self, state, rows):
+        if state["batched"] is not None:
+            b = state["batched"][0].shape[0]
+            state["rows"] = [[m[r:r + 1] for m in state["batched"]] for r in range(b)]
+            state["batched"] = None
+        for r in rows:
+            state["rows"][int(r)] = self.model.init_mems(1)
+        if len({r[0].shape[1] for r in state["rows"]}) == 1:
+            import torch
+
+            state["batched"] = [torch.cat([r[i] for r in state["rows"]]) for i in range(self.config.n_layer)]
+
+    def state_arrays(self, state):
+        rows = self._rows(state)
+        B, M, D = len(rows), self.mem_len, self.config.d_model
+        out = {"lens": np.array([r[0].shape[1] for r in rows], dtype=np.int64)}
+        for i in range(self.config.n_layer):
+            a = np.zeros((B, M, D), dtype=np.float32)
+            for b, r in enumerate(rows):
+                n = r[i].shape[1]
+                if n:
+                    a[b, M - n:] = r[i][0].float().cpu().numpy()
+            out[f"mems.{i}"] = a
+        return out
+
+    def state_from_arrays(self, arrays):
+        want = {"lens"} | {f"mems.{i}" for i in range(self.config.n_layer)}
+        if set(arrays) != want:
+            raise InputError("this state does not belong to this model (its tensors differ)")
+        lens = np.asarray(arrays["lens"])
+        B, M, D = lens.shape[0], self.mem_len, self.config.d_model
+        for i in range(self.config.n_layer):
+            if arrays[f"mems.{i}"].shape != (B, M, D):
+                raise InputError(f"state tensor mems.{i} has shape {arrays[f'mems.{i}'].shape}, needs {(B, M, D)}")
+        if lens.min(initial=0) < 0 or lens.max(initial=0) > M:
+            raise InputError("state has memory lengths outside [0, mem_len]")
+        state = {"rows": [[self._tensor(arrays[f"mems.{i}"][b:b + 1, M - int(n):]) for i in range(self.config.n_layer)]
+                          for b, n in enumerate(lens)], "batched": None}
+        self.reset_rows(state, [])
+        return state
+
+    def _rows(self, state):
+        if state["batched"] is not None:
+            return [[m[r:r + 1] for m in state["batched"]] for r in range(state["batched"][0].shape[0])]
+        return state["rows"]
+
+
+class TorchCachedBackend(_TorchBase):
+    """`CachedTxl` in eager PyTorch: preallocated ring buffers updated in place."""
+
+    name = "torch-fast"
+
+    @classmethod
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None):
+        from txl_deploy.cached import CachedTxl
+
+        self = cls()
+        loaded, model, device = _load(path, device, mem_len)
+        self._init_common(loaded, model, device, max_segment)
+        self.cached = CachedTxl(model, self.mem_len, state="incremental", max_segment=self.max_segment).eval()
+        self.spec = self.cached.spec
+        return self
+
+    def fingerprint(self):
+        return f"kv-{self._fp}-float32"
+
+    def new_state(self, batch):
+        names = [s.name for s in self.spec.state_inputs()]
+        return dict(zip(names, self.cached.empty_state(batch, device=self.device)))
+
+    def state_batch(self, state):
+        return state[io_spec.MEM_COUNT].shape[0]
+
+    def run(self, state, tokens, out_positions):
+        import torch
+
+        names = [s.name for s in self.spec.state_inputs()]
+        with torch.no_grad():
+            outs = self.cached(self._tensor(tokens), self._tensor(out_positions), *[state[n] for n in names])
+            self._write_ring(state, outs[1:], tokens.shape[1])
+        return outs[0].float().cpu().numpy()
+
+    def _write_ring(self, state, new_entries, q):
+        import torch
+
+        M = self.mem_len
+        count = state[io_spec.MEM_COUNT]
+        keep = min(q, M)
+        first = q - keep
+        offsets = torch.arange(first, q, device=count.device)
+        slots = torch.remainder(count[:, None] + offsets[None, :], M)  # [B, keep]
+        B = count.shape[0]
+        for i in range(self.spec.n_layer):
+            k, v = state[io_spec.mem_k(i)], state[io_spec.mem_v(i)]
+            H, Dh = k.shape[1], k.shape[2]
+            k.scatter_(3, slots[:, None, None, :].expand(B, H, Dh, keep), new_entries[2 * i][..., first:])
+            v.scatter_(2, slots[:, None, :, None].expand(B, H, keep, Dh), new_entries[2 * i + 1][:, :, first:])
+        count += q
+
+    def reset_rows(self, state, rows):
+        idx = self._tensor(np.asarray(rows, dtype=np.int64))
+        for t in state.values():
+            t[idx] = 0
+
+    def state_arrays(self, state):
+        return {k: v.cpu().numpy() for k, v in state.items()}
+
+    def state_from_arrays(self, arrays):
+        names = [s.name for s in self.spec.state_inputs()]
+        if set(arrays) != set(names):
+            raise InputError("this state does not belong to this model (its tensors differ)")
+        batch = np.asarray(arrays[io_spec.MEM_COUNT]).shape[0]
+        for s in self.spec.state_inputs():
+            want = tuple(batch if d == "batch" else d for d in s.shape)
+            if tuple(arrays[s.name].shape) != want:
+                raise InputError(f"state tensor {s.name} has shape {arrays[s.name].shape}, needs {want}")
+        return {k: self._tensor(np.array(arrays[k], copy=True)) for k in names}
