@@ -5,8 +5,10 @@ Engines are built from the `full` state layout (exporters/tensorrt.py): each ste
 keeps two device buffer sets and swaps their addresses after each step (ping-pong): no copy of the memory, and a
 failed step leaves the current set untouched. Per step only the tokens go up and the log-probs come down.
 
-The decode step (one token, one position) is captured in a CUDA graph per (batch, buffer parity): the addresses
-baked into a graph are fixed, and the ping-pong alternates between exactly two address sets.
+The decode step (one token, one position) is captured in a CUDA graph per state and buffer parity: the addresses
+baked into a graph are fixed, and the ping-pong alternates between exactly two address sets. The graph replays
+the kernels of the run it was captured from (after a normal run, as TensorRT requires), so the tokens are copied
+into the same fixed device buffer before each launch.
 
 Tensor names, shapes and dtypes are read from the engine; config and vocabulary from its sidecar. No torch, no
 pycuda: cuda-python's `cuda.bindings.runtime` (as in NVIDIA's own samples). Version-dependent TensorRT names follow
@@ -14,6 +16,8 @@ the conventions checked by tests/test_tensorrt_api.py.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -67,7 +71,8 @@ class _TrtState:
             self.sets.append({name: _DeviceBuffer(backend.cudart, backend.state_nbytes(name, batch))
                               for name in backend.state_names})
         self.parity = 0  # index of the current set
-        backend._states.append(self)
+        self.graphs = {}  # parity -> cudaGraphExec of the decode step: its addresses are this state's buffers
+        backend._states.add(self)
 
     @property
     def cur(self):
@@ -78,10 +83,19 @@ class _TrtState:
         return self.sets[1 - self.parity]
 
     def free(self):
+        for exec_ in self.graphs.values():
+            self.backend.cudart.cudaGraphExecDestroy(exec_)
+        self.graphs = {}
         for s in self.sets:
             for buf in s.values():
                 buf.free()
         self.sets = []
+
+    def __del__(self):  # a state dropped by TxlRuntime.reset() gives its device memory back
+        try:
+            self.free()
+        except Exception:
+            pass
 
 
 class TensorRTBackend(Backend):
@@ -121,8 +135,7 @@ class TensorRTBackend(Backend):
             raise TxlError(f"{path}: TensorRT could not create an execution context (GPU memory exhausted?)")
         self.stream = _ok(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self._io = {}  # batch -> (tokens, out_positions, log_probs) device buffers sized for max_segment
-        self._graphs = {}  # (batch, parity) -> cudaGraphExec
-        self._states = []
+        self._states = weakref.WeakSet()
         self.cuda_graphs = cuda_graphs
         self.bytes_to_device = self.bytes_to_host = 0  # traffic counters: the GPU tests check the memory stays put
 
@@ -214,7 +227,7 @@ class TensorRTBackend(Backend):
     # -- compute ----------------------------------------------------------------------------------------------
     def _io_buffers(self, batch):
         if batch not in self._io:
-            v = self.config.n_token
+            v = self.spec.n_token
             self._io[batch] = (
                 _DeviceBuffer(self.cudart, batch * self.max_segment * self.tensors[io_spec.TOKENS][1].itemsize),
                 _DeviceBuffer(self.cudart, batch * self.max_segment * self.tensors[io_spec.OUT_POSITIONS][1].itemsize),
@@ -236,18 +249,17 @@ class TensorRTBackend(Backend):
             context.set_tensor_address(self.pairing[name], state.nxt[name].ptr)
 
     def _execute(self, state, q, p):
-        key = (state.batch, state.parity)
         decode = q == 1 and p == 1 and self.cuda_graphs
-        if decode and key in self._graphs:
-            _ok(self.cudart.cudaGraphLaunch(self._graphs[key], self.stream), "cudaGraphLaunch")
+        if decode and state.parity in state.graphs:
+            _ok(self.cudart.cudaGraphLaunch(state.graphs[state.parity], self.stream), "cudaGraphLaunch")
             return
         self._bind(state, q, p)
         if not self.context.execute_async_v3(self.stream):
             raise TxlError(f"{self.path}: TensorRT execution failed (batch {state.batch}, segment {q})")
         if decode:
-            self._capture(key)
+            self._capture(state)
 
-    def _capture(self, key):
+    def _capture(self, state):
         """Record the decode step just run (shapes and addresses already set) as a CUDA graph."""
         cudart = self.cudart
         try:
@@ -257,7 +269,7 @@ class TensorRTBackend(Backend):
             ok = self.context.execute_async_v3(self.stream)
             graph = _ok(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
             if ok:
-                self._graphs[key] = _ok(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+                state.graphs[state.parity] = _ok(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
             cudart.cudaGraphDestroy(graph)
         except TxlError:
             # Some engines (e.g. with data-dependent shapes) cannot be captured; run those without a graph.
@@ -276,19 +288,16 @@ class TensorRTBackend(Backend):
                 self._upload(positions_buf.ptr, out_positions.astype(self.tensors[io_spec.OUT_POSITIONS][1],
                                                                      copy=False)))
         self._execute(state, q, p)
-        log_probs = self._download(log_probs_buf.ptr, (b, p, self.config.n_token), self.tensors[io_spec.LOG_PROBS][1])
+        log_probs = self._download(log_probs_buf.ptr, (b, p, self.spec.n_token), self.tensors[io_spec.LOG_PROBS][1])
         self._sync()
         del keep
         state.parity = 1 - state.parity  # commit: this step's outputs are the next step's inputs
         return log_probs.astype(np.float32, copy=False)
 
     def close(self):
-        for exec_ in self._graphs.values():
-            self.cudart.cudaGraphExecDestroy(exec_)
-        self._graphs = {}
-        for state in self._states:
+        for state in list(self._states):
             state.free()
-        self._states = []
+        self._states = weakref.WeakSet()
         for bufs in self._io.values():
             for buf in bufs:
                 buf.free()
