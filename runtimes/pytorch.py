@@ -49,7 +49,7 @@ class _TorchBase(Backend):
     def _tensor(self, a):
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return torch.from_numpy(np.array(a, copy=True)).to(self.device)  # owns its memory (inputs may be read-only views)
 
 
 class TorchEagerBackend(_TorchBase):

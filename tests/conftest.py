@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random Transformer-XL checkpoints and their ONNX exports (built once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+TINY = dict(n_token=60, n_layer=2, n_head=2, d_model=32, d_head=8, d_inner=64, mem_len=12, tgt_len=8,
+            cutoffs=[10, 30], div_val=2, tie_projs=[False, True, True], same_length=True, clamp_len=9)
+TINY_VOCAB = [f"w{i}" for i in range(58)] + ["<eos>", "<unk>"]
+
+
+def make_tiny_model(seed=0, **overrides):
+    import torch
+
+    from txl_deploy.config import TxlConfig
+    from txl_deploy.model import MemTransformerLM
+
+    torch.manual_seed(seed)
+    model = MemTransformerLM(TxlConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny word-level model in our format (adaptive softmax, div_val 2, same_length, clamp_len)."""
+    from txl_deploy.checkpoints import save_checkpoint
+    from txl_deploy.vocab import Vocab
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    save_checkpoint(path, make_tiny_model(), Vocab(TINY_VOCAB))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_ckpt, tmp_path_factory):
+    from txl_deploy.exporters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    export_onnx(tiny_ckpt, out, max_segment=16, log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
+    from txl_deploy.exporters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
+    export_onnx(tiny_ckpt, out, state="full", max_segment=16, log=lambda *a: None)
+    return out

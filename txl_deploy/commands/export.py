@@ -1,0 +1,123 @@
+"""`export`, `verify` and `generate`: the ONNX path from a checkpoint to text."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import InputError
+
+STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segment's keys/values (the runtime "
+              "updates its ring buffer in place; fastest), 'full' outputs the whole next state (Triton implicit "
+              "state, ping-pong GPU buffers)")
+
+
+@click.command("export")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--onnx", "to_onnx", is_flag=True, default=True, help="Export to ONNX (the default and only target).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx].")
+@click.option("--mem-len", type=click.IntRange(min=1), help="Memory length of the graph [default: the checkpoint's]. "
+              "May exceed the training memory.")
+@click.option("--opset", type=click.IntRange(min=17), default=18, show_default=True, help="ONNX opset.")
+@click.option("--state", type=click.Choice(["incremental", "full"]), default="incremental", show_default=True,
+              help=STATE_HELP)
+@click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Longest segment one call of the graph takes (longer inputs are fed in pieces).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-dynamic"]), default="fp32",
+              show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32).")
+@click.option("--calib", type=click.Path(exists=True, dir_okay=False),
+              help="Calibration data for --precision int8: text (tokenized with the model's vocabulary) or a .npy of "
+                   "token ids.")
+@click.option("--eval-text", type=click.Path(exists=True, dir_okay=False),
+              help="Held-out text for measuring the accuracy change of reduced precision [default: calibration text].")
+@click.option("--vocab", type=click.Path(exists=True, dir_okay=False), help="Vocabulary file, if the checkpoint has none.")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, precision, calib, eval_text, vocab,
+               verify, force):
+    """Export CHECKPOINT (any supported format) to a self-describing ONNX model.
+
+    The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
+    layer plus a per-row token counter) and returns log-probabilities and the memory update. Config, vocabulary
+    and export settings are stored in the file's metadata, so the .onnx alone is enough to run it.
+
+    \b
+    Example:
+      txl-deploy export model.pt --onnx -o model.onnx --mem-len 640
+    """
+    from ..checkpoints import load_model
+
+    out = Path(output) if output else Path(Path(checkpoint).name.split(".")[0] + ".onnx")
+    loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
+    if precision == "fp32":
+        from ..exporters.onnx import export_onnx
+
+        export_onnx(loaded, out, mem_len=mem_len, opset=opset, state=state, max_segment=max_segment,
+                    verify=verify, force=force, log=click.echo)
+    else:
+        from ..exporters.precision import export_reduced
+
+        export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
+                       opset=opset, state=state, max_segment=max_segment, verify=verify, force=force, log=click.echo)
+
+
+@click.command("verify")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--against", "checkpoint", required=True, type=click.Path(exists=True),
+              help="The checkpoint the model was exported from (the PyTorch reference).")
+@click.option("--tolerance", type=float, help="Max abs log-prob difference [default: by precision, fp32 1e-4].")
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt) [default: automatic].")
+def verify_cmd(model, checkpoint, tolerance, batch, seed, providers):
+    """Check an exported MODEL against the PyTorch reference built from CHECKPOINT on a multi-segment stream
+    (partly empty memory, batch > 1, Q = 1 and Q > 1, ring wrap-around). Exit code 1 on a mismatch."""
+    from ..checkpoints import load_model
+    from ..exporters.verify import DEFAULT_TOLERANCE, compare_stream
+    from ..runtimes import TxlRuntime
+
+    with TxlRuntime.load(model, providers=providers.split(",") if providers else None) as rt:
+        reference = load_model(checkpoint).build().reset_length(rt.mem_len)
+        if reference.cfg.replace(mem_len=0) != rt.config.replace(mem_len=0):
+            raise InputError(f"{model} was not exported from {checkpoint}: their configs differ")
+        tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(rt.backend.precision, 1e-4)
+        report = compare_stream(rt, reference, batch=batch, seed=seed)
+    ok = report["max_abs_diff"] <= tol
+    click.echo(f"max abs difference  {report['max_abs_diff']:.3g}  (tolerance {tol:g})")
+    click.echo(f"top-1 agreement     {report['top1_agreement']:.4f}  over {report['tokens']} positions, "
+               f"batch {batch}, segments {report['segments']}")
+    click.echo("OK" if ok else "MISMATCH")
+    sys.exit(0 if ok else 1)
+
+
+@click.command("generate")
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--prompt", required=True, help="Text to start from.")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely tokens.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus sampling threshold.")
+@click.option("--seed", type=int, help="Seed for reproducible sampling.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
+              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
+@click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
+def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, providers):
+    """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT."""
+    from ..runtimes import TxlRuntime
+
+    with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None) as rt:
+        if rt.vocab is None:
+            raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
+        click.echo(prompt, nl=False)
+        sep = "" if rt.vocab.kind == "char" else " "
+        for tok in rt.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed):
+            piece = rt.decode([tok])
+            click.echo(piece if piece == "\n" else sep + piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+
+
+COMMANDS = [export_cmd, verify_cmd, generate_cmd]
