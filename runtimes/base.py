@@ -94,14 +94,17 @@ class TxlRuntime:
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
     def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
-             mem_len: int | None = None, max_segment: int | None = None) -> "TxlRuntime":
+             mem_len: int | None = None, max_segment: int | None = None, clamp_len: int | None = None,
+             same_length: bool | None = None) -> "TxlRuntime":
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
         a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
-        `mem_len` / `max_segment` apply to the PyTorch backends (an exported graph has its own)."""
+        `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
+        graph has them built in: asking for other values is an error that says to re-export)."""
         path = Path(path)
         if not path.exists():
             raise CheckpointError(path, "file not found")
         kind = _backend_for(path, backend)
+        overrides = {k: v for k, v in (("clamp_len", clamp_len), ("same_length", same_length)) if v is not None}
         if kind == "onnxruntime":
             from .onnxruntime import OrtBackend
 
@@ -114,9 +117,18 @@ class TxlRuntime:
             from .pytorch import TorchCachedBackend, TorchEagerBackend
 
             klass = TorchEagerBackend if kind == "torch" else TorchCachedBackend
-            impl = klass.from_checkpoint(path, device=device, mem_len=mem_len, max_segment=max_segment)
+            impl = klass.from_checkpoint(path, device=device, mem_len=mem_len, max_segment=max_segment,
+                                         overrides=overrides)
+            return cls(impl)
         else:
             raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        wanted = {"mem_len": mem_len, **overrides}
+        built_in = {"mem_len": impl.mem_len, "clamp_len": impl.config.clamp_len, "same_length": impl.config.same_length}
+        for key, value in wanted.items():
+            if value is not None and value != built_in[key]:
+                impl.close()
+                raise InputError(f"{path} was exported with {key}={built_in[key]}; re-export it with the "
+                                 f"checkpoint to use {key}={value}")
         return cls(impl)
 
     def __enter__(self):

@@ -18,13 +18,16 @@ from txl_deploy.errors import InputError
 from .base import Backend
 
 
-def _load(path, device, mem_len):
+def _load(path, device, mem_len, overrides=None):
     import torch
 
     from txl_deploy.checkpoints import load_model
+    from txl_deploy.checkpoints.weights import build_model
 
     loaded = load_model(path)
-    model = loaded.build()
+    # evaluation-time settings (clamp_len, same_length) change no weight shapes
+    config = loaded.config.replace(**overrides) if overrides else loaded.config
+    model = build_model(config, loaded.state_dict, loaded.path)
     if mem_len is not None:
         model.reset_length(mem_len)
     if model.cfg.mem_len <= 0:
@@ -59,9 +62,9 @@ class TorchEagerBackend(_TorchBase):
     name = "torch"
 
     @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None):
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
         self = cls()
-        loaded, model, device = _load(path, device, mem_len)
+        loaded, model, device = _load(path, device, mem_len, overrides)
         self._init_common(loaded, model, device, max_segment)
         return self
 
@@ -150,11 +153,11 @@ class TorchCachedBackend(_TorchBase):
     name = "torch-fast"
 
     @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None):
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
         from txl_deploy.cached import CachedTxl
 
         self = cls()
-        loaded, model, device = _load(path, device, mem_len)
+        loaded, model, device = _load(path, device, mem_len, overrides)
         self._init_common(loaded, model, device, max_segment)
         self.cached = CachedTxl(model, self.mem_len, state="incremental", max_segment=self.max_segment).eval()
         self.spec = self.cached.spec
