@@ -64,7 +64,14 @@ class OrtBackend(Backend):
             raise CheckpointError(path, f"graph lacks the inputs its metadata declares ({', '.join(missing[:3])})")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
-        self.on_device = self.session.get_providers()[0] in _GPU_PROVIDERS and self.spec.state == "full"
+        on_gpu = self.session.get_providers()[0] in _GPU_PROVIDERS
+        self.on_device = on_gpu and self.spec.state == "full"
+        if on_gpu and not self.on_device:
+            import warnings
+
+            warnings.warn(f"{path}: an 'incremental' graph on {self.session.get_providers()[0]} keeps its memory on "
+                          "the host and copies it to the GPU every step; export with --state full to keep it on "
+                          "the device", stacklevel=3)
 
     def fingerprint(self) -> str:
         return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
