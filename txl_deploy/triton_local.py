@@ -282,6 +282,8 @@ def main(argv=None):
         return 2
     print(f"tritonserver ready: {server.http_url} (HTTP), {server.grpc_url} (gRPC); log {server.log_path}; "
           "Ctrl-C stops it", flush=True)
+    # SIGTERM (e.g. from a CI script) stops the server too, not only Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         server.process.wait()
     except KeyboardInterrupt:
