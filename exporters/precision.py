@@ -1,0 +1,413 @@
+"""Reduced-precision ONNX: fp16, int8 (static, symmetric Q/DQ for TensorRT) and int8-dynamic (ONNX Runtime CPU).
+
+Every variant starts from the verified fp32 export and is checked against it with ONNX Runtime on the CPU before
+it is written: a random multi-segment stream with the memory threaded through (max |log-prob difference|,
+top-1 agreement) and a streaming evaluation of held-out text (the change in bits per character or perplexity).
+Both go into the file's metadata (`txl_deploy.export`: `precision` and `precision_report`).
+
+- fp16: every float tensor in FP16, the memory state included, except what measurably loses accuracy in FP16:
+  the log-softmax of the adaptive softmax and everything after it run in FP32, so `log_probs` stays float32.
+  LayerNormalization keeps its statistics in FP32 by its own definition (`stash_type` = 1) and ONNX Runtime's
+  and TensorRT's FP16 MatMul/Softmax accumulate in FP32; `-inf` (the attention mask) is exact in FP16.
+  Measured (benchmarks/precision.py): also keeping Softmax or LayerNormalization in FP32 changed nothing
+  measurable, so they run in FP16.
+- int8: QuantizeLinear/DequantizeLinear pairs with zero-points of 0 (symmetric activations and weights,
+  per-channel weights) around the MatMuls that multiply by a weight matrix, calibrated by streaming the user's
+  data through the fp32 graph *with its memory*, so the activation ranges are those of steady-state inputs
+  (a full ring buffer), not of a cold start. TensorRT builds int8 kernels from this (trt_compat checks it).
+  The attention MatMuls (activation x activation: queries x cached keys, probabilities x values, queries x
+  the positional table) stay in float: their operands' ranges change with the content of the memory.
+- int8-dynamic: ONNX Runtime's dynamic MatMul quantization (per-token activation scales computed at run time,
+  MatMulInteger / DynamicQuantizeLinear), the fast path on x86 VNNI/AMX and ARM64 CPUs. TensorRT cannot load it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from txl_deploy.errors import ExportError, InputError, OutputExistsError, TxlError
+from txl_deploy.files import atomic_path
+
+PRECISIONS = ("fp16", "int8", "int8-dynamic")
+# Ops computed in FP32 in the fp16 graph (with everything downstream of them): see the module docstring.
+FP16_KEEP_FP32_OPS = ("LogSoftmax",)
+# Tolerances of the stream comparison against the fp32 graph (max abs log-prob difference); a tiny random model's
+# log-probs are around -log(V). Accuracy on real text is judged by the held-out evaluation, not by these.
+STREAM_TOLERANCE = {"fp16": 5e-2, "int8": 0.5, "int8-dynamic": 0.5}
+DEFAULT_MAX_CALIB_TOKENS = 32768
+DEFAULT_MAX_EVAL_TOKENS = 200_000
+CALIB_BATCH = 4  # the calibration text is read as this many parallel streams (each threads its own memory)
+
+
+# -- token ids from the user's files ---------------------------------------------------------------------------
+def read_token_ids(path, vocab, n_token: int, what: str = "calibration data") -> np.ndarray:
+    """A text file (tokenized with the model's vocabulary) or a .npy of token ids -> int64 ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: {what} not found")
+    if path.suffix.lower() == ".npy":
+        try:
+            ids = np.load(path, allow_pickle=False)  # never unpickle user data
+        except Exception as e:
+            raise InputError(f"{path}: not a readable .npy of token ids ({type(e).__name__})") from None
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{path}: {what} must hold integer token ids, got dtype {ids.dtype}")
+        ids = ids.reshape(-1).astype(np.int64)
+    else:
+        if vocab is None:
+            raise InputError(f"{path}: the model has no vocabulary to tokenize text with; pass a .npy of token ids")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: {what} is not UTF-8 text (or pass a .npy of token ids)") from None
+        ids = vocab.encode(text)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_token):
+        bad = int(ids.min() if ids.min() < 0 else ids.max())
+        raise InputError(f"{path}: token id {bad} is outside the vocabulary [0, {n_token})")
+    return ids
+
+
+def _segment_len(info) -> int:
+    """The segment length of calibration and evaluation: the model's training segment, as far as the graph takes."""
+    return max(1, min(int(info.config.tgt_len or 1), info.max_segment))
+
+
+def _ids_from(data, info, what, path_hint="<array>"):
+    if data is None:
+        return None
+    if isinstance(data, (str, Path)):
+        return read_token_ids(data, info.vocab, info.config.n_token, what), str(data)
+    ids = np.asarray(data).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{what}: token ids must be integers, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= info.config.n_token):
+        raise InputError(f"{what}: token id outside the vocabulary [0, {info.config.n_token})")
+    return ids, path_hint
+
+
+def _check_long_enough(ids, seg: int, name: str, what: str):
+    if ids.size < seg + 1:
+        raise InputError(f"{name}: {what} has {ids.size} tokens, shorter than one segment of {seg} tokens "
+                         f"(+1 to predict); give more text")
+
+
+# -- the conversions -------------------------------------------------------------------------------------------
+def convert_fp16(model, keep_fp32_ops=FP16_KEEP_FP32_OPS):
+    """fp32 ModelProto -> fp16 ModelProto: state in/out float16, log_probs float32, `keep_fp32_ops` in FP32."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from txl_deploy import io_spec
+
+    # keep_io_types as a list keeps only log_probs in float32 (keep_io_types=True would also keep the memory in
+    # fp32 behind Casts; a float16 state halves its memory and transfers). The min_positive/max_finite clamp
+    # applies to finite weights only, so the mask's -inf stays -inf.
+    del model.graph.value_info[:]  # fp32 intermediate types would contradict the converted graph
+    return convert_float_to_float16(model, keep_io_types=[io_spec.LOG_PROBS], op_block_list=list(keep_fp32_ops))
+
+
+def weight_matmuls(model) -> list[str]:
+    """Names of the MatMul nodes whose second input is a 2-D weight matrix (an initializer)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2]
+
+
+class StreamingCalibration:
+    """ONNX Runtime CalibrationDataReader: the calibration text streamed through the fp32 graph with its memory.
+
+    The text is split into `batch` contiguous streams read side by side in segments of `seg` tokens; before
+    each segment the reader hands the quantizer the graph's full input (tokens + the current memory), then
+    advances the memory with the fp32 graph itself (the ONNX Runtime backend of TxlRuntime), so the ranges the
+    calibrator sees are those of a model reading with a filled memory."""
+
+    def __init__(self, fp32_path, ids: np.ndarray, seg: int, batch: int = CALIB_BATCH, progress=None):
+        from txl_deploy.runtimes.onnxruntime import OrtBackend
+
+        self.backend = OrtBackend(fp32_path, providers=["cpu"])
+        n = ids.size // seg  # whole segments
+        batch = max(1, min(batch, n))
+        per_row = (n // batch) * seg
+        self.streams = ids[: per_row * batch].reshape(batch, per_row)
+        self.seg, self.pos = seg, 0
+        self.state = self.backend.new_state(batch)
+        self.positions = np.ascontiguousarray(np.broadcast_to(np.arange(seg, dtype=np.int64), (batch, seg)))
+        self.n_segments = per_row // seg
+        self.progress = progress
+
+    def get_next(self):
+        if self.pos > 0:  # advance the memory over the segment the quantizer just saw
+            prev = self.streams[:, self.pos - self.seg:self.pos]
+            self.backend.run(self.state, np.ascontiguousarray(prev), self.positions)
+            if self.progress is not None:
+                self.progress.update(1)
+        if self.pos >= self.streams.shape[1]:
+            return None
+        tokens = np.ascontiguousarray(self.streams[:, self.pos:self.pos + self.seg])
+        self.pos += self.seg
+        feeds = {k: np.array(v, copy=True) for k, v in self.backend.state_arrays(self.state).items()}
+        feeds["tokens"], feeds["out_positions"] = tokens, self.positions
+        return feeds
+
+    def rewind(self):
+        self.pos = 0
+        self.state = self.backend.new_state(self.streams.shape[0])
+
+    def close(self):
+        self.backend.close()
+
+
+def quantize_int8(fp32_path, out_path, calib_ids, seg: int, log=print):
+    """Static symmetric Q/DQ quantization of the weight MatMuls, calibrated by streaming `calib_ids`."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from tqdm import tqdm
+
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    nodes = weight_matmuls(model)
+    with tqdm(desc="calibrating", unit="segment", leave=False) as bar:
+        reader = StreamingCalibration(fp32_path, calib_ids, seg, progress=bar)
+        bar.total = reader.n_segments
+        log(f"calibrating {len(nodes)} weight MatMuls on {reader.streams.size} tokens "
+            f"({reader.streams.shape[0]} streams x {reader.n_segments} segments of {seg}, memory threaded through)")
+        try:
+            quantize_static(
+                str(fp32_path), str(out_path), reader, quant_format=QuantFormat.QDQ,
+                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=nodes,
+                calibrate_method=CalibrationMethod.MinMax,
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+            )
+        finally:
+            reader.close()
+
+
+def quantize_int8_dynamic(fp32_path, out_path, per_channel: bool = False):
+    """ONNX Runtime dynamic int8 quantization of the weight MatMuls (MatMulInteger / DynamicQuantizeLinear)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = onnx.load(str(fp32_path), load_external_data=False)
+    quantize_dynamic(str(fp32_path), str(out_path), op_types_to_quantize=["MatMul"],
+                     nodes_to_quantize=weight_matmuls(model), per_channel=per_channel, weight_type=QuantType.QInt8)
+
+
+# -- checking a reduced graph against fp32 ---------------------------------------------------------------------
+def compare_to_fp32(rt, rt32, batch: int = 2, seed: int = 0) -> dict:
+    """Both graphs on the same random multi-segment stream (partly empty memory, decode, prefill, ring wrap)."""
+    from .verify import verification_segments
+
+    segments = verification_segments(rt.mem_len, rt.backend.max_segment)
+    tokens = np.random.default_rng(seed).integers(0, rt.n_token, size=(batch, sum(segments)), dtype=np.int64)
+    rt.reset(), rt32.reset()
+    worst, agree, total, pos = 0.0, 0, 0, 0
+    for q in segments:
+        seg = tokens[:, pos:pos + q]
+        a, b = rt.step(seg), rt32.step(seg)
+        if not np.isfinite(a).all():
+            worst = float("inf")
+        else:
+            worst = max(worst, float(np.abs(a.astype(np.float64) - b).max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0] * a.shape[1]
+        pos += q
+    rt.reset(), rt32.reset()
+    return {"max_abs_diff": worst, "top1_agreement": agree / total, "tokens": total, "batch": batch,
+            "segments": list(segments), "reference": "fp32 graph (ONNX Runtime CPU)"}
+
+
+def evaluate_against_fp32(rt, rt32, ids: np.ndarray, seg: int, progress=True) -> dict:
+    """Streaming evaluation of `ids` by both graphs: bits per character / perplexity and top-1 agreement."""
+    from tqdm import tqdm
+
+    from txl_deploy.evaluate import streaming_eval
+
+    argmax = {}
+
+    def stepper(runtime, key):
+        def step(tokens):
+            lp = runtime.step(tokens)
+            argmax.setdefault(key, []).append(lp[0].argmax(-1))
+            return lp
+        return step
+
+    results = {}
+    for key, runtime in (("fp32", rt32), ("reduced", rt)):
+        runtime.reset()
+        with tqdm(total=ids.size - 1, desc=f"evaluating {key if key == 'fp32' else rt.backend.precision}",
+                  unit="tok", leave=False, disable=not progress) as bar:
+            results[key] = streaming_eval(ids, stepper(runtime, key), seg, progress=bar.update)
+        runtime.reset()
+    agree = float(np.mean(np.concatenate(argmax["reduced"]) == np.concatenate(argmax["fp32"])))
+    return {"fp32": results["fp32"], "reduced": results["reduced"], "top1_agreement": agree}
+
+
+def accuracy_report(evaluation: dict, kind: str) -> dict:
+    """The headline numbers: bits per character for character vocabularies, perplexity otherwise."""
+    metric = "bits_per_character" if kind == "char" else "perplexity"
+    key = "bits_per_token" if kind == "char" else "perplexity"
+    base, new = evaluation["fp32"][key], evaluation["reduced"][key]
+    return {"metric": metric, "fp32": base, "reduced": new, "relative_change": (new - base) / base,
+            "top1_agreement": evaluation["top1_agreement"], "tokens": evaluation["fp32"]["n_tokens"]}
+
+
+# -- the entry points --------------------------------------------------------------------------------------------
+def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=None, verify: bool = True,
+                force: bool = False, max_calib_tokens: int = DEFAULT_MAX_CALIB_TOKENS,
+                max_eval_tokens: int = DEFAULT_MAX_EVAL_TOKENS, keep_fp32_ops=FP16_KEEP_FP32_OPS,
+                dynamic_per_channel: bool = False, log=print):
+    """Convert a txl-deploy fp32 ONNX file to `precision`, check it against the fp32 graph, write it atomically.
+
+    calib: calibration data for int8 (a text file, a .npy of token ids, or an array of ids).
+    eval_data: held-out data for the accuracy change (same kinds) [default: the calibration data];
+    without either, only the random-stream comparison is made (and recorded).
+    verify: refuse the result (write nothing) when the stream comparison exceeds STREAM_TOLERANCE.
+    Returns the ExportResult of the written file.
+    """
+    import onnx
+
+    from txl_deploy.metadata import read_onnx_info, set_onnx_props
+    from txl_deploy.runtimes import TxlRuntime
+
+    from .onnx import ExportResult
+    from .trt_compat import check_tensorrt_compat
+
+    out_path = Path(out_path)
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if out_path.exists() and not force:
+        raise OutputExistsError(out_path)
+    info = read_onnx_info(fp32_path)
+    if info.precision != "fp32":
+        raise ExportError(f"{fp32_path}: is a {info.precision} graph; reduced precision starts from an fp32 export")
+    seg = _segment_len(info)
+    calib_ids = _ids_from(calib, info, "calibration data")
+    if precision == "int8":
+        if calib_ids is None:
+            raise InputError("--precision int8 needs calibration data: pass --calib FILE (text in the model's "
+                             "vocabulary, or a .npy of token ids) that the model will read with its memory")
+        _check_long_enough(calib_ids[0], seg, calib_ids[1], "calibration data")
+    eval_ids = _ids_from(eval_data, info, "evaluation text") if eval_data is not None else calib_ids
+    if eval_ids is not None:
+        _check_long_enough(eval_ids[0], seg, eval_ids[1], "evaluation text")
+
+    with tempfile.TemporaryDirectory(prefix="txl-precision-") as work:
+        work = Path(work)
+        converted = work / "converted.onnx"
+        log(f"converting to {precision} ...")
+        try:
+            if precision == "fp16":
+                model = onnx.load(str(fp32_path))
+                model = convert_fp16(model, keep_fp32_ops)
+                onnx.save_model(model, str(converted))
+            elif precision == "int8":
+                quantize_int8(fp32_path, converted, calib_ids[0][:max_calib_tokens], seg, log=log)
+            else:
+                quantize_int8_dynamic(fp32_path, converted, per_channel=dynamic_per_channel)
+        except TxlError:
+            raise
+        except Exception as e:
+            raise ExportError(f"{precision} conversion failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+        model = onnx.load(str(converted))
+        info.export = {**info.export, "precision": precision}
+        trt = check_tensorrt_compat(model)
+        if precision == "int8":
+            trt.raise_if_failed()  # the static int8 graph exists for TensorRT: refuse one it cannot build
+        set_onnx_props(model, info)
+        onnx.save_model(model, str(converted))
+
+        with TxlRuntime.load(converted, providers=["cpu"]) as rt, TxlRuntime.load(fp32_path, providers=["cpu"]) as r32:
+            log("comparing with the fp32 graph on a multi-segment stream ...")
+            stream = compare_to_fp32(rt, r32)
+            tol = STREAM_TOLERANCE[precision]
+            stream.update(tolerance=tol, precision=precision, passed=bool(stream["max_abs_diff"] <= tol))
+            log(f"  max abs difference {stream['max_abs_diff']:.3g} (tolerance {tol:g}), top-1 agreement "
+                f"{stream['top1_agreement']:.4f} over {stream['tokens']} positions -> "
+                f"{'OK' if stream['passed'] else 'MISMATCH'}")
+            accuracy = None
+            if eval_ids is not None:
+                ids = eval_ids[0][:max_eval_tokens]
+                accuracy = accuracy_report(evaluate_against_fp32(rt, r32, ids, seg),
+                                           info.vocab.kind if info.vocab is not None else "word")
+                accuracy["data"] = Path(eval_ids[1]).name
+                name = "bits per character" if accuracy["metric"] == "bits_per_character" else "perplexity"
+                log(f"  {name} on {accuracy['tokens']} held-out tokens: fp32 {accuracy['fp32']:.4f}, {precision} "
+                    f"{accuracy['reduced']:.4f} ({100 * accuracy['relative_change']:+.3f}%), top-1 agreement "
+                    f"{accuracy['top1_agreement']:.4f}")
+        if verify and not stream["passed"]:
+            raise ExportError(
+                f"{precision} graph disagrees with fp32: max abs log-prob difference {stream['max_abs_diff']:.3g} > "
+                f"{stream['tolerance']:g} (top-1 agreement {stream['top1_agreement']:.4f}); nothing was written")
+
+        report = {"precision": precision, "stream": stream, "accuracy": accuracy,
+                  "tensorrt_ready": trt.ok,
+                  "tensorrt_problems": [str(p) for p in trt.problems[:5]],
+                  "method": _method(precision, keep_fp32_ops, calib_ids, max_calib_tokens, seg, dynamic_per_channel)}
+        if not trt.ok:
+            log(f"  not TensorRT-ready ({len(trt.problems)} problem(s), e.g. {trt.problems[0]}): "
+                f"{'ONNX Runtime CPU only' if precision == 'int8-dynamic' else 'see the report'}")
+        info.export["precision_report"] = report
+        info.verification = stream
+        set_onnx_props(model, info)
+        with atomic_path(out_path, force=force) as tmp:
+            onnx.save_model(model, str(tmp))
+    log(f"wrote {out_path}")
+    return ExportResult(out_path, info, stream)
+
+
+def _method(precision, keep_fp32_ops, calib_ids, max_calib_tokens, seg, per_channel) -> dict:
+    if precision == "fp16":
+        return {"fp32_ops": list(keep_fp32_ops), "state_dtype": "float16", "log_probs_dtype": "float32"}
+    if precision == "int8":
+        return {"format": "QDQ", "symmetric": True, "per_channel_weights": True, "calibration": "MinMax",
+                "ops": "weight MatMuls", "calibration_tokens": int(min(calib_ids[0].size, max_calib_tokens)),
+                "calibration_data": Path(calib_ids[1]).name, "segment": seg, "memory_threaded": True}
+    return {"format": "dynamic (MatMulInteger)", "ops": "weight MatMuls", "per_channel_weights": per_channel}
+
+
+def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=None, mem_len=None, opset: int = 18,
+                   state: str = "incremental", max_segment: int = 512, verify: bool = True, force: bool = False,
+                   log=print, **options):
+    """`txl-deploy export --precision fp16|int8|int8-dynamic`: export fp32 (verified against PyTorch if `verify`),
+    convert, check against fp32, write `out_path` atomically. `source`: a checkpoint path or a LoadedModel."""
+    from txl_deploy.checkpoints import LoadedModel, load_model
+
+    from .onnx import export_onnx
+
+    out_path = Path(out_path)
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)} (or fp32)")
+    if out_path.exists() and not force:
+        raise OutputExistsError(out_path)
+    loaded = source if isinstance(source, LoadedModel) else load_model(source)
+    # Check the user's data before the (minutes-long for big models) fp32 export.
+    cfg = loaded.config
+    seg = max(1, min(int(cfg.tgt_len or 1), max_segment))
+    if precision == "int8" and calib is None:
+        raise InputError("--precision int8 needs calibration data: pass --calib FILE (text in the model's "
+                         "vocabulary, or a .npy of token ids) that the model will read with its memory")
+    for data, what in ((calib, "calibration data"), (eval_text, "evaluation text")):
+        if isinstance(data, (str, Path)):
+            _check_long_enough(read_token_ids(data, loaded.vocab, cfg.n_token, what), seg, str(data), what)
+    with tempfile.TemporaryDirectory(prefix="txl-export-", dir=out_path.parent if out_path.parent.exists() else None) \
+            as work:
+        fp32 = Path(work) / "fp32.onnx"
+        export_onnx(loaded, fp32, mem_len=mem_len, opset=opset, state=state, max_segment=max_segment,
+                    verify=verify, force=True, log=log)
+        return reduce_onnx(fp32, out_path, precision=precision, calib=calib, eval_data=eval_text, verify=verify,
+                           force=force, log=log, **options)
+
+
+def precision_report(path) -> dict | None:
+    """The `precision_report` stored in an exported file's metadata (None for fp32 exports)."""
+    from txl_deploy.metadata import read_onnx_info
+
+    return read_onnx_info(path).export.get("precision_report")
+
+
+__all__ = ["PRECISIONS", "export_reduced", "reduce_onnx", "read_token_ids", "convert_fp16", "precision_report"]
