@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import TxlConfig
@@ -23,6 +23,15 @@ class LoadedModel:
     vocab: Vocab | None
     source_format: str  # "txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia"
     path: str
+    notes: list = field(default_factory=list)  # what a user should know about the source (semantics, guesses)
+    vocab_source: str | None = None  # where the vocabulary came from
+
+    def require_vocab(self) -> Vocab:
+        """The vocabulary, or a CheckpointError saying it is missing (for commands that read or write text)."""
+        if self.vocab is None:
+            raise CheckpointError(self.path, "has no vocabulary (none inside it and no vocab.json / vocab.txt "
+                                             "beside it); pass --vocab FILE")
+        return self.vocab
 
     def build(self):
         """The reference `MemTransformerLM` (eval mode) with these weights; shapes are checked against the config."""

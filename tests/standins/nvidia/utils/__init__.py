@@ -1,0 +1,1 @@
+"""Test stand-in for NVIDIA DeepLearningExamples `PyTorch/LanguageModeling/Transformer-XL/pytorch/utils/`."""

@@ -1,0 +1,141 @@
+"""Format detection: any supported checkpoint -> one `LoadedModel` (config + state_dict in our names + vocabulary).
+
+Folders are recognised by their `config.json`; files by what they hold once read (safely, see `safe_pickle`):
+
+| format           | what it is                                                               | mapping table           |
+|------------------|--------------------------------------------------------------------------|-------------------------|
+| `txl-deploy`     | our folder: config.json (`format: txl-deploy`), model.safetensors, vocab | identity                |
+| `huggingface`    | config.json (`model_type: transfo-xl`) + model.safetensors / .bin        | `huggingface.HF_RULES`  |
+| `cmu`            | original `model.pt`: a pickled `mem_transformer.MemTransformerLM`        | `cmu.CMU_RULES`         |
+| `nvidia`         | DeepLearningExamples dict with `model_config` + `model_state`            | `nvidia.NVIDIA_RULES`   |
+| `cmu-state-dict` | a state_dict in the original names (.pt or .safetensors) + a JSON config | `cmu.CMU_RULES`         |
+
+The config of a bare state_dict comes from `config=` (a path, a dict or a TxlConfig; `--config FILE` on the
+command line), else from `<name>.json` beside the weights (`model.json` for `model.pt`), else from `config.json`
+in the same folder. It holds either our TxlConfig fields or the original `MemTransformerLM` constructor arguments
+(`n_token`, `n_layer`, `n_head`, `d_model`, `d_head`, `d_inner`, `d_embed`, `div_val`, `cutoffs`, `tie_weight`,
+`tie_projs`, `pre_lnorm`, `tgt_len`, `mem_len`, `clamp_len`, `same_length`, ...; unknown keys are an error).
+
+The vocabulary: `vocab=` (`--vocab FILE`), else the one the checkpoint carries (ours, NVIDIA's), else
+`vocab.json` / `vocab.txt` beside it. Without one the model still loads, with `vocab` None.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import TxlConfig
+from ..errors import CheckpointError
+from ..vocab import Vocab
+from . import cmu, huggingface, nvidia, ours
+from .ours import LoadedModel
+from .safe_pickle import torch_load
+
+# Folder formats: (name, is_format(folder), load(folder)). Our format first: it also has a config.json.
+FOLDER_FORMATS = [
+    ("txl-deploy", ours.is_ours, lambda folder: ours.load_ours(folder)),
+    ("huggingface", huggingface.is_hf_folder, huggingface.load_folder),
+]
+# What a torch.save file may hold: (name, holds_it(obj), load(obj, path, config)).
+TORCH_PAYLOADS = [
+    ("cmu", cmu.is_pickled_module, cmu.load_module),
+    ("nvidia", nvidia.is_checkpoint, nvidia.load_checkpoint),
+    ("cmu-state-dict", cmu.is_state_dict, cmu.load_state_dict),
+]
+# Files that, given alone, stand for the folder they are in.
+FOLDER_MEMBERS = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json"}
+VOCAB_FILES = ("vocab.json", "vocab.txt")
+
+
+def load_any(path, config=None, vocab=None, vocab_kind: str | None = None) -> LoadedModel:
+    """Load a checkpoint of any supported format. `config`: for a bare state_dict (path, dict or TxlConfig);
+    `vocab`: a vocabulary file overriding any other; `vocab_kind`: "word" or "char" for text vocabularies."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(path, "does not exist")
+    folder = path if path.is_dir() else (path.parent if path.name in FOLDER_MEMBERS else None)
+    for name, is_format, load in FOLDER_FORMATS:
+        if folder is not None and is_format(folder):
+            if config is not None:
+                raise CheckpointError(folder, f"is a {name} checkpoint, which carries its own config "
+                                              "(--config is for bare state_dicts)")
+            loaded = load(folder)
+            vocab_dir = folder
+            break
+    else:
+        if path.is_dir():
+            raise CheckpointError(path, "is a folder but neither a txl-deploy checkpoint (config.json with "
+                                        "format txl-deploy) nor a HuggingFace transfo-xl folder")
+        loaded = _load_file(path, config)
+        vocab_dir = path.parent
+    _attach_vocab(loaded, vocab, vocab_kind, vocab_dir)
+    return loaded
+
+
+def _load_file(path: Path, config) -> LoadedModel:
+    if path.suffix == ".safetensors":
+        return cmu.load_state_dict(huggingface.read_weights(path), path, find_config(path, config))
+    obj = torch_load(path)
+    for name, holds_it, load in TORCH_PAYLOADS:
+        if holds_it(obj):
+            if name == "cmu-state-dict":
+                return load(obj, path, find_config(path, config))
+            if config is not None:
+                raise CheckpointError(path, f"is a {name} checkpoint, which carries its own config "
+                                            "(--config is for bare state_dicts)")
+            return load(obj, path)
+    raise CheckpointError(path, f"is a torch.save file but not a Transformer-XL checkpoint (it holds {_describe(obj)})")
+
+
+def _describe(obj) -> str:
+    from .safe_pickle import pickled_class
+
+    if pickled_class(obj):
+        return f"a pickled {pickled_class(obj)}"
+    if isinstance(obj, dict):
+        keys = [str(k) for k in list(obj)[:6]]
+        return f"a dict with keys {', '.join(keys)}{', ...' if len(obj) > 6 else ''}" if keys else "an empty dict"
+    return f"a {type(obj).__name__}"
+
+
+def find_config(path: Path, config):
+    """The config of a bare state_dict: given, or `<stem>.json` / `config.json` beside it, or None."""
+    if isinstance(config, TxlConfig):
+        return config
+    if isinstance(config, dict):
+        return {**config, "_path": config.get("_path", "<config>")}
+    if config is None:
+        for candidate in (path.with_suffix(".json"), path.parent / "config.json"):
+            if candidate.is_file() and candidate != path:
+                config = candidate
+                break
+        else:
+            return None
+    config = Path(config)
+    try:
+        data = json.loads(config.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(config, "config file not found") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(config, f"not a readable JSON config ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(config, "config must be a JSON object")
+    return {**data, "_path": str(config)}
+
+
+def _attach_vocab(loaded: LoadedModel, vocab, vocab_kind, folder: Path):
+    if vocab is not None:
+        loaded.vocab = Vocab.read(vocab, kind=vocab_kind)
+        loaded.vocab_source = str(vocab)
+    elif loaded.vocab is None:
+        for name in VOCAB_FILES:
+            if (folder / name).is_file():
+                loaded.vocab = Vocab.read(folder / name, kind=vocab_kind)
+                loaded.vocab_source = str(folder / name)
+                break
+    elif loaded.vocab_source is None:
+        loaded.vocab_source = str(folder / ours.VOCAB_FILE) if loaded.source_format == ours.FORMAT else loaded.path
+    if loaded.vocab is not None and len(loaded.vocab) != loaded.config.n_token:
+        raise CheckpointError(loaded.vocab_source, f"vocabulary has {len(loaded.vocab)} symbols but the model has "
+                                                   f"n_token={loaded.config.n_token}")

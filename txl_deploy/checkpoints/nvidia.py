@@ -1,0 +1,77 @@
+"""NVIDIA DeepLearningExamples checkpoints (PyTorch/LanguageModeling/Transformer-XL, `train.py:save_checkpoint`).
+
+A `torch.save`d dict: `model_config` (the MemTransformerLM constructor arguments), `model_state` (its
+state_dict), `args` (an argparse.Namespace), `vocab` (their `utils.vocabulary.Vocab`), optimizer and scheduler
+state. Read with the restricted unpickler; the Namespace and the Vocab come back as inert attribute holders, and
+the vocabulary's `idx2sym` list becomes ours.
+
+NVIDIA's ProjectedAdaptiveLogSoftmax stores its output layers as `out_layers_weights.N` / `out_layers_biases.N`
+(weights absent when tied to the embedding), the untied projections as `out_projs.N`, and registers the
+embedding's projections again as `shared_out_projs`. Its cluster order is the original one (head column -i).
+Its same_length mask lets each query see one key more than the original (`klen - mem_len - 1`):
+`same_length_extra = 1`.
+"""
+
+from __future__ import annotations
+
+from ..vocab import Vocab
+from .cmu import _config, config_fields_from_kwargs
+from .keymap import Rule, normalise, rename, strip_prefix
+from .ours import LoadedModel
+from .safe_pickle import attr, pickled_class
+
+NVIDIA_RULES = [
+    Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"word_emb.emb_layers.\1.weight"),
+    Rule(r"word_emb\.emb_projs\.(\d+)", r"word_emb.emb_projs.\1"),
+    Rule(r"layers\.(\d+)\.dec_attn\.(qkv_net|o_net|r_net)\.weight", r"layers.\1.dec_attn.\2.weight"),
+    Rule(r"layers\.(\d+)\.dec_attn\.layer_norm\.(weight|bias)", r"layers.\1.dec_attn.layer_norm.\2"),
+    Rule(r"layers\.(\d+)\.pos_ff\.CoreNet\.(0|3)\.(weight|bias)", r"layers.\1.pos_ff.CoreNet.\2.\3"),
+    Rule(r"layers\.(\d+)\.pos_ff\.layer_norm\.(weight|bias)", r"layers.\1.pos_ff.layer_norm.\2"),
+    Rule(r"(r_w_bias|r_r_bias)", r"\1"),
+    Rule(r"pos_emb\.inv_freq", None),
+    Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1"),
+    Rule(r"crit\.out_layers_weights\.(\d+)", r"crit.out_layers.\1.weight"),
+    Rule(r"crit\.out_layers_biases\.(\d+)", r"crit.out_layers.\1.bias"),
+    Rule(r"crit\.out_projs\.(\d+)", r"crit.out_projs.\1"),
+    Rule(r"crit\.shared_out_projs\.(\d+)", None),  # the embedding's projections again (tie_projs)
+]
+
+
+def is_checkpoint(obj) -> bool:
+    return isinstance(obj, dict) and "model_config" in obj and "model_state" in obj
+
+
+def vocab_from_pickled(obj) -> Vocab | None:
+    """Their `utils.vocabulary.Vocab` (inert): `idx2sym` in id order; an empty delimiter means characters."""
+    if pickled_class(obj) not in ("utils.vocabulary.Vocab", "vocabulary.Vocab"):
+        return None
+    symbols = attr(obj, "idx2sym")
+    if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
+        return None
+    try:
+        return Vocab(symbols, kind="char" if attr(obj, "delimiter") == "" else "word")
+    except ValueError:
+        return None
+
+
+def load_checkpoint(obj, path, config=None) -> LoadedModel:
+    import torch
+
+    from ..errors import CheckpointError
+
+    state = obj["model_state"]
+    if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise CheckpointError(path, "model_state is not a state_dict (a mapping of names to tensors)")
+    fields = config_fields_from_kwargs(obj["model_config"], path, "NVIDIA model_config")
+    if fields.get("same_length"):
+        fields["same_length_extra"] = 1
+    cfg = _config(fields, path)
+    state = normalise(rename(strip_prefix(state, "module."), NVIDIA_RULES, path, "NVIDIA"), cfg, path)
+    vocab = vocab_from_pickled(obj.get("vocab"))
+    notes = []
+    if cfg.same_length:
+        notes.append("NVIDIA's same_length window is one key longer than the original's (same_length_extra=1)")
+    if (obj["model_config"].get("ext_len") or 0) > 0:
+        notes.append(f"trained with ext_len={obj['model_config']['ext_len']}; evaluated with ext_len 0")
+    return LoadedModel(cfg, state, vocab, "nvidia", str(path), notes=notes,
+                       vocab_source=f"{path} (vocab)" if vocab is not None else None)
