@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+# NVIDIA's own code (the stand-in) compiles `add_and_scale` with torch.jit.script, deprecated in current torch.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 from click.testing import CliRunner  # noqa: E402
 
@@ -220,6 +222,15 @@ def test_cmu_state_dict_with_config_parity(tmp_path):
     assert loaded.source_format == "cmu-state-dict"
     lps, _ = run_ours(loaded.build(), ids)
     assert max(max_diff(lps, reference)) <= TOL
+
+    # The same state_dict as .safetensors (tied tensors stored twice, as safetensors cannot share them).
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "weights.safetensors"))
+    from_safetensors = load_model(tmp_path / "weights.safetensors")
+    assert from_safetensors.source_format == "cmu-state-dict"
+    assert max(max_diff(run_ours(from_safetensors.build(), ids)[0], reference)) <= TOL
 
     # The same config given explicitly (--config), from another place.
     other = tmp_path / "elsewhere.json"

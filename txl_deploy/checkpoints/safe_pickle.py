@@ -211,6 +211,9 @@ def torch_load(path):
         raise CheckpointError(path, f"truncated or corrupt pickle ({_one_line(e)})") from None
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError,
             zipfile.BadZipFile) as e:
+        if "explicit pickle_module" in str(e):
+            raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
+                                        "restricted unpickler; unset it to read this file") from None
         raise CheckpointError(path, f"truncated or corrupt torch.save file ({type(e).__name__}: "
                                     f"{_one_line(e)})") from None
 
