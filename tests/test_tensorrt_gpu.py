@@ -62,7 +62,7 @@ def _onnx_for(exported, precision):
     path = exported / f"{precision}.onnx"
     if not path.exists():
         calib = np.random.default_rng(1).integers(0, 50, size=400)
-        reduced.export_precision(exported / "fp32.onnx", path, precision=precision, calib_tokens=calib)
+        reduced.reduce_onnx(exported / "fp32.onnx", path, precision=precision, calib=calib, log=lambda *a: None)
     return path
 
 
