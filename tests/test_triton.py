@@ -366,3 +366,27 @@ def test_serve_client_command_streams_the_greedy_continuation(server, reference)
     assert result.output.strip() == want.strip()
     down = CliRunner().invoke(main, ["serve-client", "http://127.0.0.1:9", "--prompt", "w1"])
     assert down.exit_code == 2 and "cannot reach Triton" in down.output and "Traceback" not in down.output
+
+
+def test_triton_core_loads_the_implicit_state_section(tiny_onnx_full, tmp_path):
+    """The bundled server has no ONNX Runtime backend, but Triton core validates the sequence batcher and its state
+    section for any backend: load the onnxruntime config with the python backend in the platform's place."""
+    from txl_deploy.triton_local import TritonServer
+
+    found = _find_server()
+    if isinstance(found, str):
+        pytest.skip(found)
+    repo = write_repository(tiny_onnx_full, tmp_path / "repo", **QUIET)
+    config = repo / "txl" / "config.pbtxt"
+    text = config.read_text().replace('platform: "onnxruntime_onnx"', 'backend: "python"')
+    config.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("default_model_filename")))
+    (repo / "txl" / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+    with TritonServer(repo) as srv:
+        import urllib.request
+
+        loaded = json.loads(urllib.request.urlopen(f"{srv.http_url}/v2/models/txl/config", timeout=10).read())
+    states = {s["input_name"]: s for s in loaded["sequence_batching"]["state"]}
+    assert set(states) == set(io_spec.GraphSpec(2, 2, 8, 12, 60, "full").pairing())
+    assert states[io_spec.MEM_COUNT]["dims"] == [] and states[io_spec.MEM_COUNT]["initial_state"][0]["zero_data"]
+    assert states[io_spec.mem_k(0)]["dims"] == [2, 8, 12]
