@@ -17,7 +17,6 @@ Three backends, one wire format (`tokens` [1, Q] int64, `out_positions` [1, P] i
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
