@@ -41,7 +41,7 @@ def choose_providers(requested=None) -> list:
 class OrtBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, path, providers=None):
+    def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None):
         import onnxruntime as ort
 
         self.path = str(path)
@@ -52,6 +52,11 @@ class OrtBackend(Backend):
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
+        if intra_op_threads:
+            opts.intra_op_num_threads = int(intra_op_threads)
+        if profile_prefix:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(profile_prefix)
         try:
             self.session = ort.InferenceSession(self.path, opts, providers=choose_providers(providers))
         except InputError:

@@ -1,0 +1,154 @@
+"""`txl-deploy bench`: it runs, its JSON has the documented fields, and both sides computed the same log-probs.
+
+Speed is never asserted here (no timed tests): targets are shown by the benchmark itself (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from txl_deploy.cli import main
+
+FAST = ["--prompt-len", "6", "--gen-len", "4", "--repeat", "2", "--warmup", "1", "--quiet"]
+SIDE_FIELDS = {"backend", "decode_ms", "decode_tokens_per_s", "prefill_ms", "prefill_tokens_per_s",
+               "peak_memory_bytes", "loaded_memory_bytes", "memory_kind"}
+
+
+def _bench(args):
+    result = CliRunner().invoke(main, ["bench", *args, *FAST])
+    return result
+
+
+def test_onnx_against_eager_json_fields_and_parity(tiny_onnx, tiny_ckpt, tmp_path):
+    out = tmp_path / "bench.json"
+    res = _bench([str(tiny_onnx), "--reference", str(tiny_ckpt), "--batch", "1,2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "onnxruntime" in res.output and "torch (eager)" in res.output and "max abs diff" in res.output
+    report = json.loads(out.read_text())
+    assert report["schema"] == "txl-deploy-bench/1" and report["source"] == "onnx"
+    assert {"model", "date", "machine", "versions", "settings", "config", "results"} <= set(report)
+    assert {"cpu", "cores", "platform", "gpu"} <= set(report["machine"])
+    assert report["settings"]["gen_len"] == 4 and report["settings"]["baseline"] == "eager"
+    assert [(r["mem_len"], r["batch"]) for r in report["results"]] == [(12, 1), (12, 2)]
+    for r in report["results"]:
+        assert set(r["sides"]) == {"candidate", "baseline"}
+        for side in r["sides"].values():
+            assert SIDE_FIELDS <= set(side)
+            d = side["decode_ms"]
+            assert d["n"] == 4 * 2 and 0 < d["min"] <= d["p50"] <= d["p90"] <= d["p99"]
+            assert side["decode_tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / d["p50"])
+            assert side["prefill_tokens_per_s"] == pytest.approx(r["batch"] * 6 * 1e3 / side["prefill_ms"])
+        assert set(r["speedup"]) == {"decode_p50", "decode_tokens_per_s", "prefill"}
+        # the prefill's last position and every decode step, for every row
+        assert r["parity"]["positions"] == r["batch"] * (1 + 4)
+        assert r["parity"]["max_abs_diff"] <= 1e-4 and r["parity"]["top1_agreement"] == 1.0
+        assert r["floor"]["floor_ms"] > 0 and r["floor"]["gap"] > 0
+
+
+def test_checkpoint_is_exported_on_the_fly_at_each_mem_len(tiny_ckpt, tmp_path):
+    out = tmp_path / "b.json"
+    res = _bench([str(tiny_ckpt), "--mem-len", "5,20", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["source"] == "checkpoint" and [r["mem_len"] for r in report["results"]] == [5, 20]
+    for r in report["results"]:  # the ring wraps (mem_len 5 < the 6-token prompt) and the numbers still agree
+        assert r["parity"]["max_abs_diff"] <= 1e-4
+
+
+def test_torch_fast_backend_matches_eager(tiny_ckpt, tmp_path):
+    out = tmp_path / "f.json"
+    res = _bench([str(tiny_ckpt), "--backend", "torch-fast", "--batch", "2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())["results"][0]
+    assert r["sides"]["candidate"]["backend"] == "torch-fast"
+    assert r["parity"]["max_abs_diff"] <= 1e-4
+
+
+def test_without_baseline(tiny_onnx, tmp_path):
+    out = tmp_path / "n.json"
+    res = _bench([str(tiny_onnx), "--baseline", "none", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())["results"][0]
+    assert set(r["sides"]) == {"candidate"} and r["speedup"] is None and r["parity"] is None
+
+
+def test_parity_reports_a_difference():
+    """The comparison is real: sides that disagree show it (a shifted log-prob, a different argmax)."""
+    from txl_deploy.bench.measure import Side, parity
+
+    a, b = Side("a", None), Side("b", None)
+    a.log_probs = [np.log(np.full((2, 4), 0.25, np.float32))]
+    b.log_probs = [a.log_probs[0].copy()]
+    assert parity(a, b) == {"max_abs_diff": 0.0, "top1_agreement": 1.0, "positions": 2}
+    b.log_probs[0][1, 3] += 0.5
+    p = parity(a, b)
+    assert p["max_abs_diff"] == pytest.approx(0.5) and p["top1_agreement"] == 0.5
+    b.log_probs[0][0, 0] = -np.inf  # a position one side masks and the other does not
+    assert parity(a, b)["max_abs_diff"] == float("inf")
+
+
+def test_bad_input_is_one_line(tiny_onnx, tiny_ckpt, tmp_path):
+    runner = CliRunner()
+    cases = [
+        ([str(tiny_onnx)], "--reference"),  # eager baseline without the checkpoint
+        ([str(tiny_onnx), "--reference", str(tiny_ckpt), "--mem-len", "30"], "fixed at 12"),
+        (["no-such-model"], "not a published shape name"),
+        ([str(tiny_onnx), "--backend", "tensorrt", "--baseline", "none"], "engine"),
+        ([str(tiny_ckpt), "--batch", "0"], "integers >= 1"),
+    ]
+    for args, needle in cases:
+        res = runner.invoke(main, ["bench", *args, *FAST])
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in res.output and "Traceback" not in res.output
+    existing = tmp_path / "exists.json"
+    existing.write_text("{}")
+    res = runner.invoke(main, ["bench", str(tiny_onnx), "--baseline", "none", "--json", str(existing), *FAST])
+    assert res.exit_code == 2 and "already exists" in res.output and existing.read_text() == "{}"
+
+
+def test_plot(tiny_onnx, tmp_path):
+    out = tmp_path / "p.png"
+    res = _bench([str(tiny_onnx), "--baseline", "none", "--plot", str(out)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res.exit_code == 2 and "needs matplotlib" in res.output and not out.exists()
+        return
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_bytes_count_the_output_layer_and_memory():
+    from conftest import make_tiny_model
+
+    from txl_deploy.bench.floor import decode_bytes
+
+    model = make_tiny_model()
+    cfg = model.cfg
+    crit = sum(p.numel() for p in model.crit.parameters()) * 4
+    b = decode_bytes(cfg, mem_len=12, batch=3, table_size=10)
+    assert b["output_layer_bytes"] == crit
+    assert b["memory_bytes"] == 3 * cfg.n_layer * 2 * cfg.n_head * cfg.d_head * 12 * 4
+    body = sum(p.numel() for n, p in model.layers.named_parameters() if "r_net" not in n) * 4
+    table = cfg.n_layer * cfg.n_head * cfg.d_head * 10 * 4
+    biases = cfg.n_layer * 2 * cfg.n_head * cfg.d_head * 4
+    assert b["weight_bytes"] == body + table + biases + crit + 3 * cfg.d_model * 4
+
+
+def test_profile_summarises_a_decode_step(tiny_onnx):
+    from txl_deploy.bench.profile import profile_decode
+    from txl_deploy.runtimes import TxlRuntime
+
+    rt = TxlRuntime.load(tiny_onnx)
+    tokens = np.random.default_rng(0).integers(0, 60, (1, 20))
+    rt.prefill(tokens[:, :14])
+    state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
+    prof = profile_decode(tiny_onnx, state, tokens[:, 14:], threads=1, steps=3)
+    ops = {o["op_type"]: o for o in prof["ops"]}
+    assert "MatMul" in ops and ops["MatMul"]["calls_per_step"] >= 2 * 2  # at least q@K and p@V per layer
+    assert sum(o["share"] for o in prof["ops"]) == pytest.approx(1.0)
+    assert prof["step_ms"] > 0

@@ -1,0 +1,173 @@
+"""`run_benchmark`: the measurements behind `txl-deploy bench`, as a function returning the JSON report.
+
+For every (mem_len, batch) the chosen backend (the candidate) and the PyTorch eager reference (the baseline)
+are measured in the same process on the same token stream, interleaved (see `measure`). The eager reference is
+`MemTransformerLM` exactly as trained: it re-projects its memory of hidden states at every step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+from txl_deploy.errors import InputError
+
+from . import measure
+from .sides import mem_lens_for, opener, resolve
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "gpu": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def versions() -> dict:
+    import sys
+
+    import numpy
+
+    from txl_deploy import __version__
+
+    out = {"python": sys.version.split()[0], "numpy": numpy.__version__, "txl_deploy": __version__}
+    for name in ("onnxruntime", "torch", "tensorrt"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    return out
+
+
+@contextmanager
+def _cache(cache_dir):
+    if cache_dir is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        yield cache_dir
+        return
+    tmp = tempfile.mkdtemp(prefix="txl-bench-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cuda_device(backend: str, device: str):
+    if backend in ("torch", "torch-fast") and device.startswith("cuda"):
+        import torch
+
+        return torch.device(device)
+    return None
+
+
+def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "eager", batches=(1,),
+                  mem_lens=None, prompt_len: int = 512, gen_len: int = 128, warmup: int = 2, repeat: int = 3,
+                  device: str = "cpu", threads: int | None = None, providers=None, state: str = "incremental",
+                  reference=None, cache_dir=None, seed: int = 0, floor: bool = True, profile: bool = False,
+                  progress: bool = True, log=print) -> dict:
+    if baseline not in ("eager", "none"):
+        raise InputError(f"baseline must be 'eager' or 'none', got {baseline!r}")
+    if gen_len < 1 or prompt_len < 1 or repeat < 1 or warmup < 0:
+        raise InputError("gen-len, prompt-len and repeat must be >= 1, warmup >= 0")
+    from tqdm import tqdm
+
+    with _cache(cache_dir) as cache:
+        source = resolve(model, reference=reference, cache_dir=cache, log=log)
+        backend = backend or source.default_backend
+        if baseline == "eager" and source.checkpoint is None:
+            raise InputError(f"{source.path}: the eager baseline needs the checkpoint it was exported from; pass "
+                             "--reference CHECKPOINT, or --baseline none")
+        mem_lens = mem_lens_for(source, mem_lens)
+        configs = [(m, b) for m in mem_lens for b in batches]
+        kw = dict(device=device, threads=threads, state=state, cache_dir=cache, log=log)
+        # Export (or build) every candidate before timing anything: exports are minutes and would skew nothing,
+        # but a progress bar that stalls on them would mislead.
+        openers = {m: opener(source, backend, m, providers=providers, **kw) for m in mem_lens}
+        bandwidth = None
+        if floor and not device.startswith("cuda") and backend in ("onnxruntime", "torch-fast"):
+            from .floor import copy_bandwidth
+
+            bandwidth = copy_bandwidth()
+        n_sides = 1 if baseline == "none" else 2
+        bar = tqdm(total=len(configs) * n_sides * (repeat + 1), desc="bench", unit="phase", disable=not progress,
+                   leave=False)
+        results = []
+        config = None
+        for mem_len, batch in configs:
+            sides = [measure.Side("candidate", openers[mem_len], _cuda_device(backend, device))]
+            if baseline == "eager":
+                sides.append(measure.Side("baseline", opener(source, "torch", mem_len, **kw),
+                                          _cuda_device("torch", device)))
+            probe = measure.open_side(sides[0])
+            config, n_token, table_size = probe.config, probe.n_token, _table_size(probe)
+            stream = measure.make_stream(n_token, batch, mem_len, gen_len, prompt_len, seed)
+            bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
+            measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
+            res = {"mem_len": mem_len, "batch": batch,
+                   "sides": {s.label: {"backend": _backend_name(s.label, backend), **measure.summarise(s, stream)}
+                             for s in sides},
+                   "speedup": None, "parity": None}
+            if baseline == "eager":
+                c, b = res["sides"]["candidate"], res["sides"]["baseline"]
+                res["speedup"] = {"decode_p50": b["decode_ms"]["p50"] / c["decode_ms"]["p50"],
+                                  "decode_tokens_per_s": c["decode_tokens_per_s"] / b["decode_tokens_per_s"],
+                                  "prefill": b["prefill_ms"] / c["prefill_ms"]}
+                res["parity"] = measure.parity(sides[0], sides[1])
+            if bandwidth:
+                from .floor import floor as floor_of
+
+                res["floor"] = floor_of(config, mem_len, batch, bandwidth, res["sides"]["candidate"]["decode_ms"]["p50"],
+                                        table_size)
+            if profile and backend == "onnxruntime":
+                res["profile"] = _profile(sides[0], stream, threads, providers, device)
+            results.append(res)
+        bar.close()
+    return {
+        "schema": "txl-deploy-bench/1", "model": str(model), "source": source.kind,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "versions": versions(),
+        "settings": {"backend": backend, "baseline": baseline, "device": device, "threads": threads,
+                     "prompt_len": prompt_len, "gen_len": gen_len, "warmup": warmup, "repeat": repeat, "seed": seed,
+                     "state": state},
+        "config": config.to_dict() if config is not None else None,
+        "results": results,
+    }
+
+
+def _backend_name(label, backend):
+    return backend if label == "candidate" else "torch (eager)"
+
+
+def _table_size(rt):
+    export = getattr(getattr(rt.backend, "info", None), "export", None) or {}
+    if "r_table_size" in export:
+        return int(export["r_table_size"])
+    cached = getattr(rt.backend, "cached", None)
+    return getattr(cached, "table_size", None)
+
+
+def _profile(side, stream, threads, providers, device):
+    from .profile import profile_decode
+
+    path = side.path
+    state = {k: v for k, v in side.full_state.items() if not k.startswith("__")}
+    steps = min(10, stream.decode.shape[1] - 1)
+    if steps < 1:
+        return None
+    provs = providers or (["cuda"] if device.startswith("cuda") else ["cpu"])
+    return profile_decode(path, state, stream.decode, threads=threads, steps=steps, providers=provs)

@@ -1,0 +1,104 @@
+"""The benchmark's outputs: a table for people, JSON for machines, an optional plot.
+
+JSON (`schema` "txl-deploy-bench/1"):
+  model, source ("shape" | "checkpoint" | "onnx" | "engine"), date (UTC ISO), machine {cpu, cores, platform,
+  gpu}, versions {python, numpy, txl_deploy, onnxruntime, torch, tensorrt: null when absent}, settings
+  {backend, baseline, device, threads, prompt_len, gen_len, warmup, repeat, seed, state},
+  results: one entry per (mem_len, batch):
+    mem_len, batch,
+    sides: {label: {backend, decode_ms {p50, p90, p99, mean, min, n}, decode_tokens_per_s (batch / p50),
+            prefill_ms (median), prefill_tokens_per_s, peak_memory_bytes (loaded + largest rise during a call),
+            loaded_memory_bytes, memory_kind ("rss" | "cuda_allocated")}},
+    speedup: {decode_p50, decode_tokens_per_s, prefill} (baseline / candidate; null without a baseline),
+    parity: {max_abs_diff, top1_agreement, positions} (candidate against baseline log-probs on the same
+            stream; null without a baseline),
+    floor: {weight_bytes, memory_bytes, bandwidth_bytes_per_s, floor_ms, gap} (candidate decode p50 / floor_ms;
+           present when the bandwidth was measured).
+"""
+
+from __future__ import annotations
+
+import json
+
+SCHEMA = "txl-deploy-bench/1"
+
+
+def _mb(n):
+    return f"{n / 2**20:,.0f} MB"
+
+
+def _x(v):
+    return "-" if v is None else f"{v:.1f}x"
+
+
+def table(report: dict) -> str:
+    head = ("mem_len", "batch", "backend", "decode p50 ms", "p90", "p99", "tok/s", "prefill tok/s", "peak mem",
+            "speedup", "floor gap")
+    rows = [head]
+    for res in report["results"]:
+        for label, s in res["sides"].items():
+            is_candidate = label == "candidate"
+            sp = res.get("speedup") or {}
+            floor = res.get("floor") if is_candidate else None
+            rows.append((
+                str(res["mem_len"]), str(res["batch"]), s["backend"], f"{s['decode_ms']['p50']:.2f}",
+                f"{s['decode_ms']['p90']:.2f}", f"{s['decode_ms']['p99']:.2f}", f"{s['decode_tokens_per_s']:.1f}",
+                f"{s['prefill_tokens_per_s']:.0f}", _mb(s["peak_memory_bytes"]),
+                _x(sp.get("decode_p50")) if is_candidate else "1.0x" if sp else "",
+                f"{floor['gap']:.2f}x" if floor else "",
+            ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = []
+    for res in report["results"]:
+        p = res.get("parity")
+        if p:
+            notes.append(f"mem_len {res['mem_len']} batch {res['batch']}: log-probs max abs diff "
+                         f"{p['max_abs_diff']:.2e} over {p['positions']} positions, top-1 agreement "
+                         f"{p['top1_agreement']:.4f}; prefill speedup {_x(res['speedup']['prefill'])}")
+    return "\n".join(lines + [""] + notes)
+
+
+def write_json(report: dict, path, force: bool):
+    from txl_deploy.files import atomic_path
+
+    with atomic_path(path, force=force) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def plot(report: dict, path, force: bool):
+    """Decode latency (p50) against memory length, one line per backend and batch size; and against batch size."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from txl_deploy.errors import InputError
+
+        raise InputError("--plot needs matplotlib (pip install matplotlib)") from None
+    from txl_deploy.files import atomic_path
+
+    series = {}
+    for res in report["results"]:
+        for s in res["sides"].values():
+            series.setdefault(s["backend"], []).append((res["mem_len"], res["batch"], s["decode_ms"]["p50"]))
+    fig, (ax_m, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    for backend, points in series.items():
+        for batch in sorted({b for _, b, _ in points}):
+            xs = sorted((m, t) for m, b, t in points if b == batch)
+            ax_m.plot([m for m, _ in xs], [t for _, t in xs], marker="o", label=f"{backend}, batch {batch}")
+        for mem_len in sorted({m for m, _, _ in points}):
+            xs = sorted((b, t) for m, b, t in points if m == mem_len)
+            ax_b.plot([b for b, _ in xs], [t for _, t in xs], marker="o", label=f"{backend}, mem_len {mem_len}")
+    ax_m.set(xlabel="memory length", ylabel="decode latency p50 (ms / step)", yscale="log",
+             title=f"{report['model']}: latency vs memory")
+    ax_b.set(xlabel="batch size", ylabel="decode latency p50 (ms / step)", yscale="log", title="latency vs batch")
+    for ax in (ax_m, ax_b):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path, force=force) as tmp:
+        fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
+    plt.close(fig)

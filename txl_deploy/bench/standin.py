@@ -1,0 +1,76 @@
+"""Random-weight stand-ins of the published shapes: what `bench enwik8-base` measures when no trained model is
+at hand. Speed depends on the shapes, not on the values, so a stand-in is timed exactly like the real model.
+
+The weights are drawn like a freshly initialised model (normal(0, 0.02), layer norms at identity), which keeps
+log-probabilities finite and comparable between backends. Built models and their ONNX exports are cached in a
+directory keyed by shape name, mem_len, layout and seed, so repeated benchmark runs do not re-export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from txl_deploy.config import PUBLISHED_SHAPES, published_config
+from txl_deploy.errors import InputError
+
+SEED = 0
+
+
+def is_shape_name(name: str) -> bool:
+    return str(name) in PUBLISHED_SHAPES
+
+
+def random_model(config, seed: int = SEED):
+    """A MemTransformerLM of `config` with reproducible random weights."""
+    import torch
+
+    from txl_deploy.model import MemTransformerLM
+
+    gen = torch.Generator().manual_seed(seed)
+    model = MemTransformerLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm.weight" in name:
+                p.fill_(1.0)
+            elif "layer_norm.bias" in name or name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def char_vocab(n: int):
+    from txl_deploy.vocab import Vocab
+
+    return Vocab([f"<{i}>" for i in range(n)], kind="word")
+
+
+def standin_checkpoint(name: str, cache_dir, mem_len: int | None = None, seed: int = SEED, log=print) -> Path:
+    """Our checkpoint folder for the published shape `name` (random weights), built once per cache_dir."""
+    from txl_deploy.checkpoints import save_checkpoint
+
+    if not is_shape_name(name):
+        raise InputError(f"unknown shape {name!r}; known: {', '.join(PUBLISHED_SHAPES)}")
+    overrides = {} if mem_len is None else {"mem_len": int(mem_len)}
+    config = published_config(name, **overrides)
+    key = hashlib.sha256(json.dumps([config.to_dict(), seed], sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"{name}-{key}"
+    if not path.exists():
+        log(f"building a random-weight stand-in of {name} (mem_len {config.mem_len})")
+        save_checkpoint(path, random_model(config, seed), char_vocab(config.n_token))
+    return path
+
+
+def standin_onnx(checkpoint, cache_dir, mem_len: int, state: str = "incremental", max_segment: int = 512,
+                 log=print) -> Path:
+    """The ONNX export of `checkpoint` with the given memory length and layout, cached beside it."""
+    from txl_deploy.exporters.onnx import export_onnx
+
+    checkpoint = Path(checkpoint)
+    path = Path(cache_dir) / f"{checkpoint.name}-m{mem_len}-s{max_segment}-{state}.onnx"
+    if not path.exists():
+        export_onnx(checkpoint, path, mem_len=mem_len, state=state, max_segment=max_segment, verify=False,
+                    log=log)
+    return path
