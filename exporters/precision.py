@@ -9,8 +9,9 @@ Both go into the file's metadata (`txl_deploy.export`: `precision` and `precisio
   the log-softmax of the adaptive softmax and everything after it run in FP32, so `log_probs` stays float32.
   LayerNormalization keeps its statistics in FP32 by its own definition (`stash_type` = 1) and ONNX Runtime's
   and TensorRT's FP16 MatMul/Softmax accumulate in FP32; `-inf` (the attention mask) is exact in FP16.
-  Measured (benchmarks/precision.py): also keeping Softmax or LayerNormalization in FP32 changed nothing
-  measurable, so they run in FP16.
+  Measured on a small trained character model (24k held-out characters): fp16 with only the log-softmax in FP32
+  changed bits per character by -5e-6 relative, also keeping Softmax and LayerNormalization in FP32 by -7e-7;
+  both far inside the 0.2% target, so they run in FP16 (`keep_fp32_ops` selects otherwise).
 - int8: QuantizeLinear/DequantizeLinear pairs with zero-points of 0 (symmetric activations and weights,
   per-channel weights) around the MatMuls that multiply by a weight matrix, calibrated by streaming the user's
   data through the fp32 graph *with its memory*, so the activation ranges are those of steady-state inputs
@@ -34,9 +35,13 @@ from txl_deploy.files import atomic_path
 PRECISIONS = ("fp16", "int8", "int8-dynamic")
 # Ops computed in FP32 in the fp16 graph (with everything downstream of them): see the module docstring.
 FP16_KEEP_FP32_OPS = ("LogSoftmax",)
-# Tolerances of the stream comparison against the fp32 graph (max abs log-prob difference); a tiny random model's
-# log-probs are around -log(V). Accuracy on real text is judged by the held-out evaluation, not by these.
-STREAM_TOLERANCE = {"fp16": 5e-2, "int8": 0.5, "int8-dynamic": 0.5}
+# Tolerances of the stream comparison against the fp32 graph: the mean KL divergence KL(fp32 || reduced) in nats
+# per position. Not the max abs log-prob difference: over a 267k-word vocabulary the log-probs of words with
+# negligible probability move by whole units under int8 while the distribution barely changes (measured on the
+# WikiText-103 base shape with random weights: int8-dynamic max abs difference 20, KL 0.07 nats, top-1 agreement
+# 0.93; a trained char model: KL 5e-5). The max abs difference is recorded as well.
+# Accuracy on real text is judged by the held-out evaluation, not by these.
+STREAM_TOLERANCE = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1}
 DEFAULT_MAX_CALIB_TOKENS = 32768
 DEFAULT_MAX_EVAL_TOKENS = 200_000
 CALIB_BATCH = 4  # the calibration text is read as this many parallel streams (each threads its own memory)
@@ -107,6 +112,93 @@ def convert_fp16(model, keep_fp32_ops=FP16_KEEP_FP32_OPS):
     # applies to finite weights only, so the mask's -inf stays -inf.
     del model.graph.value_info[:]  # fp32 intermediate types would contradict the converted graph
     return convert_float_to_float16(model, keep_io_types=[io_spec.LOG_PROBS], op_block_list=list(keep_fp32_ops))
+
+
+_FOLDABLE = {"Transpose", "Slice", "Concat", "Reshape", "Unsqueeze", "Squeeze", "Identity"}
+
+
+def fold_weight_subgraphs(model) -> int:
+    """Turn MatMul weights computed from initializers (Slice/Concat/Transpose ...) into initializers, in place.
+
+    The adaptive softmax's head weight is a slice of the (tied) embedding with the cluster weights appended,
+    transposed: the exporter emits that as nodes, so the head MatMul -- most of a WikiText-103 model's per-token
+    work -- would not count as a weight MatMul and would stay in fp32. Returns the number of weights folded."""
+    import onnx
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    values: dict = {}
+
+    def value(name):
+        if name in values:
+            return values[name]
+        if name in inits:
+            values[name] = numpy_helper.to_array(inits[name])
+            return values[name]
+        node = producers.get(name)
+        if node is None or node.op_type not in _FOLDABLE or len(node.output) != 1:
+            return None
+        args = [value(i) if i else None for i in node.input]
+        if any(a is None for a, i in zip(args, node.input) if i):
+            return None
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        op, x = node.op_type, args[0]
+        if op == "Transpose":
+            out = np.transpose(x, attrs.get("perm"))
+        elif op == "Concat":
+            out = np.concatenate(args, axis=attrs["axis"])
+        elif op == "Identity":
+            out = x
+        elif op == "Reshape":
+            shape = [d if d != 0 else x.shape[i] for i, d in enumerate(args[1])]
+            out = x.reshape(shape)
+        elif op == "Unsqueeze":
+            out = np.expand_dims(x, tuple(int(a) for a in args[1]))
+        elif op == "Squeeze":
+            out = np.squeeze(x, tuple(int(a) for a in args[1])) if len(args) > 1 else np.squeeze(x)
+        else:  # Slice(data, starts, ends, axes, steps)
+            starts, ends = args[1], args[2]
+            axes = args[3] if len(args) > 3 and args[3] is not None else range(len(starts))
+            steps = args[4] if len(args) > 4 and args[4] is not None else [1] * len(starts)
+            index = [slice(None)] * x.ndim
+            for a, b, e, st in zip(axes, starts, ends, steps):
+                index[int(a)] = slice(int(b), int(e), int(st))
+            out = x[tuple(index)]
+        values[name] = np.ascontiguousarray(out)
+        return values[name]
+
+    folded = 0
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] in inits:
+            continue
+        w = value(node.input[1])
+        if w is None or w.ndim != 2:
+            continue
+        name = node.input[1] + "_folded"
+        if name not in inits:
+            inits[name] = numpy_helper.from_array(w, name)
+            model.graph.initializer.append(inits[name])
+        node.input[1] = name
+        folded += 1
+    if folded:  # drop the nodes that only fed the folded weights
+        _prune_dead(model)
+    return folded
+
+
+def _prune_dead(model):
+    needed = {o.name for o in model.graph.output}
+    keep = []
+    for node in reversed(model.graph.node):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    keep.reverse()
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    live = [t for t in model.graph.initializer if t.name in needed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(live)
 
 
 def weight_matmuls(model) -> list[str]:
@@ -204,20 +296,22 @@ def compare_to_fp32(rt, rt32, batch: int = 2, seed: int = 0) -> dict:
     segments = verification_segments(rt.mem_len, rt.backend.max_segment)
     tokens = np.random.default_rng(seed).integers(0, rt.n_token, size=(batch, sum(segments)), dtype=np.int64)
     rt.reset(), rt32.reset()
-    worst, agree, total, pos = 0.0, 0, 0, 0
+    worst, kl, agree, total, pos = 0.0, 0.0, 0, 0, 0
     for q in segments:
         seg = tokens[:, pos:pos + q]
         a, b = rt.step(seg), rt32.step(seg)
         if not np.isfinite(a).all():
-            worst = float("inf")
+            worst = kl = float("inf")
         else:
-            worst = max(worst, float(np.abs(a.astype(np.float64) - b).max()))
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            worst = max(worst, float(np.abs(a - b).max()))
+            kl += float((np.exp(b) * (b - a)).sum())
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0] * a.shape[1]
         pos += q
     rt.reset(), rt32.reset()
-    return {"max_abs_diff": worst, "top1_agreement": agree / total, "tokens": total, "batch": batch,
-            "segments": list(segments), "reference": "fp32 graph (ONNX Runtime CPU)"}
+    return {"kl_divergence": kl / total, "max_abs_diff": worst, "top1_agreement": agree / total, "tokens": total,
+            "batch": batch, "segments": list(segments), "reference": "fp32 graph (ONNX Runtime CPU)"}
 
 
 def evaluate_against_fp32(rt, rt32, ids: np.ndarray, seg: int, progress=True) -> dict:
@@ -298,6 +392,13 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
     with tempfile.TemporaryDirectory(prefix="txl-precision-") as work:
         work = Path(work)
         converted = work / "converted.onnx"
+        source = fp32_path
+        if precision in ("int8", "int8-dynamic"):
+            model = onnx.load(str(fp32_path))
+            if fold_weight_subgraphs(model):  # quantize the adaptive-softmax head too
+                source = work / "folded.onnx"
+                onnx.save_model(model, str(source), save_as_external_data=model.ByteSize() > 2**31 - 2**26)
+            del model
         log(f"converting to {precision} ...")
         try:
             if precision == "fp16":
@@ -305,9 +406,9 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                 model = convert_fp16(model, keep_fp32_ops)
                 onnx.save_model(model, str(converted))
             elif precision == "int8":
-                quantize_int8(fp32_path, converted, calib_ids[0][:max_calib_tokens], seg, log=log)
+                quantize_int8(source, converted, calib_ids[0][:max_calib_tokens], seg, log=log)
             else:
-                quantize_int8_dynamic(fp32_path, converted, per_channel=dynamic_per_channel)
+                quantize_int8_dynamic(source, converted, per_channel=dynamic_per_channel)
         except TxlError:
             raise
         except Exception as e:
@@ -325,8 +426,9 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
             log("comparing with the fp32 graph on a multi-segment stream ...")
             stream = compare_to_fp32(rt, r32)
             tol = STREAM_TOLERANCE[precision]
-            stream.update(tolerance=tol, precision=precision, passed=bool(stream["max_abs_diff"] <= tol))
-            log(f"  max abs difference {stream['max_abs_diff']:.3g} (tolerance {tol:g}), top-1 agreement "
+            stream.update(tolerance=tol, precision=precision, passed=bool(stream["kl_divergence"] <= tol))
+            log(f"  KL divergence from fp32 {stream['kl_divergence']:.3g} nats/position (tolerance {tol:g}), max abs "
+                f"log-prob difference {stream['max_abs_diff']:.3g}, top-1 agreement "
                 f"{stream['top1_agreement']:.4f} over {stream['tokens']} positions -> "
                 f"{'OK' if stream['passed'] else 'MISMATCH'}")
             accuracy = None
@@ -341,7 +443,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                     f"{accuracy['top1_agreement']:.4f}")
         if verify and not stream["passed"]:
             raise ExportError(
-                f"{precision} graph disagrees with fp32: max abs log-prob difference {stream['max_abs_diff']:.3g} > "
+                f"{precision} graph disagrees with fp32: KL divergence {stream['kl_divergence']:.3g} nats/position > "
                 f"{stream['tolerance']:g} (top-1 agreement {stream['top1_agreement']:.4f}); nothing was written")
 
         report = {"precision": precision, "stream": stream, "accuracy": accuracy,
