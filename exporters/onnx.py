@@ -9,6 +9,7 @@ Config, vocabulary and export settings go into `metadata_props`, so the file alo
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -63,13 +64,19 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
     q = torch.export.Dim("segment", min=1, max=65536)
     pos = torch.export.Dim("positions", min=1, max=65536)
     dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple({0: b} for _ in state))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            cached, args, input_names=spec.input_names(), output_names=spec.output_names(),
-            dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False, report=False,
-        )
-    return program
+    # torch.onnx logs registry warnings (torchvision ops absent, ...) that say nothing about this model.
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                cached, args, input_names=spec.input_names(), output_names=spec.output_names(),
+                dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False, report=False,
+            )
+    finally:
+        quiet.setLevel(level)
 
 
 def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DEFAULT_OPSET,

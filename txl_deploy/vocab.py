@@ -78,6 +78,11 @@ class Vocab:
         text = " ".join(out)
         return text.replace(" \n ", "\n").replace(" \n", "\n").replace("\n ", "\n")
 
+    def piece(self, i: int) -> str:
+        """Text for one generated token as it continues a stream: words get a leading space, <eos> a newline."""
+        text = self.decode([i])
+        return text if self.kind == "char" or text == "\n" else " " + text
+
     # -- files ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"kind": self.kind, "symbols": self.symbols}

@@ -112,10 +112,8 @@ def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed,
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
         click.echo(prompt, nl=False)
-        sep = "" if rt.vocab.kind == "char" else " "
         for tok in rt.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed):
-            piece = rt.decode([tok])
-            click.echo(piece if piece == "\n" else sep + piece, nl=False)
+            click.echo(rt.vocab.piece(tok), nl=False)
             sys.stdout.flush()
         click.echo()
 
