@@ -1,0 +1,68 @@
+"""Smoke test of the serving load benchmark (benchmarks/triton_load.py): a real tritonserver, two conversations.
+
+Nothing is timed here; the test checks that the benchmark measures what it says (every field of its report is
+there) and that the conversations it streams through the server produce exactly the in-process greedy tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_load.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from txl_deploy.triton_local import TritonLaunchError, find_tritonserver
+
+    try:
+        find_tritonserver()
+    except TritonLaunchError as e:
+        pytest.skip(str(e))
+    spec = importlib.util.spec_from_file_location("triton_load", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_benchmark_reports_every_field_and_server_tokens_equal_in_process(bench, tiny_onnx):
+    result = bench.run_benchmark(tiny_onnx, concurrency=[2], tokens=3, instances=[1], prompt_len=20, repeat=1,
+                                 log=lambda *a: None)
+    json.dumps(result)  # --json writes it as is
+    for key in ("date", "machine", "versions", "model", "tokens", "concurrency", "instances", "server",
+                "in_process", "in_process_batched", "tokens_match", "prompt_kind"):
+        assert key in result, key
+    assert result["versions"]["tritonserver"] and result["machine"]["cpus"] >= 1
+    assert result["model"]["max_segment"] == 16  # prompts of 20 tokens went to the server in two pieces
+    (srv,), (local,), (batched,) = result["server"], result["in_process"], result["in_process_batched"]
+    for row in (srv, local, batched):
+        assert row["concurrency"] == 2 and row["tokens_per_s"] > 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["latency_samples"] == 2 * (3 - 1)  # gaps between the 3 tokens of each of 2 conversations
+        assert len(row["tokens"]) == 2 and all(len(t) == 3 for t in row["tokens"])
+    # the server saw every request: 2 prompts x 2 pieces, 2 x 2 decode steps, and 2 END requests
+    assert srv["instances"] == 1 and srv["server_requests"] == 2 * 2 + 2 * 2 + 2
+    assert srv["server_queue_ms"] >= 0 and srv["mean_batch"] >= 1
+    # no cross-talk and nothing lost on the wire: each conversation's tokens match the same conversation in-process
+    assert srv["tokens"] == local["tokens"]
+    assert result["tokens_match"] is True
+    table = bench.markdown(result)
+    assert table.count("| Triton gRPC | 1 | 2 |") == 1 and table.count("| in-process | - | 2 |") == 1
+    assert "**yes**" in table
+
+
+def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, tiny_onnx, tmp_path):
+    from txl_deploy.errors import InputError
+
+    with pytest.raises(InputError, match="--tokens must be at least 2"):
+        bench.run_benchmark(tiny_onnx, concurrency=[1], tokens=1, log=lambda *a: None)
+    existing = tmp_path / "out.json"
+    existing.write_text("{}")
+    assert bench.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2
+    assert existing.read_text() == "{}"
