@@ -161,6 +161,7 @@ class TorchCachedBackend(_TorchBase):
         self._init_common(loaded, model, device, max_segment)
         self.cached = CachedTxl(model, self.mem_len, state="incremental", max_segment=self.max_segment).eval()
         self.spec = self.cached.spec
+        self._graphs = {}  # CUDA graphs of the decode step, by state buffers (GPU only)
         return self
 
     def fingerprint(self):
@@ -176,11 +177,43 @@ class TorchCachedBackend(_TorchBase):
     def run(self, state, tokens, out_positions):
         import torch
 
-        names = [s.name for s in self.spec.state_inputs()]
         with torch.no_grad():
-            outs = self.cached(self._tensor(tokens), self._tensor(out_positions), *[state[n] for n in names])
-            self._write_ring(state, outs[1:], tokens.shape[1])
-        return outs[0].float().cpu().numpy()
+            if self.device.type == "cuda" and tokens.shape[1] == 1 and out_positions.shape[1] == 1:
+                graph = self._decode_graph(state)
+                if graph is not None:
+                    return graph.replay(tokens, out_positions)
+            log_probs = self._step(self._tensor(tokens), self._tensor(out_positions), state)
+        return log_probs.float().cpu().numpy()
+
+    def _step(self, tokens, out_positions, state):
+        """One call of the cached model, ring write included: all on the device, no host sync (CUDA-graph safe)."""
+        outs = self.cached(tokens, out_positions, *[state[n] for n in self._state_names])
+        self._write_ring(state, outs[1:], tokens.shape[1])
+        return outs[0]
+
+    @property
+    def _state_names(self):
+        return [s.name for s in self.spec.state_inputs()]
+
+    def _decode_graph(self, state):
+        """The CUDA graph of one decode step (Q = 1) over this state's buffers, captured on first use.
+
+        A step is ~100 small kernels; replaying them as one graph removes the launch overhead that dominates
+        decode on a GPU. The graph is bound to the buffers' addresses, so a new state (reset, load_state) gets
+        its own capture. Any capture failure falls back to eager launches for good (same numbers, slower)."""
+        if self._graphs is False:
+            return None
+        key = tuple(state[n].data_ptr() for n in self._state_names)
+        if key not in self._graphs:
+            try:
+                self._graphs = {key: _DecodeGraph(self, state)}  # one live graph: older states are dropped
+            except Exception as e:  # pragma: no cover - needs a GPU
+                import warnings
+
+                warnings.warn(f"torch-fast: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly")
+                self._graphs = False
+                return None
+        return self._graphs[key]
 
     def _write_ring(self, state, new_entries, q):
         import torch
@@ -217,3 +250,38 @@ class TorchCachedBackend(_TorchBase):
             if tuple(arrays[s.name].shape) != want:
                 raise InputError(f"state tensor {s.name} has shape {arrays[s.name].shape}, needs {want}")
         return {k: self._tensor(np.array(arrays[k], copy=True)) for k in names}
+
+
+class _DecodeGraph:  # pragma: no cover - needs a GPU; the captured work is `_step`, which the CPU tests run
+    """Static token/position inputs and a captured `_step` (forward + in-place ring write + counter)."""
+
+    def __init__(self, backend, state):
+        import torch
+
+        self.backend = backend
+        batch = state[io_spec.MEM_COUNT].shape[0]
+        dev = backend.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
+        # Warm-up runs (cuBLAS handles, allocator pools) mutate the memory: keep a copy and put it back.
+        saved = {k: v.clone() for k, v in state.items()}
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                backend._step(self.tokens, self.positions, state)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for k, v in state.items():
+            v.copy_(saved[k])
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not executed: the state is untouched here
+            self.log_probs = backend._step(self.tokens, self.positions, state)
+        torch.cuda.synchronize(dev)
+
+    def replay(self, tokens, out_positions):
+        import torch
+
+        self.tokens.copy_(torch.from_numpy(np.array(tokens, dtype=np.int64)))
+        self.positions.copy_(torch.from_numpy(np.array(out_positions, dtype=np.int64)))
+        self.graph.replay()
+        return self.log_probs.float().cpu().numpy()

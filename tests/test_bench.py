@@ -70,10 +70,12 @@ def test_torch_fast_backend_matches_eager(tiny_ckpt, tmp_path):
 
 def test_without_baseline(tiny_onnx, tmp_path):
     out = tmp_path / "n.json"
-    res = _bench([str(tiny_onnx), "--baseline", "none", "--json", str(out)])
+    res = _bench([str(tiny_onnx), "--baseline", "none", "--profile", "--json", str(out)])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())["results"][0]
     assert set(r["sides"]) == {"candidate"} and r["speedup"] is None and r["parity"] is None
+    assert "one decode step" in res.output and "MatMul" in res.output
+    assert {"step_ms", "kernel_ms", "ops"} <= set(r["profile"])
 
 
 def test_parity_reports_a_difference():

@@ -50,11 +50,16 @@ class CachedTxl(nn.Module):
             sin = sinusoid(torch.arange(self.table_size, dtype=torch.float32, device=p.device), cfg.d_model)
             for i, layer in enumerate(model.layers):
                 r = layer.dec_attn.r_net(sin.to(p.dtype)).view(self.table_size, cfg.n_head, cfg.d_head)
-                # The 1/sqrt(d_head) score scale is folded into the constants and the queries.
-                self.register_buffer(f"r_table_{i}", (r.permute(1, 2, 0) * scale).contiguous(), persistent=False)
+                self.register_buffer(f"r_table_{i}", r.permute(1, 2, 0).contiguous(), persistent=False)
+                # The 1/sqrt(d_head) score scale is folded into the query rows of qkv_net and into the biases, so
+                # no Mul sits before the score MatMuls: ONNX Runtime fuses such a Mul into a FusedMatMul, which
+                # measured 3-4x slower than a plain MatMul on [1, H, 1, d_head] x [1, H, d_head, mem_len].
+                qkv = layer.dec_attn.qkv_net.weight.detach().clone()
+                qkv[: cfg.n_head * cfg.d_head] *= scale
+                self.register_buffer(f"qkv_weight_{i}", qkv, persistent=False)
                 r_w_bias, r_r_bias = model.layer_biases(i)
-                self.register_buffer(f"r_w_bias_{i}", r_w_bias.detach()[:, None, :].clone(), persistent=False)
-                self.register_buffer(f"r_r_bias_{i}", r_r_bias.detach()[:, None, :].clone(), persistent=False)
+                self.register_buffer(f"r_w_bias_{i}", r_w_bias.detach()[:, None, :] * scale, persistent=False)
+                self.register_buffer(f"r_r_bias_{i}", r_r_bias.detach()[:, None, :] * scale, persistent=False)
 
     def empty_state(self, batch: int, dtype=torch.float32, device=None):
         s = self.spec
@@ -87,7 +92,8 @@ class CachedTxl(nn.Module):
         if self.window is not None:
             keep_mem = keep_mem & (d_mem < self.window)
             keep_cur = keep_cur & (d_cur < self.window)
-        keep = torch.cat([keep_mem.expand(B, Q, M), keep_cur[None].expand(B, Q, Q)], dim=-1)[:, None]
+        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, M], [1, 1, Q, Q]
+        neg_inf = torch.tensor(float("-inf"), dtype=self.r_w_bias_0.dtype, device=dev)
         idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, M)
         idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
 
@@ -97,19 +103,21 @@ class CachedTxl(nn.Module):
             attn = layer.dec_attn
             k_mem, v_mem = mems[2 * i], mems[2 * i + 1]
             x = attn.layer_norm(h) if cfg.pre_lnorm else h
-            qkv = attn.qkv_net(x).view(B, Q, 3, H, Dh)
-            q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh]
+            qkv = F.linear(x, getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
+            q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh], already scaled by 1/sqrt(d_head)
             k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
             v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
-            scale = 1.0 / Dh**0.5
-            q_w = (q + getattr(self, f"r_w_bias_{i}")) * scale
-            pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")  # [B, H, Q, T], scaled
-            s_mem = q_w @ k_mem + torch.gather(pos, 3, idx_mem)
-            s_cur = q_w @ k + torch.gather(pos, 3, idx_cur)
-            score = torch.cat([s_mem, s_cur], dim=-1)
-            score = torch.where(keep, score, torch.full_like(score, float("-inf")))
-            prob = F.softmax(score, dim=-1)
-            vec = prob[..., :M] @ v_mem + prob[..., M:] @ v  # [B, H, Q, Dh]
+            q_w = q + getattr(self, f"r_w_bias_{i}")
+            pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")  # [B, H, Q, T]
+            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), neg_inf)
+            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), neg_inf)
+            # The softmax over [memory | segment] in two parts, normalised after the value products: no Concat of
+            # the scores and no Slices of the probabilities (copies of [B, H, Q, M] per layer in a prefill).
+            # s_cur always keeps the diagonal (distance 0), so `top` is finite.
+            top = torch.maximum(s_mem.amax(-1, keepdim=True), s_cur.amax(-1, keepdim=True))
+            e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
+            denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
+            vec = (e_mem @ v_mem + e_cur @ v) / denom  # [B, H, Q, Dh]
             out = attn.o_net(vec.transpose(1, 2).reshape(B, Q, H * Dh))
             h = h + out if cfg.pre_lnorm else attn.layer_norm(h + out)
             h = layer.pos_ff(h)

@@ -115,6 +115,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                                           _cuda_device("torch", device)))
             probe = measure.open_side(sides[0])
             config, n_token, table_size = probe.config, probe.n_token, _table_size(probe)
+            precision = getattr(probe.backend, "precision", "fp32")
             stream = measure.make_stream(n_token, batch, mem_len, gen_len, prompt_len, seed)
             bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
             measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
@@ -132,7 +133,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                 from .floor import floor as floor_of
 
                 res["floor"] = floor_of(config, mem_len, batch, bandwidth, res["sides"]["candidate"]["decode_ms"]["p50"],
-                                        table_size)
+                                        table_size, precision)
             if profile and backend == "onnxruntime":
                 res["profile"] = _profile(sides[0], stream, threads, providers, device)
             results.append(res)

@@ -26,8 +26,14 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float:
     return 2 * src.nbytes / best
 
 
-def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None, bytes_per_value: int = 4) -> dict:
-    """Bytes a decode step reads: weights (body, positional table, output layer) and the memory of `batch` rows."""
+PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
+
+
+def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None, precision: str = "fp32") -> dict:
+    """Bytes a decode step reads: weights (body, positional table, output layer) and the memory of `batch` rows.
+
+    int8 graphs count one byte per matrix weight (biases, norms and tables are few bytes either way)."""
+    bytes_per_value, memory_bytes_per_value = PRECISION_BYTES.get(precision, (4, 4))
     from txl_deploy.model import cluster_bounds
 
     D, H, Dh, Di, L = config.d_model, config.n_head, config.d_head, config.d_inner, config.n_layer
@@ -47,11 +53,13 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
         if config.div_val > 1 or D != d_embed:
             out += D * d_i
     weights = (L * per_layer + out + batch * D) * bytes_per_value  # + one embedding row per token
-    memory = batch * L * 2 * H * Dh * mem_len * bytes_per_value
-    return {"weight_bytes": int(weights), "memory_bytes": int(memory), "output_layer_bytes": int(out * bytes_per_value)}
+    memory = batch * L * 2 * H * Dh * mem_len * memory_bytes_per_value
+    return {"weight_bytes": int(weights), "memory_bytes": int(memory), "output_layer_bytes": int(out * bytes_per_value),
+            "precision": precision}
 
 
-def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None) -> dict:
-    b = decode_bytes(config, mem_len, batch, table_size)
+def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None,
+          precision: str = "fp32") -> dict:
+    b = decode_bytes(config, mem_len, batch, table_size, precision)
     floor_ms = (b["weight_bytes"] + b["memory_bytes"]) / bandwidth * 1e3
     return {**b, "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms, "gap": measured_ms / floor_ms}

@@ -56,3 +56,11 @@ def profile_decode(onnx_path, state: dict, tokens: np.ndarray, threads: int | No
     ops = [{"op_type": op, "ms_per_step": ms, "share": ms / node_total, "calls_per_step": calls[op] / max(len(runs), 1)}
            for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])]
     return {"step_ms": step_ms, "kernel_ms": node_total, "ops": ops}
+
+
+def profile_table(prof: dict, top: int = 12) -> str:
+    lines = [f"one decode step: {prof['step_ms']:.2f} ms in the session ({prof['kernel_ms']:.2f} ms in kernels)",
+             f"{'op type':<24}{'ms/step':>10}{'share':>8}{'calls':>7}"]
+    for op in prof["ops"][:top]:
+        lines.append(f"{op['op_type']:<24}{op['ms_per_step']:>10.3f}{op['share']:>8.1%}{op['calls_per_step']:>7.0f}")
+    return "\n".join(lines)

@@ -12,8 +12,9 @@ JSON (`schema` "txl-deploy-bench/1"):
     speedup: {decode_p50, decode_tokens_per_s, prefill} (baseline / candidate; null without a baseline),
     parity: {max_abs_diff, top1_agreement, positions} (candidate against baseline log-probs on the same
             stream; null without a baseline),
-    floor: {weight_bytes, memory_bytes, bandwidth_bytes_per_s, floor_ms, gap} (candidate decode p50 / floor_ms;
-           present when the bandwidth was measured).
+    floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap}
+           (gap = candidate decode p50 / floor_ms; present when the bandwidth was measured, CPU only),
+    profile: {step_ms, kernel_ms, ops: [{op_type, ms_per_step, share, calls_per_step}]} (with --profile, ORT).
 """
 
 from __future__ import annotations

@@ -89,6 +89,9 @@ def bench_cmd(model, backend, baseline, reference, batch, mem_len, prompt_len, g
                            mem_lens=mem_len, prompt_len=prompt_len, gen_len=gen_len, warmup=warmup, repeat=repeat,
                            device=device, threads=threads, providers=provs, state=state, cache_dir=cache_dir,
                            seed=seed, profile=profile, progress=not quiet, log=lambda m: click.echo(m, err=True))
+    if json_out:  # first: a long run's results are never lost to a later step
+        write_json(report, json_out, force)
+        click.echo(f"wrote {json_out}", err=True)
     click.echo(table(report))
     if profile:
         from ..bench.profile import profile_table
@@ -96,9 +99,6 @@ def bench_cmd(model, backend, baseline, reference, batch, mem_len, prompt_len, g
         for res in report["results"]:
             if res.get("profile"):
                 click.echo(f"\nmem_len {res['mem_len']} batch {res['batch']}, " + profile_table(res["profile"]))
-    if json_out:
-        write_json(report, json_out, force)
-        click.echo(f"wrote {json_out}", err=True)
     if plot:
         write_plot(report, plot, force)
         click.echo(f"wrote {plot}", err=True)

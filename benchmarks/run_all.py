@@ -1,0 +1,203 @@
+"""Run every configuration of benchmarks/configs.json and write benchmarks/RESULTS.md (+ results/*.json).
+
+    .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--threads N]
+
+Each configuration measures its backend against the PyTorch eager reference in one process, interleaved
+(`txl_deploy.bench`); stand-ins (random weights of the published shapes) and their ONNX exports are cached in
+benchmarks/.cache. The memory bandwidth for the floor is measured in the same run (numpy copy), and one ONNX
+Runtime decode step per configuration is profiled by op type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / ".cache"
+
+TARGETS_DOC = """\
+Targets (batch 1 unless said, fp32, decode with a full memory, full next-token distribution):
+enwik8 base at mem_len 2100 >= 10x eager per token; its latency at mem_len 2100 <= 2x that at 100;
+WikiText-103 base at mem_len 640 >= 3x eager per token and within 1.5x of the floor, batch 8 throughput >= 5x
+eager; prefill of 512 tokens at least as fast as eager on every shape."""
+
+
+def reduced(fp32_path: Path, precision: str) -> Path:
+    """The stand-in's export converted to `precision` (int8-dynamic), its metadata carried over, cached."""
+    import onnx
+
+    from txl_deploy.exporters.precision import quantize_int8_dynamic
+    from txl_deploy.metadata import read_onnx_info, set_onnx_props
+
+    out = fp32_path.with_name(fp32_path.stem + f"-{precision}.onnx")
+    if out.exists():
+        return out
+    if precision != "int8-dynamic":
+        raise SystemExit(f"run_all.py knows int8-dynamic only, not {precision}")
+    tmp = out.with_name(out.name + ".partial")
+    quantize_int8_dynamic(fp32_path, tmp)
+    info = read_onnx_info(fp32_path)
+    info.export = {**info.export, "precision": precision}
+    model = onnx.load(str(tmp))
+    set_onnx_props(model, info)
+    onnx.save_model(model, str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def run_config(cfg: dict, threads) -> dict | None:
+    from txl_deploy.bench import run_benchmark
+    from txl_deploy.bench.standin import is_shape_name, standin_checkpoint, standin_onnx
+
+    model, reference = cfg["model"], None
+    if not is_shape_name(model):
+        model = str(ROOT / model)
+        if not Path(model).exists():
+            if cfg.get("optional"):
+                print(f"[{cfg['name']}] skipped: {cfg['model']} is not there", file=sys.stderr)
+                return None
+            raise SystemExit(f"{model}: not found")
+    if cfg.get("precision"):
+        reference = standin_checkpoint(model, CACHE) if is_shape_name(model) else Path(model)
+        mem_len = cfg["mem_len"][0]
+        model = str(reduced(standin_onnx(reference, CACHE, mem_len), cfg["precision"]))
+    print(f"[{cfg['name']}] running", file=sys.stderr)
+    report = run_benchmark(
+        model, backend=cfg.get("backend"), reference=reference, batches=cfg.get("batch", [1]),
+        mem_lens=None if cfg.get("precision") else cfg.get("mem_len"), prompt_len=cfg["prompt_len"],
+        gen_len=cfg["gen_len"], repeat=cfg["repeat"], warmup=cfg["warmup"], threads=threads, cache_dir=CACHE,
+        profile=cfg.get("backend", "onnxruntime") == "onnxruntime", log=lambda m: print(m, file=sys.stderr))
+    report["name"] = cfg["name"]
+    return report
+
+
+def _find(reports, name, mem_len=None, batch=1):
+    for rep in reports:
+        if rep["name"] == name:
+            for res in rep["results"]:
+                if (mem_len is None or res["mem_len"] == mem_len) and res["batch"] == batch:
+                    return res
+    return None
+
+
+def targets(reports) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for every target whose configuration ran."""
+    out = []
+    e_long, e_short = _find(reports, "enwik8-base", 2100), _find(reports, "enwik8-base", 100)
+    if e_long:
+        s = e_long["speedup"]["decode_p50"]
+        out.append(("enwik8 base, mem_len 2100: >= 10x eager per token", f"{s:.1f}x", s >= 10))
+    if e_long and e_short:
+        r = e_long["sides"]["candidate"]["decode_ms"]["p50"] / e_short["sides"]["candidate"]["decode_ms"]["p50"]
+        out.append(("enwik8 base: latency at mem_len 2100 <= 2x at 100", f"{r:.2f}x", r <= 2))
+    w1, w8 = _find(reports, "wt103-base", 640, 1), _find(reports, "wt103-base", 640, 8)
+    if w1:
+        s = w1["speedup"]["decode_p50"]
+        out.append(("WikiText-103 base, mem_len 640: >= 3x eager per token", f"{s:.1f}x", s >= 3))
+        if w1.get("floor"):
+            g = w1["floor"]["gap"]
+            out.append(("WikiText-103 base: within 1.5x of the floor", f"{g:.2f}x of {w1['floor']['floor_ms']:.1f} ms",
+                        g <= 1.5))
+    if w8:
+        s = w8["speedup"]["decode_tokens_per_s"]
+        out.append(("WikiText-103 base, batch 8: throughput >= 5x eager", f"{s:.1f}x", s >= 5))
+    for rep in reports:
+        for res in rep["results"]:
+            if res.get("speedup") and rep["settings"]["prompt_len"] == 512:
+                s = res["speedup"]["prefill"]
+                out.append((f"{rep['name']} (mem_len {res['mem_len']}, batch {res['batch']}): prefill of 512 "
+                            "tokens >= eager", f"{s:.1f}x", s >= 1))
+    return out
+
+
+def results_md(reports, bandwidth_note: str) -> str:
+    from txl_deploy.bench.profile import profile_table
+    from txl_deploy.bench.report import table
+
+    first = reports[0]
+    v, m = first["versions"], first["machine"]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `benchmarks/run_all.py` (configurations in `benchmarks/configs.json`); do not edit by hand.",
+        "",
+        f"- date: {first['date']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}, GPU: {m['gpu'] or 'none'}",
+        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, torch {v['torch']}, "
+        f"txl-deploy {v['txl_deploy']}",
+        f"- threads: {first['settings']['threads'] or 'library defaults'}; fp32 unless the name says otherwise",
+        f"- {bandwidth_note}",
+        "",
+        "How to read this: every row pair was measured in one process on the same token stream, the backend and the",
+        "PyTorch eager reference alternating per repeat (A B, B A, A B), because this machine is shared (2 cores, other",
+        "jobs running, e.g. a model being trained): absolute milliseconds move with the load, the ratios between",
+        "medians of interleaved measurements are what to compare. Decode = one token with a full memory, the full",
+        "next-token distribution; prefill = the prompt into an empty memory. `floor gap` = measured decode p50 /",
+        "((weight bytes + memory bytes read per step) / measured copy bandwidth). Stand-ins have random weights.",
+        "",
+        "## Targets",
+        "",
+        TARGETS_DOC,
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for name, value, met in targets(reports):
+        lines.append(f"| {name} | {value} | {'yes' if met else 'NO'} |")
+    for rep in reports:
+        s = rep["settings"]
+        lines += ["", f"## {rep['name']}", "",
+                  f"model `{rep['model'] if rep['source'] == 'shape' else Path(rep['model']).name}` "
+                  f"({rep['source']}), backend {s['backend']}, prompt {s['prompt_len']}, "
+                  f"{s['gen_len']} decode steps x {s['repeat']} repeats, warmup {s['warmup']}", "", "```",
+                  table(rep), "```"]
+        for res in rep["results"]:
+            if res.get("floor"):
+                f = res["floor"]
+                lines.append(f"- mem_len {res['mem_len']} batch {res['batch']}: floor {f['floor_ms']:.1f} ms = "
+                             f"({f['weight_bytes'] / 1e6:.0f} MB weights, of which output layer "
+                             f"{f['output_layer_bytes'] / 1e6:.0f} MB, + {f['memory_bytes'] / 1e6:.0f} MB memory) / "
+                             f"{f['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; measured {f['gap']:.2f}x the floor")
+        for res in rep["results"]:
+            if res.get("profile"):
+                lines += ["", f"Profile of one decode step (ONNX Runtime profiler, median of steps), mem_len "
+                              f"{res['mem_len']} batch {res['batch']}:", "", "```", profile_table(res["profile"], 10),
+                          "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
+    ap.add_argument("--threads", type=int, help="CPU threads for both sides (default: library defaults)")
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = ap.parse_args()
+    configs = json.loads((HERE / "configs.json").read_text())["configs"]
+    if args.only:
+        configs = [c for c in configs if c["name"] in args.only]
+    results_dir = HERE / "results"
+    results_dir.mkdir(exist_ok=True)
+    reports = []
+    for cfg in configs:
+        rep = run_config(cfg, args.threads)
+        if rep is None:
+            continue
+        (results_dir / f"{cfg['name']}.json").write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
+        reports.append(rep)
+    if not reports:
+        raise SystemExit("nothing ran")
+    bw = next((r["floor"]["bandwidth_bytes_per_s"] for rep in reports for r in rep["results"] if r.get("floor")), None)
+    note = (f"memory bandwidth (numpy copy, read + write, best of 7, one thread): {bw / 1e9:.1f} GB/s" if bw
+            else "memory bandwidth: not measured")
+    Path(args.out).write_text(results_md(reports, note))
+    for name, value, met in targets(reports):
+        print(f"{'ok ' if met else 'MISS'} {name}: {value}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
