@@ -154,8 +154,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
             _write_verification(tmp, info)
             if not verification["passed"]:
                 raise ExportError(
-                    f"verification failed: max abs difference {verification['max_abs_diff']:.3g} > tolerance "
-                    f"{verification['tolerance']:.3g} (top-1 agreement {verification['top1_agreement']:.4f}); "
+                    f"verification failed: max abs difference {verification['max_abs_diff']:.3g} outside "
+                    f"{verification['criterion']} (top-1 agreement {verification['top1_agreement']:.4f}); "
                     "nothing was written")
         if external:  # the weights file travels beside the model
             for extra in tmp.parent.iterdir():

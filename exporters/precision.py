@@ -32,6 +32,8 @@ import numpy as np
 from txl_deploy.errors import ExportError, InputError, OutputExistsError, TxlError
 from txl_deploy.files import atomic_path
 
+from .verify import REDUCED_KL
+
 PRECISIONS = ("fp16", "int8", "int8-dynamic")
 # Ops computed in FP32 in the fp16 graph (with everything downstream of them): see the module docstring.
 FP16_KEEP_FP32_OPS = ("LogSoftmax",)
@@ -41,7 +43,7 @@ FP16_KEEP_FP32_OPS = ("LogSoftmax",)
 # WikiText-103 base shape with random weights: int8-dynamic max abs difference 20, KL 0.07 nats, top-1 agreement
 # 0.93; a trained char model: KL 5e-5). The max abs difference is recorded as well.
 # Accuracy on real text is judged by the held-out evaluation, not by these.
-STREAM_TOLERANCE = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1}
+STREAM_TOLERANCE = REDUCED_KL  # one table for export-time checks and `txl-deploy verify`
 DEFAULT_MAX_CALIB_TOKENS = 32768
 DEFAULT_MAX_EVAL_TOKENS = 200_000
 CALIB_BATCH = 4  # the calibration text is read as this many parallel streams (each threads its own memory)
