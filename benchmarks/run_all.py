@@ -173,7 +173,9 @@ def results_md(reports, bandwidth_note: str) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
-    ap.add_argument("--threads", type=int, help="CPU threads for both sides (default: library defaults)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for both sides (default 1: on a shared 2-core machine a second intra-op "
+                         "thread mostly waits for a descheduled peer; 0 = each library's default)")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = ap.parse_args()
     configs = json.loads((HERE / "configs.json").read_text())["configs"]
@@ -183,7 +185,7 @@ def main():
     results_dir.mkdir(exist_ok=True)
     reports = []
     for cfg in configs:
-        rep = run_config(cfg, args.threads)
+        rep = run_config(cfg, args.threads or None)
         if rep is None:
             continue
         (results_dir / f"{cfg['name']}.json").write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")

@@ -46,6 +46,8 @@ class CachedTxl(nn.Module):
         self.table_size = r_table_size(cfg.clamp_len, self.mem_len, self.max_segment)
         scale = 1.0 / cfg.d_head**0.5
         p = next(model.parameters())
+        # A buffer, not a torch.tensor() per call: a host-to-device copy cannot be captured in a CUDA graph.
+        self.register_buffer("neg_inf", torch.tensor(float("-inf"), dtype=p.dtype, device=p.device), persistent=False)
         with torch.no_grad():
             sin = sinusoid(torch.arange(self.table_size, dtype=torch.float32, device=p.device), cfg.d_model)
             for i, layer in enumerate(model.layers):
@@ -93,7 +95,6 @@ class CachedTxl(nn.Module):
             keep_mem = keep_mem & (d_mem < self.window)
             keep_cur = keep_cur & (d_cur < self.window)
         keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, M], [1, 1, Q, Q]
-        neg_inf = torch.tensor(float("-inf"), dtype=self.r_w_bias_0.dtype, device=dev)
         idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, M)
         idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
 
@@ -109,8 +110,8 @@ class CachedTxl(nn.Module):
             v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
             q_w = q + getattr(self, f"r_w_bias_{i}")
             pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")  # [B, H, Q, T]
-            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), neg_inf)
-            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), neg_inf)
+            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), self.neg_inf)
+            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), self.neg_inf)
             # The softmax over [memory | segment] in two parts, normalised after the value products: no Concat of
             # the scores and no Slices of the probabilities (copies of [B, H, Q, M] per layer in a prefill).
             # s_cur always keeps the diagonal (distance 0), so `top` is finite.

@@ -37,7 +37,7 @@ def table(report: dict) -> str:
             "speedup", "floor gap")
     rows = [head]
     for res in report["results"]:
-        for label, s in res["sides"].items():
+        for label, s in sorted(res["sides"].items(), key=lambda kv: kv[0] != "candidate"):
             is_candidate = label == "candidate"
             sp = res.get("speedup") or {}
             floor = res.get("floor") if is_candidate else None
