@@ -6,8 +6,8 @@ layer's memory from one segment (detached, at most `mem_len` positions) is the e
 Adam, linear warmup then cosine decay, gradient clipping at 0.25 as in the original run scripts.
 
     python examples/prepare_kjv.py --out data/kjv
-    python examples/train_demo.py --data data/kjv --steps 4000 --batch-size 8 --threads 1 \
-        --minutes 25 --out txl_deploy/assets/demo
+    python examples/train_demo.py --data data/kjv --steps 6000 --batch-size 8 --threads 1 \
+        --minutes 22 --out txl_deploy/assets/demo
 
 writes `OUT/kjv-char/` (our checkpoint format) and `OUT/training.json` (command, seed, steps, losses, held-out
 bits per character). `--minutes` stops early if the machine is slower than expected; training.json then
@@ -97,7 +97,7 @@ def main(argv=None):
     p.add_argument("--data", default="data/kjv", help="folder with train.txt and heldout.txt (prepare_kjv.py)")
     p.add_argument("--out", default="txl_deploy/assets/demo", help="where kjv-char/ and training.json go")
     p.add_argument("--seed", type=int, default=1111, help="seed for initialisation and sampling")
-    p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the cosine schedule spans them)")
+    p.add_argument("--steps", type=int, default=6000, help="optimizer steps (the cosine schedule spans them)")
     p.add_argument("--minutes", type=float, default=25.0, help="stop early after this much training wall time")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after this many steps of the --steps schedule (reproduces a run --minutes cut short)")
