@@ -63,6 +63,29 @@ class Backend:
         pass
 
 
+def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model") -> tuple[int, dict]:
+    """Validate a saved state for a backend: the same tensor names, `mem_count` of shape [batch], and every tensor
+    of shape `shape_of(name, batch)` and dtype `dtype_of(name)`. Returns (batch, private copies of the arrays)."""
+    from txl_deploy import io_spec
+
+    names = list(names)
+    if set(arrays) != set(names):
+        raise InputError("this state does not belong to this model (its tensors differ: "
+                         f"{sorted(set(arrays) ^ set(names))[:3]})")
+    count = np.asarray(arrays[io_spec.MEM_COUNT])
+    if count.ndim != 1:
+        raise InputError(f"mem_count must be [batch], got shape {count.shape}")
+    batch = count.shape[0]
+    out = {}
+    for name in names:
+        a, want, dtype = np.asarray(arrays[name]), tuple(shape_of(name, batch)), np.dtype(dtype_of(name))
+        if a.shape != want or a.dtype != dtype:
+            raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this {what} needs {want} "
+                             f"{dtype.name}")
+        out[name] = np.array(a, copy=True)
+    return batch, out
+
+
 def _backend_for(path: Path, backend: str | None) -> str:
     if backend:
         return backend

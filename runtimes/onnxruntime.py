@@ -15,7 +15,7 @@ from txl_deploy import io_spec
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.metadata import read_onnx_info
 
-from .base import Backend
+from .base import Backend, check_state
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
@@ -85,8 +85,7 @@ class OrtBackend(Backend):
     def new_state(self, batch: int):
         arrays = {}
         for s in self.spec.state_inputs():
-            shape = tuple(batch if d == "batch" else d for d in s.shape)
-            arrays[s.name] = np.zeros(shape, dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
+            arrays[s.name] = np.zeros(s.shape_for(batch), dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
         return _DeviceState(self, arrays) if self.on_device else arrays
 
     def state_batch(self, state) -> int:
@@ -98,24 +97,10 @@ class OrtBackend(Backend):
         return state.to_numpy() if isinstance(state, _DeviceState) else dict(state)
 
     def state_from_arrays(self, arrays):
-        specs = self.spec.state_inputs()
-        names = {s.name for s in specs}
-        if set(arrays) != names:
-            raise InputError("this state does not belong to this model (its tensors differ: "
-                             f"{sorted(set(arrays) ^ names)[:3]})")
-        count = np.asarray(arrays[io_spec.MEM_COUNT])
-        if count.ndim != 1:
-            raise InputError(f"mem_count must be [batch], got shape {count.shape}")
-        batch = count.shape[0]
-        out = {}
-        for s in specs:
-            want = tuple(batch if d == "batch" else d for d in s.shape)
-            a = np.asarray(arrays[s.name])
-            dtype = np.int64 if s.dtype == "int64" else self.float_dtype
-            if a.shape != want or a.dtype != dtype:
-                raise InputError(f"state tensor {s.name} has shape {a.shape} {a.dtype}, this model needs "
-                                 f"{want} {np.dtype(dtype).name}")
-            out[s.name] = np.array(a, copy=True)
+        specs = {s.name: s for s in self.spec.state_inputs()}
+        _, out = check_state(
+            arrays, specs, lambda n, b: specs[n].shape_for(b),
+            lambda n: np.int64 if specs[n].dtype == "int64" else self.float_dtype)
         return _DeviceState(self, out) if self.on_device else out
 
     def reset_rows(self, state, rows):

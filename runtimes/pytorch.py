@@ -15,7 +15,7 @@ import numpy as np
 from txl_deploy import io_spec
 from txl_deploy.errors import InputError
 
-from .base import Backend
+from .base import Backend, check_state
 
 
 def _load(path, device, mem_len, overrides=None):
@@ -241,47 +241,8 @@ class TorchCachedBackend(_TorchBase):
         return {k: v.cpu().numpy() for k, v in state.items()}
 
     def state_from_arrays(self, arrays):
-        names = [s.name for s in self.spec.state_inputs()]
-        if set(arrays) != set(names):
-            raise InputError("this state does not belong to this model (its tensors differ)")
-        batch = np.asarray(arrays[io_spec.MEM_COUNT]).shape[0]
-        for s in self.spec.state_inputs():
-            want = tuple(batch if d == "batch" else d for d in s.shape)
-            if tuple(arrays[s.name].shape) != want:
-                raise InputError(f"state tensor {s.name} has shape {arrays[s.name].shape}, needs {want}")
-        return {k: self._tensor(np.array(arrays[k], copy=True)) for k in names}
-
-
-class _DecodeGraph:  # pragma: no cover - needs a GPU; the captured work is `_step`, which the CPU tests run
-    """Static token/position inputs and a captured `_step` (forward + in-place ring write + counter)."""
-
-    def __init__(self, backend, state):
-        import torch
-
-        self.backend = backend
-        batch = state[io_spec.MEM_COUNT].shape[0]
-        dev = backend.device
-        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
-        # Warm-up runs (cuBLAS handles, allocator pools) mutate the memory: keep a copy and put it back.
-        saved = {k: v.clone() for k, v in state.items()}
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                backend._step(self.tokens, self.positions, state)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        for k, v in state.items():
-            v.copy_(saved[k])
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # recorded, not executed: the state is untouched here
-            self.log_probs = backend._step(self.tokens, self.positions, state)
-        torch.cuda.synchronize(dev)
-
-    def replay(self, tokens, out_positions):
-        import torch
-
-        self.tokens.copy_(torch.from_numpy(np.array(tokens, dtype=np.int64)))
-        self.positions.copy_(torch.from_numpy(np.array(out_positions, dtype=np.int64)))
-        self.graph.replay()
-        return self.log_probs.float().cpu().numpy()
+        specs = {s.name: s for s in self.spec.state_inputs()}
+        _, out = check_state(
+            arrays, specs, lambda n, b: specs[n].shape_for(b),
+            lambda n: np.int64 if specs[n].dtype == "int64" else np.float32)
+        return {k: self._tensor(v) for k, v in out.items()}

@@ -28,7 +28,7 @@ from txl_deploy.exporters.tensorrt import import_tensorrt, load_engine
 from txl_deploy.metadata import ExportInfo
 from txl_deploy.vocab import Vocab
 
-from .base import Backend
+from .base import Backend, check_state
 
 
 def _cudart():
@@ -193,22 +193,8 @@ class TensorRTBackend(Backend):
         return out
 
     def state_from_arrays(self, arrays):
-        names = set(self.state_names)
-        if set(arrays) != names:
-            raise InputError("this state does not belong to this model (its tensors differ: "
-                             f"{sorted(set(arrays) ^ names)[:3]})")
-        count = np.asarray(arrays[io_spec.MEM_COUNT])
-        if count.ndim != 1:
-            raise InputError(f"mem_count must be [batch], got shape {count.shape}")
-        batch = count.shape[0]
+        batch, checked = check_state(arrays, self.state_names, self._shape, lambda n: self.tensors[n][1], "engine")
         self._check_batch(batch)
-        checked = {}
-        for name in self.state_names:
-            a, want, dtype = np.asarray(arrays[name]), self._shape(name, batch), self.tensors[name][1]
-            if a.shape != want or a.dtype != dtype:
-                raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this engine needs "
-                                 f"{want} {dtype.name}")
-            checked[name] = a
         state = _TrtState(self, batch)
         keep = [self._upload(state.cur[n].ptr, a) for n, a in checked.items()]
         self._sync()

@@ -52,6 +52,10 @@ class TensorSpec:
     shape: tuple  # ints, or strings naming dynamic axes ("batch", "segment", "positions")
     dtype: str  # numpy dtype name; "float" means the graph's float type (float32 or float16)
 
+    def shape_for(self, batch: int) -> tuple:
+        """The concrete shape of a state tensor for `batch` rows (state tensors have only the batch axis dynamic)."""
+        return tuple(batch if d == "batch" else d for d in self.shape)
+
 
 @dataclass(frozen=True)
 class GraphSpec:
