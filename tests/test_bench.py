@@ -154,3 +154,20 @@ def test_profile_summarises_a_decode_step(tiny_onnx):
     assert "MatMul" in ops and ops["MatMul"]["calls_per_step"] >= 2 * 2  # at least q@K and p@V per layer
     assert sum(o["share"] for o in prof["ops"]) == pytest.approx(1.0)
     assert prof["step_ms"] > 0
+
+
+def test_cached_exports_follow_the_checkpoint(tiny_ckpt, tmp_path):
+    """A checkpoint retrained in place must not be benchmarked through its stale cached export."""
+    import os
+    import shutil
+
+    from txl_deploy.bench.standin import _content_key
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    before = _content_key(ckpt)
+    assert _content_key(ckpt) == before
+    weights = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert _content_key(ckpt) != before

@@ -69,8 +69,17 @@ def standin_onnx(checkpoint, cache_dir, mem_len: int, state: str = "incremental"
     from txl_deploy.exporters.onnx import export_onnx
 
     checkpoint = Path(checkpoint)
-    path = Path(cache_dir) / f"{checkpoint.name}-m{mem_len}-s{max_segment}-{state}.onnx"
+    path = Path(cache_dir) / f"{checkpoint.name}-{_content_key(checkpoint)}-m{mem_len}-s{max_segment}-{state}.onnx"
     if not path.exists():
         export_onnx(checkpoint, path, mem_len=mem_len, state=state, max_segment=max_segment, verify=False,
                     log=log)
     return path
+
+
+def _content_key(checkpoint: Path) -> str:
+    """Changes whenever the checkpoint's files do (names, sizes, modification times): a model retrained in place
+    is exported again instead of being benchmarked through a stale cached export."""
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
+    stats = [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size,
+              p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:10]
