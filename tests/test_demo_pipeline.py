@@ -53,13 +53,15 @@ def test_eval_command_reproduces_the_heldout_bpc_in_the_readme(demo_onnx, tmp_pa
 
 def test_demo_command_runs_the_whole_pipeline(tmp_path):
     out = tmp_path / "run"
-    r = CliRunner().invoke(main, ["demo", "--out", str(out), "--max-new-tokens", "40", "--eval-chars", "3000"])
+    r = CliRunner().invoke(main, ["demo", "--out", str(out), "--max-new-tokens", "40", "--eval-chars", "3000",
+                                  "--parity-chars", "500"])
     assert r.exit_code == 0, r.output
     for name in ("model.onnx", "sample.txt", "bench.json", "summary.json"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verification"]["passed"]
-    assert summary["eval"]["onnxruntime"] == pytest.approx(summary["eval"]["torch"], abs=1e-3)
+    parity = summary["eval"]["parity"]
+    assert parity["onnxruntime"] == pytest.approx(parity["torch"], abs=1e-3)
     assert summary["bench"][0]["speedup"]["decode_p50"] > 0
     assert (out / "sample.txt").read_text().startswith("And God said")
     # a second run into the same folder needs --force: nothing is overwritten silently
