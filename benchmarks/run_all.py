@@ -203,6 +203,14 @@ def main():
             f"configuration: {min(bws):.1f} to {max(bws):.1f} GB/s (it moves with the other jobs' load; each floor "
             "uses its own configuration's value)" if bws else "memory bandwidth: not measured")
     Path(args.out).write_text(results_md(reports, note))
+    try:  # latency against memory length and batch size, where matplotlib is installed
+        from txl_deploy.bench.report import plot
+
+        for rep in reports:
+            if len(rep["results"]) > 1:
+                plot(rep, results_dir / f"{rep['name']}.png", force=True)
+    except Exception as e:  # the plot is a convenience; the table and JSON are the results
+        print(f"no plots ({e})", file=sys.stderr)
     for name, value, met in targets(reports):
         print(f"{'ok ' if met else 'MISS'} {name}: {value}")
     print(f"wrote {args.out}")
