@@ -63,7 +63,15 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
     b = torch.export.Dim("batch", min=1, max=65536)
     q = torch.export.Dim("segment", min=1, max=65536)
     pos = torch.export.Dim("positions", min=1, max=65536)
-    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple({0: b} for _ in state))
+    state_dims = [{0: b} for _ in state]
+    if spec.state == "incremental" and spec.mem_len >= 2:
+        # The slot axis of an incremental graph is dynamic too: the runtimes feed a 1-slot memory to a prompt
+        # into an empty memory (see CachedTxl.forward). Full-state graphs keep every state shape static.
+        slots = torch.export.Dim("slots", min=1, max=spec.mem_len)
+        for i in range(spec.n_layer):
+            state_dims[2 * i][3] = slots  # mem_k.i [B, H, d_head, slots]
+            state_dims[2 * i + 1][2] = slots  # mem_v.i [B, H, slots, d_head]
+    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
     # torch.onnx logs registry warnings (torchvision ops absent, ...) that say nothing about this model.
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level

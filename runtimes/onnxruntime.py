@@ -69,6 +69,9 @@ class OrtBackend(Backend):
             raise CheckpointError(path, f"graph lacks the inputs its metadata declares ({', '.join(missing[:3])})")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
+        # Incremental graphs take a 1-slot memory for streams that have consumed nothing (cached.CachedTxl).
+        self.fresh_prefill = self.spec.state == "incremental" and isinstance(inputs[io_spec.mem_k(0)].shape[3], str)
+        self._one_slot = {}
         on_gpu = self.session.get_providers()[0] in _GPU_PROVIDERS
         self.on_device = on_gpu and self.spec.state == "full"
         if on_gpu and not self.on_device:
@@ -121,6 +124,8 @@ class OrtBackend(Backend):
         if isinstance(state, _DeviceState):
             return state.run(tokens, out_positions)
         feeds = dict(state)
+        if self.fresh_prefill and not state[io_spec.MEM_COUNT].any():
+            feeds.update(self._empty_memory(tokens.shape[0]))
         feeds[io_spec.TOKENS], feeds[io_spec.OUT_POSITIONS] = tokens, out_positions
         outs = self.session.run(self.output_names, feeds)
         # Commit only after the run succeeded: a failed call leaves the memory as it was.
@@ -130,6 +135,16 @@ class OrtBackend(Backend):
             for name, value in zip(self.output_names[1:], outs[1:]):
                 state[_input_for(name)] = value
         return outs[0] if outs[0].dtype == np.float32 else outs[0].astype(np.float32)
+
+    def _empty_memory(self, batch: int) -> dict:
+        """1-slot zero buffers standing in for an empty memory (allocated once per batch size)."""
+        if batch not in self._one_slot:
+            spec, empty = self.spec, {}
+            for i in range(spec.n_layer):
+                empty[io_spec.mem_k(i)] = np.zeros(spec.k_shape(batch, slots=1), dtype=self.float_dtype)
+                empty[io_spec.mem_v(i)] = np.zeros(spec.v_shape(batch, slots=1), dtype=self.float_dtype)
+            self._one_slot[batch] = empty
+        return self._one_slot[batch]
 
 
 def _input_for(output_name: str) -> str:

@@ -65,10 +65,44 @@ def test_graph_is_static_and_self_describing(tiny_onnx):
     assert info.verification["passed"] and info.verification["max_abs_diff"] <= TOL
     names = [i.name for i in model.graph.input]
     assert names[:3] == ["tokens", "out_positions", "mem_k.0"] and names[-1] == "mem_count"
-    # every state tensor has a static shape apart from the batch: no zero-size tensors at step 0
+    # state tensors: batch-first, no zero-size dimension; besides the batch only the slot axis of an incremental
+    # graph is dynamic (a 1-slot memory for empty streams); a full-state graph is static apart from the batch
     for vi in model.graph.input[2:]:
         dims = vi.type.tensor_type.shape.dim
-        assert dims[0].dim_param and all(d.dim_value > 0 for d in dims[1:])
+        assert dims[0].dim_param
+        fixed = [d.dim_value for d in dims[1:] if not d.dim_param]
+        assert all(v > 0 for v in fixed) and len(fixed) >= len(dims) - 2
+        if vi.name.startswith(("mem_k.", "mem_v.")):
+            slot_axis = 3 if vi.name.startswith("mem_k") else 2
+            assert dims[slot_axis].dim_param == "slots"
+
+
+def test_full_state_graph_is_static_apart_from_the_batch(tiny_onnx_full):
+    import onnx
+
+    model = onnx.load(str(tiny_onnx_full))
+    for vi in list(model.graph.input)[2:] + list(model.graph.output)[1:]:
+        dims = vi.type.tensor_type.shape.dim
+        assert dims[0].dim_param and all(d.dim_value > 0 for d in dims[1:]), vi.name
+
+
+def test_prompt_into_an_empty_memory_uses_one_slot_and_matches(ort_rt, ref_rt):
+    """Streams that have consumed nothing are fed a 1-slot memory (no scores against mem_len masked slots)."""
+    seen = []
+    run = ort_rt.backend.session.run
+
+    def spy(names, feeds):
+        seen.append(feeds["mem_k.0"].shape[-1])
+        return run(names, feeds)
+
+    tokens = np.random.default_rng(9).integers(0, 60, (2, 30))
+    ort_rt.backend.session.run = spy
+    try:
+        got = _one_pass(ort_rt, tokens)
+    finally:
+        del ort_rt.backend.session.run
+    assert seen == [1, 12]  # the first piece (16 tokens) from an empty memory, then the 12-slot ring
+    np.testing.assert_allclose(got, _one_pass(ref_rt, tokens), atol=TOL, rtol=0)
 
 
 def test_export_longer_memory_than_training(tiny_ckpt, tmp_path):

@@ -83,19 +83,23 @@ class CachedTxl(nn.Module):
         dev = tokens.device
 
         # -- positions and masks, shared by all layers ------------------------------------------------------
-        slot = torch.arange(M, device=dev)
-        age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, M]
+        # S = M normally. An incremental graph also accepts a 1-slot memory for rows that have consumed nothing
+        # (mem_count 0): a prompt into an empty memory then skips scores against mem_len masked slots (half of a
+        # 512-token prefill at mem_len 2100). Ages are still taken modulo mem_len, so the slot is masked.
+        S = mems[0].shape[-1]
+        slot = torch.arange(S, device=dev)
+        age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, S]
         age = torch.where(age < 0, age + M, age)
         qpos = torch.arange(Q, device=dev)
-        d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, M]
+        d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, S]
         d_cur = qpos[:, None] - qpos[None, :]  # [Q, Q]
-        keep_mem = (age < mem_count[:, None])[:, None, :]  # [B, 1, M]: slot written since the last reset
+        keep_mem = (age < mem_count[:, None])[:, None, :]  # [B, 1, S]: slot written since the last reset
         keep_cur = d_cur >= 0  # causal
         if self.window is not None:
             keep_mem = keep_mem & (d_mem < self.window)
             keep_cur = keep_cur & (d_cur < self.window)
-        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, M], [1, 1, Q, Q]
-        idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, M)
+        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, S], [1, 1, Q, Q]
+        idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
         idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
 
         h = self.word_emb(tokens)
