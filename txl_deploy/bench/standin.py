@@ -77,9 +77,14 @@ def standin_onnx(checkpoint, cache_dir, mem_len: int, state: str = "incremental"
 
 
 def _content_key(checkpoint: Path) -> str:
-    """Changes whenever the checkpoint's files do (names, sizes, modification times): a model retrained in place
-    is exported again instead of being benchmarked through a stale cached export."""
+    """Changes whenever the checkpoint's files do (names, sizes, modification times) or the code that writes the
+    graph does: a model retrained in place, or a new exporter, is exported again instead of being benchmarked
+    through a stale cached export."""
+    import txl_deploy.cached
+    import txl_deploy.exporters.onnx
+
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
     stats = [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size,
               p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:10]
+    code = [Path(m.__file__).read_bytes().hex() for m in (txl_deploy.cached, txl_deploy.exporters.onnx)]
+    return hashlib.sha256(json.dumps([stats, code]).encode()).hexdigest()[:10]
