@@ -168,6 +168,13 @@ def results_md(reports, bandwidth_note: str) -> str:
                 lines += ["", f"Profile of one decode step (ONNX Runtime profiler, median of steps), mem_len "
                               f"{res['mem_len']} batch {res['batch']}:", "", "```", profile_table(res["profile"], 10),
                           "```"]
+    # Results written by the other benchmark scripts, included so RESULTS.md holds every measured figure.
+    for name, script in (("results_precision.md", "precision.py"), ("results_triton.md", "triton_load.py")):
+        part = HERE / name
+        if part.is_file():
+            text = part.read_text(encoding="utf-8").strip().splitlines()
+            lines += ["", f"<!-- from benchmarks/{name}, written by benchmarks/{script} -->",
+                      *("#" + ln if ln.startswith("#") else ln for ln in text)]
     return "\n".join(lines) + "\n"
 
 
