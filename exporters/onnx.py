@@ -22,7 +22,6 @@ from txl_deploy.metadata import ExportInfo
 
 DEFAULT_OPSET = 18
 DEFAULT_MAX_SEGMENT = 512
-FORBIDDEN_OPS = {"If", "Loop", "Scan", "NonZero"}  # data-dependent control flow / shapes break TensorRT and CUDA graphs
 EXTERNAL_DATA_BYTES = 2_000_000_000  # protobuf's 2 GB limit
 
 
@@ -31,25 +30,6 @@ class ExportResult:
     path: Path
     info: ExportInfo
     verification: dict | None
-
-
-def check_graph(model_proto) -> list[str]:
-    """Problems that make a graph unfit for the static-shape runtimes: forbidden ops, zero-size tensors, low opset."""
-    problems = []
-    opset = max((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), default=0)
-    if opset < 17:
-        problems.append(f"opset {opset} < 17")
-    for node in model_proto.graph.node:
-        if node.op_type in FORBIDDEN_OPS:
-            problems.append(f"node {node.name or '?'} is a {node.op_type}")
-    for init in model_proto.graph.initializer:
-        if any(d == 0 for d in init.dims):
-            problems.append(f"initializer {init.name} has a zero-size dimension {list(init.dims)}")
-    for vi in list(model_proto.graph.input) + list(model_proto.graph.output):
-        dims = vi.type.tensor_type.shape.dim
-        if any(d.HasField("dim_value") and d.dim_value == 0 for d in dims):
-            problems.append(f"graph I/O {vi.name} has a zero-size dimension")
-    return problems
 
 
 def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
@@ -149,9 +129,12 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
             program.model.metadata_props[key] = value
         external = n_bytes >= EXTERNAL_DATA_BYTES
         program.save(str(tmp), external_data=external)
-        problems = _check_saved(tmp)
-        if problems:
-            raise ExportError(f"the exported graph is not portable: {'; '.join(problems)}")
+        # Every export must stay inside what TensorRT 10.x/11.x parse (no control flow, no zero-size tensors, ...):
+        # the same graph serves ONNX Runtime, TensorRT and Triton.
+        from .trt_compat import check_tensorrt_compat
+
+        check_tensorrt_compat(str(tmp)).raise_if_failed()
+        log("  graph checked: opset, operators and shapes fit TensorRT 10.x and 11.x")
         verification = None
         if verify:
             from .verify import verify_export
@@ -176,12 +159,6 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
                     os.replace(extra, dest)
     log(f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
-
-
-def _check_saved(path) -> list[str]:
-    import onnx
-
-    return check_graph(onnx.load(str(path), load_external_data=False))
 
 
 def _write_verification(path, info: ExportInfo):
