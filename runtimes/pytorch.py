@@ -182,8 +182,25 @@ class TorchCachedBackend(_TorchBase):
                 graph = self._decode_graph(state)
                 if graph is not None:
                     return graph.replay(tokens, out_positions)
-            log_probs = self._step(self._tensor(tokens), self._tensor(out_positions), state)
+            x, pos = self._tensor(tokens), self._tensor(out_positions)
+            count = state[io_spec.MEM_COUNT]
+            if tokens.shape[1] > 1 and not bool(count.any()):
+                # A prompt into an empty memory attends a 1-slot stand-in, not mem_len masked slots (CachedTxl)
+                outs = self.cached(x, pos, *self._empty_memory(tokens.shape[0]), count)
+                self._write_ring(state, outs[1:], tokens.shape[1])
+                log_probs = outs[0]
+            else:
+                log_probs = self._step(x, pos, state)
         return log_probs.float().cpu().numpy()
+
+    def _empty_memory(self, batch):
+        import torch
+
+        spec, mems = self.spec, []
+        for _ in range(spec.n_layer):
+            mems.append(torch.zeros(spec.k_shape(batch, slots=1), device=self.device))
+            mems.append(torch.zeros(spec.v_shape(batch, slots=1), device=self.device))
+        return mems
 
     def _step(self, tokens, out_positions, state):
         """One call of the cached model, ring write included: all on the device, no host sync (CUDA-graph safe)."""
