@@ -13,6 +13,7 @@ runtime per thread).
 
 from __future__ import annotations
 
+import abc
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -25,7 +26,7 @@ from txl_deploy.errors import CheckpointError, InputError
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
 
 
-class Backend:
+class Backend(abc.ABC):
     """What a backend implements. `state` is opaque to the runtime."""
 
     name = "?"
@@ -35,29 +36,35 @@ class Backend:
     max_segment = 512
     precision = "fp32"
 
+    @abc.abstractmethod
     def fingerprint(self) -> str:
-        raise NotImplementedError
+        """Identifies the model and state layout: a saved state loads only where the fingerprint matches."""
 
+    @abc.abstractmethod
     def new_state(self, batch: int):
-        raise NotImplementedError
+        """An empty memory for `batch` independent streams."""
 
+    @abc.abstractmethod
     def state_batch(self, state) -> int:
-        raise NotImplementedError
+        """Rows of `state`."""
 
+    @abc.abstractmethod
     def run(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
         """tokens [B, Q] int64 (Q <= max_segment), out_positions [B, P] int64 -> log_probs [B, P, V] float32.
 
         Advances `state` by Q tokens, only once the computation has succeeded."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reset_rows(self, state, rows: np.ndarray):
-        raise NotImplementedError
+        """Empty the memory of these rows only."""
 
+    @abc.abstractmethod
     def state_arrays(self, state) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """The state as host numpy arrays (for save_state)."""
 
+    @abc.abstractmethod
     def state_from_arrays(self, arrays: dict[str, np.ndarray]):
-        raise NotImplementedError
+        """A state from save_state's arrays, validated (see check_state)."""
 
     def close(self):
         pass
