@@ -404,3 +404,18 @@ def test_onnxruntime_backend_runs_without_torch(tiny_onnx):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_large_models_write_external_data_beside_the_model(tiny_ckpt, tmp_path, monkeypatch):
+    """Weights over protobuf's 2 GB limit go to a data file next to the .onnx; both land together, atomically."""
+    from txl_deploy.exporters import onnx as onnx_exporter
+
+    monkeypatch.setattr(onnx_exporter, "EXTERNAL_DATA_BYTES", 0)  # treat the tiny model as a large one
+    out = tmp_path / "big.onnx"
+    result = onnx_exporter.export_onnx(tiny_ckpt, out, max_segment=16, log=lambda *a: None)
+    assert result.verification["passed"]
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written[0] == "big.onnx" and len(written) == 2 and written[1].startswith("big.onnx")
+    assert out.stat().st_size < 200_000  # the graph only; the weights are in the data file
+    rt = TxlRuntime.load(out)
+    assert rt.step([[1, 2, 3]]).shape == (1, 3, 60)
