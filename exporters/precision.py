@@ -293,27 +293,15 @@ def quantize_int8_dynamic(fp32_path, out_path, per_channel: bool = False):
 # -- checking a reduced graph against fp32 ---------------------------------------------------------------------
 def compare_to_fp32(rt, rt32, batch: int = 2, seed: int = 0) -> dict:
     """Both graphs on the same random multi-segment stream (partly empty memory, decode, prefill, ring wrap)."""
-    from .verify import verification_segments
+    from .verify import compare_steps, verification_segments
 
     segments = verification_segments(rt.mem_len, rt.backend.max_segment)
-    tokens = np.random.default_rng(seed).integers(0, rt.n_token, size=(batch, sum(segments)), dtype=np.int64)
     rt.reset(), rt32.reset()
-    worst, kl, agree, total, pos = 0.0, 0.0, 0, 0, 0
-    for q in segments:
-        seg = tokens[:, pos:pos + q]
-        a, b = rt.step(seg), rt32.step(seg)
-        if not np.isfinite(a).all():
-            worst = kl = float("inf")
-        else:
-            a, b = a.astype(np.float64), b.astype(np.float64)
-            worst = max(worst, float(np.abs(a - b).max()))
-            kl += float((np.exp(b) * (b - a)).sum())
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.shape[0] * a.shape[1]
-        pos += q
-    rt.reset(), rt32.reset()
-    return {"kl_divergence": kl / total, "max_abs_diff": worst, "top1_agreement": agree / total, "tokens": total,
-            "batch": batch, "segments": list(segments), "reference": "fp32 graph (ONNX Runtime CPU)"}
+    try:
+        report = compare_steps(rt.step, rt32.step, rt.n_token, segments, batch, seed)
+    finally:
+        rt.reset(), rt32.reset()
+    return {**report, "reference": "fp32 graph (ONNX Runtime CPU)"}
 
 
 def evaluate_against_fp32(rt, rt32, ids: np.ndarray, seg: int, progress=True) -> dict:

@@ -26,32 +26,46 @@ def verification_segments(mem_len: int, max_segment: int) -> list[int]:
     return segs
 
 
-def compare_stream(runtime, reference_model, batch: int = 2, seed: int = 0, segments=None) -> dict:
-    """Feed the same random stream to `runtime` (a TxlRuntime) and `reference_model` (MemTransformerLM)."""
-    import torch
-
-    cfg = runtime.config
-    segments = segments or verification_segments(runtime.mem_len, runtime.backend.max_segment)
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, cfg.n_token, size=(batch, sum(segments)), dtype=np.int64)
-    runtime.reset()
-    mems, pos, worst, ratio, kl, agree, total = None, 0, 0.0, 0.0, 0.0, 0, 0
-    with torch.no_grad():
-        for q in segments:
-            seg = tokens[:, pos:pos + q]
-            ref, mems = reference_model(torch.from_numpy(seg), mems)
-            ref = ref.double().numpy()
-            got = runtime.step(seg).astype(np.float64)
+def compare_steps(step, reference_step, n_token: int, segments, batch: int = 2, seed: int = 0) -> dict:
+    """Feed one random stream, segment by segment, to two stateful callables `tokens [B, Q] -> log_probs [B, Q, V]`
+    (each threading its own memory) and measure how far `step` is from `reference_step`."""
+    tokens = np.random.default_rng(seed).integers(0, n_token, size=(batch, sum(segments)), dtype=np.int64)
+    pos, worst, ratio, kl, agree, total = 0, 0.0, 0.0, 0.0, 0, 0
+    for q in segments:
+        seg = tokens[:, pos:pos + q]
+        ref = np.asarray(reference_step(seg), dtype=np.float64)
+        got = np.asarray(step(seg), dtype=np.float64)
+        if not np.isfinite(got).all():  # overflow in reduced precision: no distance is meaningful any more
+            worst = ratio = kl = float("inf")
+        elif np.isfinite(kl):
             diff = np.abs(got - ref)
             worst = max(worst, float(diff.max()))
             ratio = max(ratio, float((diff / (FP32_ATOL + FP32_RTOL * np.abs(ref))).max()))
             kl += float((np.exp(ref) * (ref - got)).sum())
-            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-            total += got.shape[0] * got.shape[1]
-            pos += q
-    runtime.reset()
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += got.shape[0] * got.shape[1]
+        pos += q
     return {"max_abs_diff": worst, "allclose_ratio": ratio, "kl_divergence": kl / total,
             "top1_agreement": agree / total, "tokens": total, "batch": batch, "segments": list(segments)}
+
+
+def compare_stream(runtime, reference_model, batch: int = 2, seed: int = 0, segments=None) -> dict:
+    """Feed the same random stream to `runtime` (a TxlRuntime) and `reference_model` (MemTransformerLM)."""
+    import torch
+
+    segments = segments or verification_segments(runtime.mem_len, runtime.backend.max_segment)
+    state = {"mems": None}
+
+    @torch.no_grad()
+    def reference_step(seg):
+        log_probs, state["mems"] = reference_model(torch.from_numpy(seg), state["mems"])
+        return log_probs.numpy()
+
+    runtime.reset()
+    try:
+        return compare_steps(runtime.step, reference_step, runtime.config.n_token, segments, batch, seed)
+    finally:
+        runtime.reset()
 
 
 def judge(report: dict, precision: str, tolerance: float | None = None) -> dict:
