@@ -17,7 +17,7 @@ from pathlib import Path
 
 from txl_deploy import __version__
 from txl_deploy.errors import ExportError, TxlError
-from txl_deploy.files import atomic_path
+from txl_deploy.files import atomic_path, check_writable
 from txl_deploy.metadata import ExportInfo
 
 DEFAULT_OPSET = 18
@@ -83,11 +83,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
     from txl_deploy.checkpoints import LoadedModel, load_model
     from txl_deploy.checkpoints.weights import weights_sha256
 
-    out_path = Path(out_path)
-    if out_path.exists() and not force:
-        from txl_deploy.errors import OutputExistsError
-
-        raise OutputExistsError(out_path)
+    out_path = check_writable(out_path, force)
     if opset < 17:
         raise ExportError(f"opset {opset} is too old: the exported graph needs opset >= 17 (LayerNormalization)")
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
@@ -151,12 +147,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
         if external:  # the weights file travels beside the model
             for extra in tmp.parent.iterdir():
                 if extra.name != tmp.name and extra.name.startswith(tmp.name):
-                    dest = out_path.parent / extra.name
-                    if dest.exists() and not force:
-                        from txl_deploy.errors import OutputExistsError
-
-                        raise OutputExistsError(dest)
-                    os.replace(extra, dest)
+                    os.replace(extra, check_writable(out_path.parent / extra.name, force))
     log(f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.errors import ExportError, InputError, OutputExistsError, TxlError
-from txl_deploy.files import atomic_path
+from txl_deploy.errors import ExportError, InputError, TxlError
+from txl_deploy.files import atomic_path, check_writable
 
 from .verify import REDUCED_KL
 
@@ -363,8 +363,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
     out_path = Path(out_path)
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    if out_path.exists() and not force:
-        raise OutputExistsError(out_path)
+    check_writable(out_path, force)
     info = read_onnx_info(fp32_path)
     if info.precision != "fp32":
         raise ExportError(f"{fp32_path}: is a {info.precision} graph; reduced precision starts from an fp32 export")
@@ -474,8 +473,7 @@ def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=No
     out_path = Path(out_path)
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)} (or fp32)")
-    if out_path.exists() and not force:
-        raise OutputExistsError(out_path)
+    check_writable(out_path, force)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     # Check the user's data before the (minutes-long for big models) fp32 export.
     cfg = loaded.config
