@@ -37,6 +37,17 @@ def _load(path, device, mem_len, overrides=None):
 
 
 class _TorchBase(Backend):
+    @classmethod
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
+        self = cls()
+        loaded, model, device = _load(path, device, mem_len, overrides)
+        self._init_common(loaded, model, device, max_segment)
+        self._prepare()
+        return self
+
+    def _prepare(self):
+        """What a backend builds on top of the loaded reference model."""
+
     def _init_common(self, loaded, model, device, max_segment):
         from txl_deploy.checkpoints.weights import weights_sha256
         from txl_deploy.metadata import ExportInfo
@@ -60,13 +71,6 @@ class TorchEagerBackend(_TorchBase):
     (after `reset(rows)`), in which case rows of different memory lengths run one at a time."""
 
     name = "torch"
-
-    @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
-        self = cls()
-        loaded, model, device = _load(path, device, mem_len, overrides)
-        self._init_common(loaded, model, device, max_segment)
-        return self
 
     def fingerprint(self):
         return f"hidden-{self._fp}"
@@ -152,17 +156,12 @@ class TorchCachedBackend(_TorchBase):
 
     name = "torch-fast"
 
-    @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
+    def _prepare(self):
         from txl_deploy.cached import CachedTxl
 
-        self = cls()
-        loaded, model, device = _load(path, device, mem_len, overrides)
-        self._init_common(loaded, model, device, max_segment)
-        self.cached = CachedTxl(model, self.mem_len, state="incremental", max_segment=self.max_segment).eval()
+        self.cached = CachedTxl(self.model, self.mem_len, state="incremental", max_segment=self.max_segment).eval()
         self.spec = self.cached.spec
         self._graphs = {}  # CUDA graphs of the decode step, by state buffers (GPU only)
-        return self
 
     def fingerprint(self):
         return f"kv-{self._fp}-float32"
