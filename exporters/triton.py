@@ -312,7 +312,7 @@ def readme_text(model: ServedModel, opts: RepoOptions) -> str:
     live = opts.max_sequences * opts.instances
     name = opts.name
     if opts.backend == "python":
-        start = f"""The `python` backend serves `TxlRuntime` inside Triton's Python backend. The Python that runs it
+        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend. The Python that runs it
 needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
 
 - Without Docker (Triton 2.51 from the `nvidia-pytriton` wheel, which bundles the Python backend):
