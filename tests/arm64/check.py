@@ -111,10 +111,10 @@ def guest(work: Path, cpu: str):
         sys.exit(f"error: the guest runs on {platform.machine()}, expected aarch64 (is it running under QEMU?)")
     part = cpu_part()
     if part is None:
-        # QEMU before version 8 passes the host's x86 /proc/cpuinfo through; onnxruntime's CPU detection then
-        # crashes on import instead of reporting anything
-        sys.exit("error: the guest's /proc/cpuinfo is not an ARM one; this QEMU is too old (use QEMU 8 or later, "
-                 "e.g. Debian bookworm-backports' qemu-user)")
+        # Older QEMU (Debian bookworm's 7.2) passes the host's x86 /proc/cpuinfo through; onnxruntime's CPU
+        # detection then dies of a segmentation fault on import instead of reporting anything
+        sys.exit("error: the guest's /proc/cpuinfo is not an ARM one (this QEMU passes the host's through, and "
+                 "onnxruntime would crash on import); use a newer QEMU, e.g. Debian bookworm-backports' qemu-user 10")
     if cpu in CPU_PARTS and part != CPU_PARTS[cpu]:
         sys.exit(f"error: asked QEMU for {cpu} (CPU part {CPU_PARTS[cpu]}), the guest reports CPU part {part}")
     if importlib.util.find_spec("torch") is not None:
@@ -215,7 +215,7 @@ def main():
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("reference")
     r.add_argument("work", type=Path)
-    r.add_argument("--eval-chars", type=int, default=512)
+    r.add_argument("--eval-chars", type=int, default=256)
     g = sub.add_parser("guest")
     g.add_argument("work", type=Path)
     g.add_argument("cpu")

@@ -12,19 +12,20 @@
 #   - PyPI's aarch64 wheels of our runtime dependencies (numpy, onnx, onnxruntime, click, tqdm) at the versions
 #     installed on this side, so both sides run the same ONNX Runtime; no torch.
 # Each piece is keyed by its versions; our own wheel is built from the checkout on every run.
-# TXL_ARM64_QEMU=/path/to/qemu-aarch64 uses another QEMU (8 or later); TXL_ARM64_DEBIAN_MIRROR and
-# TXL_ARM64_DEBIAN_SECURITY override the Debian mirrors (default: the ones in /etc/apt, else deb.debian.org).
+# TXL_ARM64_QEMU=/path/to/qemu-aarch64 uses another QEMU (one that emulates an ARM /proc/cpuinfo);
+# TXL_ARM64_DEBIAN_MIRROR and TXL_ARM64_DEBIAN_SECURITY override the Debian mirrors (default: the ones in
+# /etc/apt, else deb.debian.org).
 # Whatever stops the check (a failed download, a missing tool, a mismatch) is an error, never a skip.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 CPUS=cortex-a72,cortex-a76
-EVAL_CHARS=512
+EVAL_CHARS=256
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpus) CPUS=$2; shift 2 ;;
         --eval-chars) EVAL_CHARS=$2; shift 2 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
