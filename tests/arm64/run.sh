@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-CACHE=${TXL_ARM64_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/txl-deploy/arm64}
+CACHE=${TXL_ARM64_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/txl-deploy/arm64}
 HOST_PY=$REPO/.venv/bin/python
 SUITE=bookworm
 START=$(date +%s)
@@ -95,7 +95,8 @@ unpack() {
     # Absolute symlinks (e.g. usr/lib/python3.11/sitecustomize.py -> /etc/...) would point into the host's own
     # files: make them relative to the unpacked root.
     (cd "$dest.tmp" && find . -type l -lname '/*' -print0 | while IFS= read -r -d '' link; do
-        target=$(readlink "$link"); rel=$(dirname "${link#./}" | sed -E 's#[^/]+#..#g')
+        target=$(readlink "$link"); rel=$(dirname "${link#./}")
+        if [ "$rel" = . ]; then rel=.; else rel=$(echo "$rel" | sed -E 's#[^/]+#..#g'); fi
         ln -sfn "$rel$target" "$link"
     done)
     mv "$dest.tmp" "$dest"
