@@ -93,13 +93,14 @@ def reference(work: Path, eval_chars: int):
     print(f"  x86 reference: {len(segments)} segments {segments} (batch {BATCH}), greedy: {meta['sample']!r}")
 
 
-def cpu_part() -> str | None:
+def cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo (None when absent, as in an x86 one)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     for line in info.splitlines():
-        if line.startswith("CPU part"):
+        if line.split(":", 1)[0].strip() == field:
             return line.split(":", 1)[1].strip()
     return None
 
@@ -109,7 +110,7 @@ def guest(work: Path, cpu: str):
 
     if platform.machine() != "aarch64":
         sys.exit(f"error: the guest runs on {platform.machine()}, expected aarch64 (is it running under QEMU?)")
-    part = cpu_part()
+    part = cpuinfo("CPU part")
     if part is None:
         # Older QEMU (Debian bookworm's 7.2) passes the host's x86 /proc/cpuinfo through; onnxruntime's CPU
         # detection then dies of a segmentation fault on import instead of reporting anything
@@ -137,12 +138,13 @@ def guest(work: Path, cpu: str):
     if "torch" in sys.modules:
         sys.exit("error: running the ONNX model imported torch")
     np.savez(work / f"guest-{cpu}.npz", tokens=tokens, log_probs=log_probs, greedy=np.array(ids))
-    meta = {"cpu": cpu, "cpu_part": part, "machine": platform.machine(), "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "txl_deploy": txl_deploy.__file__,
+    meta = {"cpu": cpu, "cpu_part": part, "features": cpuinfo("Features"), "machine": platform.machine(),
+            "python": platform.python_version(), "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "txl_deploy": txl_deploy.__file__,
             "import_seconds": imported, "stream_seconds": t1 - t0, "greedy_seconds": t2 - t1,
             "sample": PROMPT + sample}
     (work / f"guest-{cpu}.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"  {cpu} (CPU part {part}), onnxruntime {meta['onnxruntime']}, numpy {meta['numpy']}: imports "
+    print(f"  {cpu} (CPU part {part}; features {meta['features']})")
+    print(f"  {cpu}: onnxruntime {meta['onnxruntime']}, numpy {meta['numpy']}: imports "
           f"{imported:.1f} s, stream {t1 - t0:.1f} s, {GREEDY_TOKENS} greedy tokens {t2 - t1:.1f} s")
 
 
