@@ -139,7 +139,8 @@ def guest(work: Path, cpu: str):
         sys.exit("error: running the ONNX model imported torch")
     np.savez(work / f"guest-{cpu}.npz", tokens=tokens, log_probs=log_probs, greedy=np.array(ids))
     meta = {"cpu": cpu, "cpu_part": part, "features": cpuinfo("Features"), "machine": platform.machine(),
-            "python": platform.python_version(), "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "txl_deploy": txl_deploy.__file__,
+            "python": platform.python_version(), "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
+            "txl_deploy": txl_deploy.__file__,
             "import_seconds": imported, "stream_seconds": t1 - t0, "greedy_seconds": t2 - t1,
             "sample": PROMPT + sample}
     (work / f"guest-{cpu}.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -192,9 +193,9 @@ def judge_guest(work: Path, cpu: str, ref, ref_eval: dict) -> tuple[bool, list[s
     diff = abs(arm["bits_per_token"] - ref_eval["bits_per_token"])
     same_eval = arm["n_tokens"] == ref_eval["n_tokens"] and diff <= tol
     ok &= same_eval
+    verdict = "OK" if same_eval else "MISMATCH"
     lines.append(f"{cpu}: txl-deploy eval on {arm['n_tokens']} characters: {arm['bits_per_token']:.6f} bpc vs x86 "
-                 f"{ref_eval['bits_per_token']:.6f} (|diff| {diff:.2g} <= {tol:.2g}: {'OK' if same_eval else 'MISMATCH'})"
-                 f", {arm['seconds']:.1f} s")
+                 f"{ref_eval['bits_per_token']:.6f} (|diff| {diff:.2g} <= {tol:.2g}: {verdict}), {arm['seconds']:.1f} s")
     return bool(ok), lines
 
 

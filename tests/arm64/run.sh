@@ -141,7 +141,8 @@ private_apt "$CACHE/apt-arm64" arm64 \
     "deb [arch=arm64 signed-by=$KEYRING] $MIRROR $SUITE main" \
     "deb [arch=arm64 signed-by=$KEYRING] $MIRROR $SUITE-updates main" \
     "deb [arch=arm64 signed-by=$KEYRING] $SECURITY $SUITE-security main"
-PLAN=$(apt-get "${APT_OPTS[@]}" -s install "${PACKAGES[@]}" 2>&1) || { echo "$PLAN" >&2; die "apt cannot resolve ${PACKAGES[*]} for arm64"; }
+PLAN=$(apt-get "${APT_OPTS[@]}" -s install "${PACKAGES[@]}" 2>&1) \
+    || { echo "$PLAN" >&2; die "apt cannot resolve ${PACKAGES[*]} for arm64"; }
 VERSIONS=$(echo "$PLAN" | sed -nE 's/^Inst ([^ ]+) \(([^ ]+) .*/\1 \2/p' | sort)
 SYSROOT=$CACHE/sysroot-$(echo "$VERSIONS" | sha256sum | cut -c1-16)
 if [ ! -x "$SYSROOT/usr/bin/python3.11" ]; then
@@ -200,7 +201,8 @@ fi
 (cd "$WORK/src" && "$HOST_PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
     -w "$WORK/wheel" .) >"$WORK/wheel.log" 2>&1 || { cat "$WORK/wheel.log" >&2; die "pip wheel . failed"; }
 "$HOST_PY" -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-script-location \
-    --target "$WORK/own" "$WORK"/wheel/*.whl >>"$WORK/wheel.log" 2>&1 || { cat "$WORK/wheel.log" >&2; die "installing our wheel failed"; }
+    --target "$WORK/own" "$WORK"/wheel/*.whl >>"$WORK/wheel.log" 2>&1 \
+    || { cat "$WORK/wheel.log" >&2; die "installing our wheel failed"; }
 
 say "exporting the demo model and computing the x86 reference"
 "$HOST_PY" tests/arm64/check.py reference "$WORK" --eval-chars "$EVAL_CHARS"
@@ -214,7 +216,7 @@ guest() {  # $1: QEMU CPU model, then the guest Python's arguments. Clean enviro
 IFS=, read -r -a CPU_LIST <<<"$CPUS"
 for cpu in "${CPU_LIST[@]}"; do
     say "$cpu: log-probs and greedy generation"
-    guest "$cpu" "$REPO/tests/arm64/check.py" guest "$WORK" "$cpu"
+    guest "$cpu" "$REPO/tests/arm64/check.py" guest "$WORK" "$cpu" || die "the aarch64 runtime failed on $cpu"
     say "$cpu: txl-deploy eval"
     guest "$cpu" "$WORK/own/bin/txl-deploy" eval "$WORK/model.onnx" --text "$WORK/heldout.txt" \
         --json "$WORK/eval-$cpu.json" 2>"$WORK/eval-$cpu.log" | sed "s/^/  [$cpu] /" \
