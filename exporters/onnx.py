@@ -108,7 +108,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
     export_meta = {
         "mem_len": mem_len, "clamp_len": config.clamp_len, "same_length": config.same_length,
-        "checkpoint_settings": checkpoint_settings, "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
+        "checkpoint_settings": checkpoint_settings,
+        "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
         "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
         "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
         "weights_sha256": weights_sha256(model.state_dict()),
