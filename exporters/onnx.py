@@ -67,12 +67,16 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
         quiet.setLevel(level)
 
 
-def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DEFAULT_OPSET,
-                state: str = "incremental", max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True,
-                force: bool = False, log=print) -> ExportResult:
+def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int | None = None,
+                same_length: bool | None = None, opset: int = DEFAULT_OPSET, state: str = "incremental",
+                max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True, force: bool = False,
+                log=print) -> ExportResult:
     """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
 
     mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
+    clamp_len, same_length: evaluation-time settings (default: the checkpoint's). Published scores are often
+    evaluated with other values than training used (e.g. NVIDIA's WikiText-103 eval: mem_len 640, clamp_len 400,
+    same_length); the graph has them built in, and the metadata records the values used.
     state: "incremental" (outputs this segment's entries; the runtimes keep the ring buffer) or "full" (outputs
     the whole next state, for Triton's implicit state and ping-pong buffers).
     verify: run ONNX Runtime against the PyTorch reference on a multi-segment stream and refuse a mismatch.
@@ -81,7 +85,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
 
     from txl_deploy.cached import CachedTxl, r_table_size
     from txl_deploy.checkpoints import LoadedModel, load_model
-    from txl_deploy.checkpoints.weights import weights_sha256
+    from txl_deploy.checkpoints.weights import build_model, weights_sha256
 
     out_path = check_writable(out_path, force)
     if opset < 17:
@@ -95,11 +99,17 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
         raise ExportError("max_segment must be >= 1")
 
     log(f"loading {loaded.source_format} checkpoint {loaded.path}")
-    model = loaded.build().reset_length(mem_len)
+    checkpoint_settings = {"mem_len": config.mem_len, "clamp_len": config.clamp_len,
+                           "same_length": config.same_length}
+    overrides = {k: v for k, v in (("clamp_len", clamp_len), ("same_length", same_length)) if v is not None}
+    # Evaluation-time settings change no weight shapes.
+    model = build_model(config.replace(**overrides), loaded.state_dict, loaded.path).reset_length(mem_len)
     config = model.cfg
     cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
     export_meta = {
-        "mem_len": mem_len, "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
+        "mem_len": mem_len, "clamp_len": config.clamp_len, "same_length": config.same_length,
+        "checkpoint_settings": checkpoint_settings,
+        "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
         "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
         "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
         "weights_sha256": weights_sha256(model.state_dict()),
@@ -109,7 +119,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
     }
     info = ExportInfo(config, loaded.vocab, export_meta)
 
-    log(f"exporting to ONNX (opset {opset}, mem_len {mem_len}, {state} state, segments up to {max_segment})")
+    log(f"exporting to ONNX (opset {opset}, mem_len {mem_len}, clamp_len {config.clamp_len}, same_length "
+        f"{config.same_length}, {state} state, segments up to {max_segment})")
     try:
         with torch.no_grad():
             program = _torch_export(cached, batch=2, segment=3, positions=2, opset=opset)

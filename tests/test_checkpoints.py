@@ -1,14 +1,18 @@
-"""Checkpoint import: parity with each source implementation, the restricted unpickler, bad input, convert/info.
+"""Checkpoint import: parity with an independent implementation, the restricted unpickler, bad input, convert/info.
 
-Where each source implementation comes from:
-- HuggingFace: transformers' real `TransfoXLLMHeadModel` (deprecated module, transformers <= 4.57; skipped when it
-  is not installed), saved with its own `save_pretrained`.
-- Original CMU code (kimiyoung/transformer-xl): not installable, so `tests/standins/cmu/` holds a stand-in that
-  follows `pytorch/mem_transformer.py` and `pytorch/utils/proj_adaptive_softmax.py` line by line under the
-  original module names (its docstring lists the few deviations). The test `torch.save`s the whole module, as the
-  original train.py does, and txl-deploy reads it back with its restricted unpickler, without the stand-in code.
-- NVIDIA DeepLearningExamples: likewise a line-by-line stand-in (`tests/standins/nvidia/`, latest version with the
-  stacked memory), saved as their train.py's checkpoint dict (model_config, model_state, args, vocab, ...).
+The numerical reference is HuggingFace's TransfoXL (transformers' deprecated `TransfoXLLMHeadModel`, from PyPI;
+these tests skip when it is not installed), an implementation independent of ours:
+- HuggingFace folders: its own `save_pretrained`.
+- Original CMU code (kimiyoung/transformer-xl) and NVIDIA DeepLearningExamples: neither installs, and a checkpoint
+  file holds data, not code. `original_checkpoints.py` writes the files those trainers write (the pickled
+  `mem_transformer.MemTransformerLM` tree of `torch.save(model)`; NVIDIA's checkpoint dict with an
+  `argparse.Namespace` and their `Vocab`) from a HuggingFace model's weights, cross-converted to the original
+  names and cluster order in the test code (`hf_to_original`). txl-deploy reads them back and must reproduce
+  HuggingFace's log-probabilities, so a wrong cluster order, key mapping, dropped r_w_bias or mask fails here.
+- NVIDIA's same_length window (one key longer than the original's) does not exist in HuggingFace: the expected
+  mask is derived from NVIDIA's published formula (`mask_len = klen - mem_len - 1` in their mem_transformer.py)
+  and compared with our model's, and the log-probabilities come from HuggingFace run with a window one longer
+  (mem_len + 1) whose returned memory the test cuts back to mem_len, which is exactly that formula.
 
 Every parity test runs >= 4 consecutive segments with the memory threaded, batch 3, fp32, and compares full
 log-probabilities to 1e-5.
@@ -16,9 +20,6 @@ log-probabilities to 1e-5.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib
 import json
 import math
 import os
@@ -31,16 +32,14 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-# NVIDIA's own code (the stand-in) compiles `add_and_scale` with torch.jit.script, deprecated in current torch.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 from click.testing import CliRunner  # noqa: E402
 
+import original_checkpoints as oc  # noqa: E402
 from txl_deploy.checkpoints import load_model  # noqa: E402
 from txl_deploy.cli import main  # noqa: E402
 from txl_deploy.errors import CheckpointError  # noqa: E402
 
-STANDINS = Path(__file__).parent / "standins"
 V, N_LAYER, N_HEAD, D_HEAD, D_MODEL, D_INNER = 40, 2, 2, 8, 16, 32
 Q, MEM_LEN, CLAMP_LEN, BATCH, SEGMENTS = 5, 7, 4, 3, 6
 TOL = 1e-5
@@ -55,27 +54,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def standin(name):
-    """Import a stand-in source tree (tests/standins/<name>) under the original module names, then forget it.
-
-    Both trees define `mem_transformer`; modules of that name (and NVIDIA's `utils`) are swapped out for the block
-    so that pickling finds the stand-in classes under their original qualified names.
-    """
-    root = str(STANDINS / name)
-    ours = ("mem_transformer", "proj_adaptive_softmax", "utils")
-    clashing = {m: sys.modules.pop(m) for m in list(sys.modules) if m in ours or m.startswith("utils.")}
-    sys.path.insert(0, root)
-    try:
-        yield importlib.import_module("mem_transformer")
-    finally:
-        sys.path.remove(root)
-        for m in list(sys.modules):
-            if m in ours or m.startswith("utils."):
-                del sys.modules[m]
-        sys.modules.update(clashing)
 
 
 def randomize(module, seed):
@@ -137,6 +115,98 @@ def convert_and_compare(src, tmp_path, reference_lps, ids, *extra):
     return back
 
 
+# -- HuggingFace, the reference --------------------------------------------------------------------------
+@pytest.fixture
+def hf(monkeypatch):
+    transfo = pytest.importorskip("transformers.models.deprecated.transfo_xl")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    original = torch.Tensor.type_as
+    # The deprecated TransfoXLModel.forward calls `torch.arange(...).type_as(dtype=word_emb.dtype)`; current torch
+    # only has `type_as(other)` and raises TypeError. Let the `dtype=` keyword mean `.to(dtype)`.
+    monkeypatch.setattr(torch.Tensor, "type_as",
+                        lambda self, other=None, dtype=None: self.to(dtype) if other is None else original(self, other))
+    return transfo
+
+
+def original_kwargs(**changes):
+    """The original MemTransformerLM constructor's keyword arguments (NVIDIA's model_config has the same)."""
+    hp = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=D_INNER,
+              dropout=0.0, dropatt=0.0, tie_weight=True, d_embed=D_MODEL, div_val=1, tie_projs=[False],
+              pre_lnorm=False, tgt_len=Q, ext_len=0, mem_len=MEM_LEN, cutoffs=[], same_length=False, attn_type=0,
+              clamp_len=CLAMP_LEN)
+    hp.update(changes)
+    hp["tie_projs"] = (list(hp["tie_projs"]) + [False] * len(hp["cutoffs"]))[: len(hp["cutoffs"]) + 1]
+    return hp
+
+
+def build_hf_from(transfo, hp, untie_r=False, seed=4):
+    """A random HuggingFace model computing what an original model with constructor arguments `hp` computes.
+
+    HF ties projections only in the pattern [False, True, True, ...] (`proj_share_all_but_first`); other patterns
+    are built untied and given equal values, which computes the same.
+    """
+    share = hp["tie_projs"][0] is False and len(hp["tie_projs"]) > 1 and all(hp["tie_projs"][1:])
+    cfg = transfo.TransfoXLConfig(
+        vocab_size=hp["n_token"], cutoffs=list(hp["cutoffs"]), d_model=hp["d_model"], d_embed=hp["d_embed"],
+        n_head=hp["n_head"], d_head=hp["d_head"], d_inner=hp["d_inner"], div_val=hp["div_val"],
+        n_layer=hp["n_layer"], mem_len=hp["mem_len"], clamp_len=hp["clamp_len"], same_length=hp["same_length"],
+        pre_lnorm=hp["pre_lnorm"], untie_r=untie_r, proj_share_all_but_first=share, dropout=0.0, dropatt=0.0,
+        tie_word_embeddings=hp["tie_weight"])
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = randomize(transfo.TransfoXLLMHeadModel(cfg), seed)
+    if not share:
+        with torch.no_grad():
+            for i in range(len(hp["tie_projs"])):
+                source = oc.tied_proj_source(hp, i)
+                if source is not None:
+                    j = int(source.rsplit(".", 1)[1])
+                    model.crit.out_projs[i].copy_(model.transformer.word_emb.emb_projs[j])
+    return model
+
+
+def build_hf(transfo, untie_r, same_length, tie_word_embeddings=True, d_embed=16, seed=4):
+    hp = original_kwargs(d_embed=d_embed, div_val=2, cutoffs=[10, 25], tie_projs=[False, True, True],
+                         same_length=same_length, tie_weight=tie_word_embeddings)
+    return build_hf_from(transfo, hp, untie_r=untie_r, seed=seed)
+
+
+def run_hf(model, ids, mems, window_extra=0):
+    """HF's log-probs per segment and its last memory. `window_extra`: run HF with mem_len + window_extra (its
+    same_length window grows with it) and cut the memory it returns back to mem_len after every segment."""
+    mem_len = model.transformer.mem_len
+    model.transformer.mem_len = mem_len + window_extra
+    out = []
+    try:
+        with torch.no_grad():
+            for s in range(ids.shape[1] // Q):
+                result = model(input_ids=ids[:, s * Q:(s + 1) * Q], mems=mems)
+                out.append(result.prediction_scores)
+                mems = [m[-mem_len:] for m in result.mems]
+    finally:
+        model.transformer.mem_len = mem_len
+    return out, mems
+
+
+def empty_mems():
+    # HF fed an explicitly empty memory behaves as the paper (and we) do from the first segment on.
+    return [torch.zeros(0, BATCH, D_MODEL) for _ in range(N_LAYER)]
+
+
+def original_state(model, untie_r=False, dtype=None):
+    state = oc.hf_to_original(model.state_dict(), untie_r)
+    return {k: v.to(dtype) for k, v in state.items()} if dtype is not None else state
+
+
+def assert_mems_match(ours, theirs):
+    # HF caches n_layer + 1 time-major tensors (the input of every layer, then the output); the first n_layer
+    # are ours.
+    assert max(float((m - r.transpose(0, 1)).abs().max()) for m, r in zip(ours, theirs)) <= TOL
+
+
 # -- original CMU code -------------------------------------------------------------------------------------
 CMU_VARIANTS = {
     # adaptive input/softmax with div_val 2, projections tied for the tail clusters
@@ -152,70 +222,46 @@ CMU_VARIANTS = {
 }
 
 
-def build_cmu(mt, variant, seed=1):
-    kw = dict(tie_weight=True, d_embed=None, div_val=1, tie_projs=[False], pre_lnorm=False, cutoffs=[],
-              same_length=False)
-    kw.update(CMU_VARIANTS[variant])
-    torch.manual_seed(seed)
-    model = mt.MemTransformerLM(V, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0, 0.0, tgt_len=Q, ext_len=0,
-                                mem_len=MEM_LEN, clamp_len=CLAMP_LEN, **kw)
-    return randomize(model, seed), kw
-
-
-def run_cmu(mt, model, ids):
-    """The original model's log-probs per segment, batch-first, memory threaded (time-major inside)."""
-    out, mems = [], None
-    with torch.no_grad():
-        for s in range(ids.shape[1] // Q):
-            lp, mems = mt.full_log_probs(model, ids[:, s * Q:(s + 1) * Q].t().contiguous(), mems)
-            out.append(lp.transpose(0, 1))
-    return out, mems
-
-
 @pytest.mark.parametrize("variant", list(CMU_VARIANTS))
-def test_cmu_model_pt_parity(variant, tmp_path):
+def test_cmu_model_pt_parity(hf, variant, tmp_path):
     ids = tokens(1)
-    with standin("cmu") as mt:
-        model, _ = build_cmu(mt, variant)
-        reference, ref_mems = run_cmu(mt, model, ids)
-        # The legacy (pre-1.6) serialisation for one variant: the original checkpoints were written by torch 0.4.
-        torch.save(model, tmp_path / "model.pt", _use_new_zipfile_serialization=(variant != "div2"))
+    hp = original_kwargs(**CMU_VARIANTS[variant])
+    model = build_hf_from(hf, hp, seed=1)
+    reference, ref_mems = run_hf(model, ids, empty_mems())
+    # The legacy (pre-1.6) serialisation for one variant: the original checkpoints were written by torch 0.4.
+    oc.save_original_model_pt(tmp_path / "model.pt", original_state(model), hp, legacy=(variant == "div2"))
     write_vocab_txt(tmp_path)
 
-    # Loaded with the stand-in modules gone: nothing of mem_transformer is importable now.
+    # Nothing of mem_transformer is importable while it loads.
     assert "mem_transformer" not in sys.modules
     loaded = load_model(tmp_path / "model.pt")
     assert loaded.source_format == "cmu"
     cfg = loaded.config
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner, cfg.mem_len, cfg.clamp_len) == (
         N_LAYER, D_MODEL, N_HEAD, D_HEAD, D_INNER, MEM_LEN, CLAMP_LEN)
-    assert cfg.cutoffs == CMU_VARIANTS[variant]["cutoffs"]
-    assert cfg.same_length == CMU_VARIANTS[variant]["same_length"]
-    assert cfg.tie_weight == CMU_VARIANTS[variant].get("tie_weight", True)
+    assert cfg.cutoffs == hp["cutoffs"] and cfg.same_length == hp["same_length"]
+    assert cfg.tie_weight == hp["tie_weight"] and cfg.tie_projs == hp["tie_projs"]
+    assert cfg.same_length_extra == 0
     assert loaded.vocab is not None and loaded.vocab.symbols == WORDS
 
-    ours = loaded.build()
-    lps, mems = run_ours(ours, ids)
+    lps, mems = run_ours(loaded.build(), ids)
     assert len(lps) >= 4
     assert max(max_diff(lps, reference)) <= TOL
-    # The memory itself: the original caches n_layer + 1 time-major tensors; the first n_layer are ours.
-    assert max(float((m - r.transpose(0, 1)).abs().max()) for m, r in zip(mems, ref_mems)) <= TOL
+    assert_mems_match(mems, ref_mems)
 
     if variant == "div2":
         convert_and_compare(tmp_path / "model.pt", tmp_path, lps, ids)
 
 
-def test_cmu_state_dict_with_config_parity(tmp_path):
+def test_cmu_state_dict_with_config_parity(hf, tmp_path):
     """A bare state_dict in the original names plus the constructor arguments as JSON beside it."""
     ids = tokens(2)
-    with standin("cmu") as mt:
-        model, kw = build_cmu(mt, "div2-untied-same-pre", seed=2)
-        reference, _ = run_cmu(mt, model, ids)
-        torch.save(model.state_dict(), tmp_path / "weights.pt")
-    config = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=D_INNER,
-                  dropout=0.1, dropatt=0.0, tgt_len=Q, ext_len=0, mem_len=MEM_LEN, clamp_len=CLAMP_LEN,
-                  attn_type=0, **kw)
-    (tmp_path / "weights.json").write_text(json.dumps(config))
+    hp = original_kwargs(**CMU_VARIANTS["div2-untied-same-pre"])
+    model = build_hf_from(hf, hp, seed=2)
+    reference, _ = run_hf(model, ids, empty_mems())
+    state = original_state(model)
+    torch.save(state, tmp_path / "weights.pt")
+    (tmp_path / "weights.json").write_text(json.dumps(dict(hp, dropout=0.1)))
     write_vocab_txt(tmp_path)
 
     loaded = load_model(tmp_path / "weights.pt")
@@ -226,8 +272,7 @@ def test_cmu_state_dict_with_config_parity(tmp_path):
     # The same state_dict as .safetensors (tied tensors stored twice, as safetensors cannot share them).
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
-              str(tmp_path / "weights.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "weights.safetensors"))
     from_safetensors = load_model(tmp_path / "weights.safetensors")
     assert from_safetensors.source_format == "cmu-state-dict"
     assert max(max_diff(run_ours(from_safetensors.build(), ids)[0], reference)) <= TOL
@@ -249,98 +294,174 @@ NVIDIA_VARIANTS = {
 }
 
 
-def save_nvidia_checkpoint(mt, variant, path, seed=3):
-    vocabulary = importlib.import_module("utils.vocabulary")
-    model_config = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=D_INNER,
-                        dropout=0.1, dropatt=0.0, dtype=None, tie_weight=True, d_embed=D_MODEL, div_val=1,
-                        tie_projs=[False], pre_lnorm=False, tgt_len=Q, ext_len=0, mem_len=MEM_LEN, cutoffs=[],
-                        same_length=False, attn_type=0, clamp_len=CLAMP_LEN, sample_softmax=-1)
-    model_config.update(NVIDIA_VARIANTS[variant])
-    torch.manual_seed(seed)
-    model = randomize(mt.MemTransformerLM(**model_config), seed)
-    vocab = vocabulary.Vocab(special=["<eos>"], lower_case=False)
-    vocab.count_sents([[w] * (V - i) for i, w in enumerate(WORDS[1:])])
-    with contextlib.redirect_stdout(None):
-        vocab.build_vocab()
-    args = argparse.Namespace(dataset="wt103", n_layer=N_LAYER, d_model=D_MODEL, fp16=False, work_dir="LM-TFM")
-    # train.py:save_checkpoint
-    state = {
-        "args": args,
-        "model_config": model_config,
-        "model_state": model.state_dict(),
-        "optimizer_state": torch.optim.Adam(model.parameters(), lr=0.01).state_dict(),
-        "scheduler_state": {"T_max": 100, "eta_min": 0.001, "base_lrs": [0.01], "last_epoch": 3},
-        "vocab": vocab,
-        "amp_state": None,
-        "train_step": 3,
-        "best_val_loss": 4.25,
-    }
-    torch.save(state, path)
-    return model, vocab.idx2sym
+def nvidia_expected_mask(qlen, mlen, mem_len):
+    """NVIDIA's published same_length mask (mem_transformer.py, `_forward`), 1 = masked:
+    mask_len = klen - mem_len - 1; shift = qlen - mask_len if mask_len > 0 else qlen;
+    mask = triu(ones(qlen, klen), 1 + mlen) + tril(ones(qlen, klen), -shift)."""
+    klen = mlen + qlen
+    ones = torch.ones(qlen, klen)
+    mask_len = klen - mem_len - 1
+    shift = qlen - mask_len if mask_len > 0 else qlen
+    return (torch.triu(ones, 1 + mlen) + torch.tril(ones, -shift)).bool()
+
+
+def make_nvidia_checkpoint(transfo, variant, path, seed=3, dtype=None):
+    """An NVIDIA checkpoint from a random HF model; returns (hf model, hp)."""
+    hp = original_kwargs(**NVIDIA_VARIANTS[variant])
+    model = build_hf_from(transfo, hp, seed=seed)
+    oc.save_nvidia_checkpoint(path, original_state(model, dtype=dtype), hp, WORDS)
+    return model, hp
+
+
+def nvidia_reference(model, hp, ids):
+    """HF's log-probs with NVIDIA's same_length window (see the module docstring)."""
+    return run_hf(model, ids, empty_mems(), window_extra=1 if hp["same_length"] else 0)
 
 
 @pytest.mark.parametrize("variant", list(NVIDIA_VARIANTS))
-def test_nvidia_checkpoint_parity(variant, tmp_path):
+def test_nvidia_checkpoint_parity(hf, variant, tmp_path):
     ids = tokens(3)
-    with standin("nvidia") as mt:
-        model, symbols = save_nvidia_checkpoint(mt, variant, tmp_path / "checkpoint_best.pt")
-        reference, mems = [], None
-        with torch.no_grad():
-            for s in range(SEGMENTS):
-                lp, mems = mt.full_log_probs(model, ids[:, s * Q:(s + 1) * Q].t().contiguous(), mems)
-                reference.append(lp.transpose(0, 1))
+    model, hp = make_nvidia_checkpoint(hf, variant, tmp_path / "checkpoint_best.pt")
+    reference, ref_mems = nvidia_reference(model, hp, ids)
 
+    assert "utils.vocabulary" not in sys.modules
     loaded = load_model(tmp_path / "checkpoint_best.pt")
     assert loaded.source_format == "nvidia"
-    assert loaded.config.same_length_extra == (1 if NVIDIA_VARIANTS[variant]["same_length"] else 0)
+    assert loaded.config.same_length == hp["same_length"] and loaded.config.same_length_extra == 1
     # The vocabulary travels inside NVIDIA's checkpoint (their Vocab object, read as inert data).
-    assert loaded.vocab is not None and loaded.vocab.symbols == symbols and len(symbols) == V
-    lps, our_mems = run_ours(loaded.build(), ids)
+    assert loaded.vocab is not None and loaded.vocab.symbols == WORDS
+    ours = loaded.build()
+    lps, mems = run_ours(ours, ids)
     assert max(max_diff(lps, reference)) <= TOL
-    assert float((torch.stack(our_mems) - mems.transpose(1, 2)).abs().max()) <= TOL  # NVIDIA: [L, M, B, D]
+    assert_mems_match(mems, ref_mems)
+    if hp["same_length"]:
+        # HF's own window (the original's) is one key shorter: the difference is real.
+        original_window, _ = run_hf(model, ids, empty_mems())
+        assert max(max_diff(lps, original_window)) > 100 * TOL
+        for mlen in range(MEM_LEN + 1):
+            for qlen in (1, 2, Q, 9):
+                assert torch.equal(ours.attn_mask(qlen, mlen), nvidia_expected_mask(qlen, mlen, MEM_LEN))
 
     if variant == "div2-same":
         back = convert_and_compare(tmp_path / "checkpoint_best.pt", tmp_path, lps, ids)
-        assert back.vocab.symbols == symbols
+        assert back.vocab.symbols == WORDS
+
+
+def test_nvidia_window_applies_when_same_length_is_turned_on_for_evaluation(hf, tmp_path):
+    """NVIDIA's eval.py may turn same_length on for a model trained without it: their window then applies."""
+    ids = tokens(6)
+    model, hp = make_nvidia_checkpoint(hf, "div2-untied", tmp_path / "checkpoint_best.pt")
+    loaded = load_model(tmp_path / "checkpoint_best.pt")
+    assert not loaded.config.same_length
+    ours = loaded.build()
+    ours.cfg = ours.cfg.replace(same_length=True)  # what `eval --same-length` / `export --same-length` do
+    for mlen in range(MEM_LEN + 1):
+        assert torch.equal(ours.attn_mask(Q, mlen), nvidia_expected_mask(Q, mlen, MEM_LEN))
+    model.transformer.same_length = True
+    reference, _ = run_hf(model, ids, empty_mems(), window_extra=1)
+    assert max(max_diff(run_ours(ours, ids)[0], reference)) <= TOL
+
+
+def test_nvidia_work_directory(hf, tmp_path):
+    """A work directory (what NVIDIA's eval.py --work_dir takes) stands for checkpoint_best.pt, else
+    checkpoint_last.pt; which one was read is said in the notes and by `info`."""
+    ids = tokens(7)
+    work = tmp_path / "LM-TFM"
+    work.mkdir()
+    best, hp = make_nvidia_checkpoint(hf, "div2-same", work / "checkpoint_best.pt", seed=11)
+    last, _ = make_nvidia_checkpoint(hf, "div2-same", work / "checkpoint_last.pt", seed=12)
+
+    loaded = load_model(work)
+    assert loaded.source_format == "nvidia" and Path(loaded.path) == work / "checkpoint_best.pt"
+    assert f"work directory {work}: read checkpoint_best.pt (checkpoint_last.pt is also there)" in loaded.notes
+    assert max(max_diff(run_ours(loaded.build(), ids)[0], nvidia_reference(best, hp, ids)[0])) <= TOL
+    result = cli("info", work)
+    assert result.exit_code == 0, result.output
+    assert f"path:        {work / 'checkpoint_best.pt'}" in result.output
+    assert "note: work directory" in result.output and "read checkpoint_best.pt" in result.output
+    assert "read checkpoint_best.pt" in json.loads(cli("info", work, "--json").output)["notes"][0]
+
+    (work / "checkpoint_best.pt").unlink()
+    loaded = load_model(work)
+    assert Path(loaded.path) == work / "checkpoint_last.pt"
+    assert loaded.notes[0] == f"work directory {work}: read checkpoint_last.pt"
+    assert max(max_diff(run_ours(loaded.build(), ids)[0], nvidia_reference(last, hp, ids)[0])) <= TOL
+    result = cli("convert", work, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert load_model(tmp_path / "out").vocab.symbols == WORDS
+
+    (work / "checkpoint_last.pt").unlink()
+    assert_one_line_error(cli("info", work), work, "NVIDIA work directory", "checkpoint_best.pt or checkpoint_last.pt")
+
+
+# -- the stored positional buffer ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["cmu", "nvidia", "huggingface"])
+def test_fp16_saved_checkpoint_uses_the_stored_inv_freq(hf, fmt, tmp_path):
+    """A checkpoint saved in fp16 stores pos_emb.inv_freq rounded, and its model ran with the rounded values: the
+    loaded model must match HF run with the rounded inv_freq, and must not match HF with it recomputed."""
+    ids = tokens(8)
+    variant = "div2-same" if fmt == "nvidia" else "div2"
+    hp = original_kwargs(**(NVIDIA_VARIANTS if fmt == "nvidia" else CMU_VARIANTS)[variant], clamp_len=0)
+    model = build_hf_from(hf, hp, seed=8)
+    with torch.no_grad():
+        # Random weights make attention nearly position-blind; a larger positional term (as training produces)
+        # makes the inv_freq rounding visible well above float rounding.
+        for layer in model.transformer.layers:
+            layer.dec_attn.r_net.weight.mul_(8)
+        model.transformer.r_r_bias.mul_(8)
+    model.half()  # as a checkpoint saved from an fp16 model holds it, inv_freq included
+    folder = tmp_path / fmt
+    folder.mkdir()
+    if fmt == "huggingface":
+        model.save_pretrained(folder, safe_serialization=False)  # shared r-biases: pytorch_model.bin
+        src = folder
+    elif fmt == "cmu":
+        oc.save_original_model_pt(folder / "model.pt", original_state(model), hp)
+        src = folder / "model.pt"
+    else:
+        oc.save_nvidia_checkpoint(folder / "checkpoint_best.pt", original_state(model), hp, WORDS)
+        src = folder / "checkpoint_best.pt"
+    write_vocab_txt(folder)
+    model.float()
+    window = 1 if fmt == "nvidia" and hp["same_length"] else 0
+    rounded = model.transformer.pos_emb.inv_freq.clone()
+    recomputed = 1.0 / (10000 ** (torch.arange(0.0, D_MODEL, 2.0) / D_MODEL))
+    assert 0 < float((rounded - recomputed).abs().max()) < 1e-3 and rounded.dtype == torch.float32
+    reference_stored, _ = run_hf(model, ids, empty_mems(), window)
+    model.transformer.pos_emb.inv_freq.copy_(recomputed)
+    reference_recomputed, _ = run_hf(model, ids, empty_mems(), window)
+
+    loaded = load_model(src)
+    assert loaded.state_dict["pos_emb.inv_freq"].dtype == torch.float16
+    assert any("stored pos_emb.inv_freq (float16)" in note for note in loaded.notes)
+    lps, _ = run_ours(loaded.build(), ids)
+    assert max(max_diff(lps, reference_stored)) <= TOL
+    # The difference is real: recomputing inv_freq moves the log-probs by far more than the tolerance.
+    gap = max(max_diff(reference_stored, reference_recomputed))
+    assert gap > 5 * TOL
+    assert max(max_diff(lps, reference_recomputed)) > 5 * TOL
+    # Our own format keeps the stored values.
+    back = convert_and_compare(src, tmp_path, lps, ids)
+    assert torch.equal(back.state_dict["pos_emb.inv_freq"], rounded)
+
+
+def test_checkpoint_without_inv_freq_gets_the_formula(tmp_path):
+    """HF folders and bare state_dicts may lack the buffer: it is a function of d_model, recomputed then."""
+    from txl_deploy.model import default_inv_freq
+
+    model = make_our_model(cutoffs=[10, 25], div_val=2, tie_projs=[False, True, True])
+    state = {k: v for k, v in model.state_dict().items() if k != "pos_emb.inv_freq"}
+    torch.save(state, tmp_path / "weights.pt")
+    (tmp_path / "weights.json").write_text(json.dumps(model.cfg.to_dict()))
+    loaded = load_model(tmp_path / "weights.pt")
+    assert "pos_emb.inv_freq" not in loaded.state_dict and not loaded.notes
+    rebuilt = loaded.build()
+    assert torch.equal(rebuilt.pos_emb.inv_freq, default_inv_freq(D_MODEL))
+    ids = tokens(9)
+    assert max(max_diff(run_ours(rebuilt, ids)[0], run_ours(model, ids)[0])) == 0.0
 
 
 # -- HuggingFace transformers ------------------------------------------------------------------------------
-@pytest.fixture
-def hf(monkeypatch):
-    transfo = pytest.importorskip("transformers.models.deprecated.transfo_xl")
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    original = torch.Tensor.type_as
-    # The deprecated TransfoXLModel.forward calls `torch.arange(...).type_as(dtype=word_emb.dtype)`; current torch
-    # only has `type_as(other)` and raises TypeError. Let the `dtype=` keyword mean `.to(dtype)`.
-    monkeypatch.setattr(torch.Tensor, "type_as",
-                        lambda self, other=None, dtype=None: self.to(dtype) if other is None else original(self, other))
-    return transfo
-
-
-def build_hf(transfo, untie_r, same_length, tie_word_embeddings=True, d_embed=16, seed=4):
-    cfg = transfo.TransfoXLConfig(
-        vocab_size=V, cutoffs=[10, 25], d_model=D_MODEL, d_embed=d_embed, n_head=N_HEAD, d_head=D_HEAD,
-        d_inner=D_INNER, div_val=2, n_layer=N_LAYER, mem_len=MEM_LEN, clamp_len=CLAMP_LEN, same_length=same_length,
-        untie_r=untie_r, proj_share_all_but_first=True, dropout=0.0, dropatt=0.0,
-        tie_word_embeddings=tie_word_embeddings)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return randomize(transfo.TransfoXLLMHeadModel(cfg), seed)
-
-
-def run_hf(model, ids, mems):
-    out = []
-    with torch.no_grad():
-        for s in range(ids.shape[1] // Q):
-            result = model(input_ids=ids[:, s * Q:(s + 1) * Q], mems=mems)
-            out.append(result.prediction_scores)
-            mems = result.mems
-    return out
-
-
 HF_VARIANTS = [
     # (untie_r, same_length, tie_word_embeddings, d_embed)
     (True, True, True, 16),
@@ -365,9 +486,7 @@ def test_huggingface_parity(hf, tmp_path, untie_r, same_length, tie_word_embeddi
     ours = loaded.build()
     ids = tokens(4)
     lps, _ = run_ours(ours, ids)
-    # HF fed an explicitly empty memory behaves as the paper (and we) do from the first segment on.
-    empty = [torch.zeros(0, BATCH, D_MODEL) for _ in range(N_LAYER)]
-    reference = run_hf(model, ids, empty)
+    reference, _ = run_hf(model, ids, empty_mems())
     assert max(max_diff(lps, reference)) <= TOL
     # Same parameter count as HF's own model (tied parameters counted once).
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in model.parameters())
@@ -385,9 +504,36 @@ def test_huggingface_zero_memory_semantics(hf, tmp_path):
     ours = load_model(tmp_path / "hf").build()
     warmup = N_LAYER * math.ceil(MEM_LEN / Q)
     ids = tokens(5, segments=warmup + 5)
-    diffs = max_diff(run_ours(ours, ids)[0], run_hf(model, ids, None))
+    diffs = max_diff(run_ours(ours, ids)[0], run_hf(model, ids, None)[0])
     assert diffs[0] > 1e-3  # the zeros do influence HF's first segment
     assert len(diffs[warmup:]) >= 4 and max(diffs[warmup:]) <= TOL
+
+
+# -- checkpoints of our own model written in the original layouts (no reference needed) ----------------------
+def make_our_model(seed=1, **changes):
+    from txl_deploy.config import TxlConfig
+    from txl_deploy.model import MemTransformerLM
+
+    cfg = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=D_INNER,
+               tgt_len=Q, mem_len=MEM_LEN, clamp_len=CLAMP_LEN)
+    cfg.update(changes)
+    torch.manual_seed(seed)
+    return randomize(MemTransformerLM(TxlConfig(**cfg)), seed)
+
+
+def kwargs_of(cfg):
+    """The original constructor arguments of one of our configs."""
+    return original_kwargs(**{k: getattr(cfg, k) for k in ("n_token", "n_layer", "n_head", "d_model", "d_head",
+                                                           "d_inner", "d_embed", "div_val", "cutoffs", "tie_weight",
+                                                           "tie_projs", "pre_lnorm", "tgt_len", "mem_len",
+                                                           "clamp_len", "same_length")})
+
+
+def save_our_model_as_model_pt(path, extra_attrs=None, **changes):
+    """Our model keeps the original parameter names, so its state_dict is an original one as it stands."""
+    model = make_our_model(**changes)
+    oc.save_original_model_pt(path, model.state_dict(), kwargs_of(model.cfg), extra_attrs=extra_attrs)
+    return model
 
 
 def test_huggingface_vocab_pickle_is_never_read(hf, tmp_path):
@@ -479,10 +625,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(kind, container, tmp_path)
 def test_pickled_module_holding_a_malicious_attribute_is_refused(tmp_path):
     """A real-looking model.pt whose module carries one extra attribute that would run a command."""
     marker = tmp_path / "pwned"
-    with standin("cmu") as mt:
-        model, _ = build_cmu(mt, "char")
-        model.hook = _EvilSystem(f"touch {marker}")
-        torch.save(model, tmp_path / "model.pt")
+    save_our_model_as_model_pt(tmp_path / "model.pt", extra_attrs={"hook": _EvilSystem(f"touch {marker}")})
     assert_one_line_error(cli("convert", tmp_path / "model.pt", "-o", tmp_path / "out", "--no-vocab"),
                           "model.pt", "refused to unpickle", "system")
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -491,9 +634,7 @@ def test_pickled_module_holding_a_malicious_attribute_is_refused(tmp_path):
 # -- bad input ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def cmu_checkpoint(tmp_path):
-    with standin("cmu") as mt:
-        model, _ = build_cmu(mt, "div2")
-        torch.save(model, tmp_path / "model.pt")
+    save_our_model_as_model_pt(tmp_path / "model.pt", **CMU_VARIANTS["div2"])
     return tmp_path / "model.pt"
 
 
@@ -533,11 +674,9 @@ def test_torch_file_of_something_else(tmp_path):
 
 
 def test_shapes_contradicting_the_config(tmp_path):
-    with standin("cmu") as mt:
-        model, kw = build_cmu(mt, "div2")
-        torch.save(model.state_dict(), tmp_path / "weights.pt")
-    config = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=2 * D_INNER,
-                  tgt_len=Q, mem_len=MEM_LEN, clamp_len=CLAMP_LEN, **kw)
+    model = make_our_model(**CMU_VARIANTS["div2"])
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    config = dict(kwargs_of(model.cfg), d_inner=2 * D_INNER)
     (tmp_path / "weights.json").write_text(json.dumps(config))
     message = assert_one_line_error(cli("info", tmp_path / "weights.pt"), "weights.pt", "has shape", "config implies")
     assert "pos_ff.CoreNet" in message

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import io_spec
-from .model import MemTransformerLM, sinusoid
+from .model import MemTransformerLM
 
 
 def r_table_size(clamp_len: int, mem_len: int, max_segment: int) -> int:
@@ -49,7 +49,7 @@ class CachedTxl(nn.Module):
         # A buffer, not a torch.tensor() per call: a host-to-device copy cannot be captured in a CUDA graph.
         self.register_buffer("neg_inf", torch.tensor(float("-inf"), dtype=p.dtype, device=p.device), persistent=False)
         with torch.no_grad():
-            sin = sinusoid(torch.arange(self.table_size, dtype=torch.float32, device=p.device), cfg.d_model)
+            sin = model.pos_emb(torch.arange(self.table_size, dtype=torch.float32, device=p.device))
             for i, layer in enumerate(model.layers):
                 r = layer.dec_attn.r_net(sin.to(p.dtype)).view(self.table_size, cfg.n_head, cfg.d_head)
                 self.register_buffer(f"r_table_{i}", r.permute(1, 2, 0).contiguous(), persistent=False)

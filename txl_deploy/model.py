@@ -24,11 +24,29 @@ from torch import nn
 from .config import TxlConfig
 
 
-def sinusoid(pos_seq: torch.Tensor, d_model: int) -> torch.Tensor:
+def default_inv_freq(d_model: int, device=None) -> torch.Tensor:
+    return 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, device=device) / d_model))
+
+
+def sinusoid(pos_seq: torch.Tensor, d_model: int, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """The original PositionalEmbedding: [sin | cos] of position x inverse frequency."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, device=pos_seq.device) / d_model))
-    sinusoid_inp = pos_seq[:, None].float() * inv_freq[None, :]
+    if inv_freq is None:
+        inv_freq = default_inv_freq(d_model, device=pos_seq.device)
+    sinusoid_inp = pos_seq[:, None].float() * inv_freq.float()[None, :]
     return torch.cat([sinusoid_inp.sin(), sinusoid_inp.cos()], dim=-1)
+
+
+class PositionalEmbedding(nn.Module):
+    """Holds `inv_freq` as a (persistent) buffer, as the original does: a checkpoint saved in fp16 stores it
+    rounded, the model was trained and evaluated with the rounded values, so loading uses them as stored."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+        self.register_buffer("inv_freq", default_inv_freq(d_model))
+
+    def forward(self, pos_seq):
+        return sinusoid(pos_seq, self.d_model, self.inv_freq)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -212,6 +230,7 @@ class MemTransformerLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.word_emb = AdaptiveEmbedding(cfg)
+        self.pos_emb = PositionalEmbedding(cfg.d_model)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layer))
         if not cfg.untie_r:
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
@@ -268,11 +287,12 @@ class MemTransformerLM(nn.Module):
             mask = mask | (dist >= self.cfg.mem_len + self.cfg.same_length_extra)
         return mask
 
-    def pos_emb(self, klen: int, device=None) -> torch.Tensor:
+    def rel_pos_emb(self, klen: int, device=None) -> torch.Tensor:
+        """Sinusoids of the distances klen-1 ... 0 (clamped to clamp_len when > 0)."""
         pos_seq = torch.arange(klen - 1, -1, -1.0, device=device)
         if self.cfg.clamp_len > 0:
             pos_seq = pos_seq.clamp(max=self.cfg.clamp_len)
-        return sinusoid(pos_seq, self.cfg.d_model)
+        return self.pos_emb(pos_seq)
 
     def init_mems(self, batch_size: int) -> list[torch.Tensor]:
         """The paper's empty memory: n_layer tensors of length 0."""
@@ -286,7 +306,7 @@ class MemTransformerLM(nn.Module):
             mems = self.init_mems(B)
         mlen = mems[0].shape[1]
         h = self.word_emb(tokens)
-        pos_emb = self.pos_emb(mlen + Q, device=h.device)
+        pos_emb = self.rel_pos_emb(mlen + Q, device=h.device)
         mask = self.attn_mask(Q, mlen, device=h.device)
         hids = []
         for i, layer in enumerate(self.layers):

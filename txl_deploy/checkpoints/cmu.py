@@ -8,7 +8,8 @@ Two shapes of checkpoint:
   config (see `config_from_kwargs` and `detect.find_config`).
 
 Our model keeps the original parameter names, so the table below is nearly the identity; it exists to refuse
-foreign keys and to drop the positional `inv_freq` buffer, which we recompute.
+foreign keys. The positional `inv_freq` buffer is kept as stored: a checkpoint saved in fp16 holds it rounded, and
+the model was trained and evaluated with the rounded values.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CMU_RULES = [
     Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1"),  # cluster i at head column -i, as ours
     Rule(r"crit\.out_layers\.(\d+)\.(weight|bias)", r"crit.out_layers.\1.\2"),
     Rule(r"crit\.out_projs\.(\d+)", r"crit.out_projs.\1"),
-    Rule(r"pos_emb\.inv_freq", None),  # a constant of d_model, recomputed
+    Rule(r"pos_emb\.inv_freq", r"pos_emb.inv_freq"),  # used as stored (rounded when saved in fp16)
 ]
 
 MODEL_CLASS = "mem_transformer.MemTransformerLM"

@@ -8,6 +8,7 @@ Folders are recognised by their `config.json`; files by what they hold once read
 | `huggingface`    | config.json (`model_type: transfo-xl`) + model.safetensors / .bin        | `huggingface.HF_RULES`  |
 | `cmu`            | original `model.pt`: a pickled `mem_transformer.MemTransformerLM`        | `cmu.CMU_RULES`         |
 | `nvidia`         | DeepLearningExamples dict with `model_config` + `model_state`            | `nvidia.NVIDIA_RULES`   |
+|                  | or their work directory: `checkpoint_best.pt`, else `checkpoint_last.pt` |                         |
 | `cmu-state-dict` | a state_dict in the original names (.pt or .safetensors) + a JSON config | `cmu.CMU_RULES`         |
 
 The config of a bare state_dict comes from `config=` (a path, a dict or a TxlConfig; `--config FILE` on the
@@ -31,6 +32,7 @@ from ..vocab import Vocab
 from . import cmu, huggingface, nvidia, ours
 from .ours import LoadedModel
 from .safe_pickle import torch_load
+from .weights import stored_inv_freq_note
 
 # Folder formats: (name, is_format(folder), load(folder)). Our format first: it also has a config.json.
 FOLDER_FORMATS = [
@@ -45,6 +47,8 @@ TORCH_PAYLOADS = [
 ]
 # Files that, given alone, stand for the folder they are in.
 FOLDER_MEMBERS = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json"}
+# What NVIDIA's train.py writes into its work directory, in the order a folder given alone is read.
+NVIDIA_WORK_DIR_FILES = ("checkpoint_best.pt", "checkpoint_last.pt")
 VOCAB_FILES = ("vocab.json", "vocab.txt")
 
 
@@ -64,13 +68,31 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None) -> Lo
             vocab_dir = folder
             break
     else:
+        work_dir_note = None
         if path.is_dir():
-            raise CheckpointError(path, "is a folder but neither a txl-deploy checkpoint (config.json with "
-                                        "format txl-deploy) nor a HuggingFace transfo-xl folder")
+            path, work_dir_note = _work_dir_checkpoint(path)
         loaded = _load_file(path, config)
+        if work_dir_note:
+            loaded.notes.insert(0, work_dir_note)
         vocab_dir = path.parent
     _attach_vocab(loaded, vocab, vocab_kind, vocab_dir)
+    note = stored_inv_freq_note(loaded.config, loaded.state_dict)
+    if note:
+        loaded.notes.append(note)
     return loaded
+
+
+def _work_dir_checkpoint(folder: Path) -> tuple[Path, str]:
+    """The checkpoint an NVIDIA work directory (what their eval.py's --work_dir takes) stands for: the best one,
+    else the last one, as their training writes them."""
+    for name in NVIDIA_WORK_DIR_FILES:
+        if (folder / name).is_file():
+            others = [n for n in NVIDIA_WORK_DIR_FILES if n != name and (folder / n).is_file()]
+            also = f" ({', '.join(others)} is also there)" if others else ""
+            return folder / name, f"work directory {folder}: read {name}{also}"
+    raise CheckpointError(folder, "is a folder but neither a txl-deploy checkpoint (config.json with format "
+                                  "txl-deploy), a HuggingFace transfo-xl folder, nor an NVIDIA work directory "
+                                  f"({' or '.join(NVIDIA_WORK_DIR_FILES)})")
 
 
 def _load_file(path: Path, config) -> LoadedModel:

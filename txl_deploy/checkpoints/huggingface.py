@@ -37,7 +37,7 @@ HF_RULES = [
     Rule(r"transformer\.layers\.(\d+)\.pos_ff\.CoreNet\.(0|3)\.(weight|bias)", r"layers.\1.pos_ff.CoreNet.\2.\3"),
     Rule(r"transformer\.layers\.(\d+)\.pos_ff\.layer_norm\.(weight|bias)", r"layers.\1.pos_ff.layer_norm.\2"),
     Rule(r"transformer\.(r_w_bias|r_r_bias)", r"\1"),
-    Rule(r"transformer\.pos_emb\.inv_freq", None),
+    Rule(r"transformer\.pos_emb\.inv_freq", r"pos_emb.inv_freq"),
     Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1", reverse_rows),
     Rule(r"crit\.out_layers\.(\d+)\.(weight|bias)", r"crit.out_layers.\1.\2"),
     Rule(r"crit\.out_projs\.(\d+)", r"crit.out_projs.\1"),

@@ -9,7 +9,8 @@ NVIDIA's ProjectedAdaptiveLogSoftmax stores its output layers as `out_layers_wei
 (weights absent when tied to the embedding), the untied projections as `out_projs.N`, and registers the
 embedding's projections again as `shared_out_projs`. Its cluster order is the original one (head column -i).
 Its same_length mask lets each query see one key more than the original (`klen - mem_len - 1`):
-`same_length_extra = 1`.
+`same_length_extra = 1`, recorded for every NVIDIA checkpoint (it matters only once same_length is on, which
+their eval.py may do for a model trained without it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ NVIDIA_RULES = [
     Rule(r"layers\.(\d+)\.pos_ff\.CoreNet\.(0|3)\.(weight|bias)", r"layers.\1.pos_ff.CoreNet.\2.\3"),
     Rule(r"layers\.(\d+)\.pos_ff\.layer_norm\.(weight|bias)", r"layers.\1.pos_ff.layer_norm.\2"),
     Rule(r"(r_w_bias|r_r_bias)", r"\1"),
-    Rule(r"pos_emb\.inv_freq", None),
+    Rule(r"pos_emb\.inv_freq", r"pos_emb.inv_freq"),  # used as stored (NVIDIA trains in fp16)
     Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1"),
     Rule(r"crit\.out_layers_weights\.(\d+)", r"crit.out_layers.\1.weight"),
     Rule(r"crit\.out_layers_biases\.(\d+)", r"crit.out_layers.\1.bias"),
@@ -63,8 +64,9 @@ def load_checkpoint(obj, path, config=None) -> LoadedModel:
     if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
         raise CheckpointError(path, "model_state is not a state_dict (a mapping of names to tensors)")
     fields = config_fields_from_kwargs(obj["model_config"], path, "NVIDIA model_config")
-    if fields.get("same_length"):
-        fields["same_length_extra"] = 1
+    # Set whether or not the model trained with same_length: NVIDIA's eval.py turns same_length on for
+    # evaluation, and an export or eval with --same-length must then use their window, not the original's.
+    fields["same_length_extra"] = 1
     cfg = _config(fields, path)
     state = normalise(rename(strip_prefix(state, "module."), NVIDIA_RULES, path, "NVIDIA"), cfg, path)
     vocab = vocab_from_pickled(obj.get("vocab"))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 
+# Buffers a checkpoint may leave out: a function of the config, recomputed then. When present they are used as
+# stored (a checkpoint saved in fp16 holds inv_freq rounded, and its model ran with the rounded values).
+RECOMPUTABLE = {"pos_emb.inv_freq"}
+
 
 def build_model(config, state_dict, path="<memory>"):
     import torch
@@ -17,7 +21,7 @@ def build_model(config, state_dict, path="<memory>"):
     if unexpected:
         raise CheckpointError(path, f"tensor {unexpected[0]!r} is not part of a model with this config"
                                     + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    missing = sorted(k for k in expected if k not in state_dict and k not in tied)
+    missing = sorted(k for k in expected if k not in state_dict and k not in tied and k not in RECOMPUTABLE)
     if missing:
         raise CheckpointError(path, f"tensor {missing[0]!r} is missing"
                                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -34,6 +38,21 @@ def build_model(config, state_dict, path="<memory>"):
             if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), expected[k]):
                 raise CheckpointError(path, f"tensor {k!r} should be tied to its embedding but differs from it")
     return model.eval()
+
+
+def stored_inv_freq_note(config, state_dict) -> str | None:
+    """A note when the stored positional inv_freq differs from the formula (e.g. rounded by an fp16 save)."""
+    from ..model import default_inv_freq
+
+    stored = state_dict.get("pos_emb.inv_freq")
+    if stored is None or tuple(stored.shape) != (len(range(0, config.d_model, 2)),):
+        return None
+    diff = float((stored.float() - default_inv_freq(config.d_model)).abs().max())
+    if diff <= 1e-6:  # fp32 values computed elsewhere may differ in the last bit; fp16 rounding is ~1e-4
+        return None
+    dtype = str(stored.dtype).replace("torch.", "")
+    return (f"uses the checkpoint's stored pos_emb.inv_freq ({dtype}), which differs from the recomputed values "
+            f"by up to {diff:.2g}: the model was trained and evaluated with the stored ones")
 
 
 def weights_sha256(state_dict) -> str:

@@ -1,1 +1,0 @@
-"""Test stand-in for NVIDIA DeepLearningExamples `PyTorch/LanguageModeling/Transformer-XL/pytorch/utils/`."""
