@@ -53,7 +53,11 @@ class OrtBackend(Backend):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
         if intra_op_threads:
-            opts.intra_op_num_threads = int(intra_op_threads)
+            self.threads = int(intra_op_threads)
+            opts.intra_op_num_threads = self.threads
+            # The session runs its graph sequentially (ORT_SEQUENTIAL): an inter-op pool would only add idle
+            # threads competing for the same cores.
+            opts.inter_op_num_threads = 1
         if profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = str(profile_prefix)

@@ -38,8 +38,13 @@ def _load(path, device, mem_len, overrides=None):
 
 class _TorchBase(Backend):
     @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None, threads=None):
         self = cls()
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
+            self.threads = int(threads)
         loaded, model, device = _load(path, device, mem_len, overrides)
         self._init_common(loaded, model, device, max_segment)
         self._prepare()
