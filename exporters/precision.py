@@ -247,10 +247,6 @@ class StreamingCalibration:
         feeds["tokens"], feeds["out_positions"] = tokens, self.positions
         return feeds
 
-    def rewind(self):
-        self.pos = 0
-        self.state = self.backend.new_state(self.streams.shape[0])
-
     def close(self):
         self.backend.close()
 
@@ -494,11 +490,4 @@ def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=No
                            force=force, log=log, **options)
 
 
-def precision_report(path) -> dict | None:
-    """The `precision_report` stored in an exported file's metadata (None for fp32 exports)."""
-    from txl_deploy.metadata import read_onnx_info
-
-    return read_onnx_info(path).export.get("precision_report")
-
-
-__all__ = ["PRECISIONS", "export_reduced", "reduce_onnx", "read_token_ids", "convert_fp16", "precision_report"]
+__all__ = ["PRECISIONS", "export_reduced", "reduce_onnx", "read_token_ids", "convert_fp16"]
