@@ -346,6 +346,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
     eval_data: held-out data for the accuracy change (same kinds) [default: the calibration data];
     without either, only the random-stream comparison is made (and recorded).
     verify: refuse the result (write nothing) when the stream comparison exceeds STREAM_TOLERANCE.
+    threads: ONNX Runtime's CPU threads for the calibration reader and the checks (quantize_static's calibrator
+    opens its own session, at ONNX Runtime's default threads: its API takes no session options).
     Returns the ExportResult of the written file.
     """
     import onnx

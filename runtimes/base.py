@@ -398,13 +398,10 @@ class TxlRuntime:
         generator left suspended (abandoned, or driven from another thread) never blocks other callers; their
         calls between two tokens advance the same memory, as any call on a shared runtime does."""
         max_new_tokens = _whole("max_new_tokens", max_new_tokens, lo=0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(temperature) or temperature < 0:
+        if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
             raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
         top_k = None if top_k is None else _whole("top_k", top_k, lo=1)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.integer,
-                                                                                   np.floating))
-                                  or not 0 < top_p <= 1):
+        if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
             raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
         seed = None if seed is None else _whole("seed", seed, lo=0)
         stop_ids = set() if stop is None else {_whole("stop token id", s, lo=0) for s in np.atleast_1d(stop).tolist()}
@@ -435,8 +432,6 @@ class TxlRuntime:
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop) -> Iterator[int]:
         rng = np.random.default_rng(seed)
-        if max_new_tokens == 0:
-            return
         with self._lock:
             # Checked again: another caller may have changed the memory since generate() was called.
             if ids is not None:
@@ -451,6 +446,10 @@ class TxlRuntime:
                 return
             # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
             log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step
+
+
+def _is_real(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
 
 
 def _whole(name: str, value, lo: int) -> int:

@@ -46,6 +46,9 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, 
     layer plus a per-row token counter) and returns log-probabilities and the memory update. Config, vocabulary
     and export settings are stored in the file's metadata, so the .onnx alone is enough to run it.
 
+    --threads applies to the export, the checks against PyTorch and fp32, and the int8 calibration reader; ONNX
+    Runtime's int8 calibrator runs its own session at ONNX Runtime's default threads.
+
     \b
     Example:
       txl-deploy export model.pt --onnx -o model.onnx --mem-len 640
