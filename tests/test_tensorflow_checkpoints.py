@@ -665,3 +665,40 @@ def test_info_and_tf_semantics_for_other_formats(published, tmp_path):
     cfg2 = json.loads((second / "config.json").read_text())["config"]
     assert cfg2["same_length_extra"] == 1 and cfg2["layer_norm_epsilon"] == 1e-12
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_zero_first_memory_reproduces_tensorflow_on_every_backend(published, tmp_path):
+    """`start_from_zero_memory` / `eval --zero-memory`: TensorFlow's evaluation from the first segment on, on the
+    eager reference, the cached PyTorch path and ONNX Runtime (incremental state, the runtimes' ring buffer)."""
+    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.runtimes import TxlRuntime
+
+    root, weights, spec = published["adaptive-shared"]
+    out = tmp_path / "converted"
+    assert run_cli("convert", root, "-o", out, "--config", root / "flags.json").exit_code == 0
+    onnx_path = tmp_path / "model.onnx"
+    export_onnx(out, onnx_path, max_segment=8, log=lambda *a: None)
+    tokens = stream_for(spec, n_segments=5, seed=2)
+    reference = tf_reference_log_probs(weights, spec, tokens)
+    T = spec["tgt_len"]
+    for path, backend in ((out, "torch"), (out, "torch-fast"), (onnx_path, "onnxruntime")):
+        with TxlRuntime.load(path, backend=backend) as rt:
+            rt.start_from_zero_memory(1)
+            got = np.concatenate([rt.step(tokens[None, s:s + T])[0] for s in range(0, len(tokens), T)])
+            np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0, err_msg=backend)
+            rt.reset()  # the default again: the paper's empty memory, which differs on the first segment
+            first = rt.step(tokens[None, :T])[0]
+            assert np.abs(first - reference[:T]).max() > 1e-3, backend
+
+    # the streaming evaluation from text: the summed NLL of TensorFlow's equations
+    symbols = symbols_for(spec)
+    ids = np.append(tokens, 3)
+    text = tmp_path / "test.txt"
+    text.write_text(" ".join(symbols[i] for i in ids), encoding="utf-8")
+    expected_nll = -sum(reference[t, ids[t + 1]] for t in range(len(tokens)))
+    for path in (out, onnx_path):
+        result = run_cli("eval", path, "--text", text, "--zero-memory", "--json", tmp_path / "eval.json")
+        assert result.exit_code == 0, result.output
+        got = json.loads((tmp_path / "eval.json").read_text())
+        assert got["first_memory"] == "zeros" and got["n_tokens"] == len(tokens)
+        assert got["nll"] == pytest.approx(expected_nll, rel=1e-6, abs=1e-4)
