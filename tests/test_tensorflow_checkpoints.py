@@ -653,6 +653,7 @@ def test_info_and_tf_semantics_for_other_formats(published, tmp_path):
     assert result.exit_code == 0, result.output
     d = json.loads(result.output)
     assert d["format"] == "tensorflow" and d["config"]["layer_norm_epsilon"] == 1e-12
+    assert d["config_sources"]["mem_len"].startswith("--config") and d["config_sources"]["d_model"] == "checkpoint shapes"
     # --tf-semantics gives any checkpoint (e.g. HuggingFace's transfo-xl-wt103) TF's window and epsilon
     first = tmp_path / "first"
     assert run_cli("convert", root, "-o", first, "--config", root / "flags.json").exit_code == 0

@@ -56,7 +56,7 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
     if tensorflow.is_tf_checkpoint(path):
-        return tensorflow.load_checkpoint(path, config=config, preset=preset, vocab=vocab)
+        return tensorflow.load_checkpoint(path, config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
     if preset is not None:
         raise CheckpointError(path, "--preset is for TensorFlow checkpoints (model.ckpt-N or the published folder)")
     if not path.exists():

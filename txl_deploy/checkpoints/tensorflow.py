@@ -575,11 +575,13 @@ def to_state_dict(ckpt, arch: dict) -> dict:
     return sd
 
 
-def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, verify_checksums: bool = True):
+def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vocab_kind: str | None = None,
+                    verify_checksums: bool = True):
     """A `LoadedModel` from the published folder layout or a `model.ckpt-N` path.
 
     `config`: the original training flags (JSON file or dict, tf/train_gpu.py names); `preset`: one of PRESETS;
-    `vocab`: a `cache.pkl` (read safely) or a text vocabulary, overriding `data/cache.pkl`."""
+    `vocab`: a `cache.pkl` (read safely) or a text vocabulary (`vocab_kind` word or char), overriding
+    `data/cache.pkl`."""
     from ..vocab import Vocab
     from .tf_bundle import TFCheckpoint
 
@@ -600,7 +602,7 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, ve
         loaded_vocab, dataset = read_cache_vocab(cache)
         vocab_source = str(cache)
     elif cache is not None:
-        loaded_vocab, vocab_source = Vocab.read(cache), str(cache)
+        loaded_vocab, vocab_source = Vocab.read(cache, kind=vocab_kind), str(cache)
     info_path = data_dir / "corpus-info.json" if data_dir is not None else None
     if info_path is not None and info_path.is_file():
         info = read_corpus_info(info_path)

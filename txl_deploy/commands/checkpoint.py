@@ -101,6 +101,7 @@ def describe(loaded, model) -> dict:
             "fp16": cfg.memory_bytes_per_stream(bytes_per_value=2),
         },
         "notes": list(loaded.notes),
+        **({"config_sources": loaded.value_sources} if getattr(loaded, "value_sources", None) else {}),
     }
 
 
@@ -133,6 +134,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json):
     click.echo("config:")
     for key, value in d["config"].items():
         click.echo(f"  {key}: {value}")
+    for key, source in d.get("config_sources", {}).items():
+        click.echo(f"source of {key}: {source}")
     for note in d["notes"]:
         click.echo(f"note: {note}")
 
