@@ -7,13 +7,14 @@ from pathlib import Path
 
 import click
 
-VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line vocab.txt, or a character list "
-              "(with --vocab-kind char). Overrides a vocabulary found in or beside the checkpoint.")
+VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line vocab.txt, a character list "
+              "(with --vocab-kind char), or a TensorFlow model's data/cache.pkl (read without running anything). "
+              "Overrides a vocabulary found in or beside the checkpoint.")
 CONFIG_HELP = ("JSON config for a bare state_dict: our TxlConfig fields or the original MemTransformerLM "
                "constructor arguments. Default: <name>.json or config.json beside the weights. For a TensorFlow "
                "checkpoint: its training flags under tf/train_gpu.py's names (n_layer, mem_len, same_length, ...).")
-PRESET_HELP = ("The published TensorFlow model a TensorFlow checkpoint is (its evaluation settings become the "
-               "defaults): enwik8-large, text8-large, wt103-large, lm1b-large. Default: the one its shapes fit.")
+PRESET_HELP = ("Which of the paper's published models a TensorFlow checkpoint is: its evaluation settings (tgt_len, "
+               "mem_len, clamp_len, same_length) become the defaults. Default: the one its shapes fit.")
 KIND_HELP = "How to read a text --vocab / vocab.txt: word (one symbol a line) or char (a character list)."
 
 
