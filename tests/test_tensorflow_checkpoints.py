@@ -706,3 +706,28 @@ def test_zero_first_memory_reproduces_tensorflow_on_every_backend(published, tmp
         got = json.loads((tmp_path / "eval.json").read_text())
         assert got["first_memory"] == "zeros" and got["n_tokens"] == len(tokens)
         assert got["nll"] == pytest.approx(expected_nll, rel=1e-6, abs=1e-4)
+
+
+def test_huggingface_folder_keeps_hf_semantics_unless_tf_semantics(tmp_path):
+    """HF's transfo-xl-wt103 came from the TF checkpoint but HF computes with the PyTorch window and eps 1e-5:
+    an HF folder converts with HF's semantics by default, and with TensorFlow's under --tf-semantics."""
+    import warnings
+
+    transfo = pytest.importorskip("transformers.models.deprecated.transfo_xl")
+    cfg = transfo.TransfoXLConfig(vocab_size=30, cutoffs=[10, 20], d_model=16, d_embed=16, n_head=2, d_head=8,
+                                  d_inner=24, div_val=2, n_layer=2, mem_len=5, clamp_len=6, same_length=True,
+                                  untie_r=True, proj_share_all_but_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transfo.TransfoXLLMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(30)))
+    assert run_cli("convert", tmp_path / "hf", "-o", tmp_path / "as-hf").exit_code == 0
+    as_hf = json.loads((tmp_path / "as-hf" / "config.json").read_text())["config"]
+    assert as_hf["same_length_extra"] == 0 and as_hf["layer_norm_epsilon"] == 1e-5
+    result = run_cli("convert", tmp_path / "hf", "-o", tmp_path / "as-tf", "--tf-semantics")
+    assert result.exit_code == 0, result.output
+    as_tf = json.loads((tmp_path / "as-tf" / "config.json").read_text())
+    assert as_tf["config"]["same_length_extra"] == 1 and as_tf["config"]["layer_norm_epsilon"] == 1e-12
+    assert any("--tf-semantics" in note for note in as_tf["source"]["notes"])
+    assert {k: v for k, v in as_tf["config"].items() if k not in ("same_length_extra", "layer_norm_epsilon")} == \
+        {k: v for k, v in as_hf.items() if k not in ("same_length_extra", "layer_norm_epsilon")}
