@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.io_spec import MEM_COUNT
 
 # Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
@@ -305,6 +306,23 @@ class TxlRuntime:
             if self._last_log_probs is not None:
                 self._last_log_probs = self._last_log_probs.copy()
                 self._last_log_probs[idx] = np.nan  # no prediction for a fresh row until it is fed
+
+    def start_from_zero_memory(self, batch: int = 1):
+        """Start `batch` new streams from `mem_len` zero vectors per layer that are attended to as context: the first
+        memory of the original TensorFlow evaluation (and of HuggingFace), for reproducing their numbers exactly.
+        The default (`reset()`) is the paper's empty memory; the two agree after ~n_layer*ceil(mem_len/segment)
+        segments."""
+        if self.config.pre_lnorm:
+            # A zero hidden state projects to zero keys and values only without a layer norm in front.
+            raise InputError("a zero-filled first memory is supported for post-layer-norm models only")
+        with self._lock:
+            arrays = self.backend.state_arrays(self.backend.new_state(int(batch)))
+            if MEM_COUNT in arrays:  # key/value ring buffers: zeros are what a zero hidden state projects to
+                arrays[MEM_COUNT][:] = self.mem_len
+            else:  # the eager reference keeps hidden states: mem_len of them, all zero
+                arrays["lens"][:] = self.mem_len
+            self._state = self.backend.state_from_arrays(arrays)
+            self._last_log_probs = None
 
     def score(self, tokens) -> np.ndarray:
         """Negative log-likelihood (nats) of tokens[:, 1:] given what precedes them: returns [B, Q - 1].

@@ -36,7 +36,8 @@ class TxlConfig:
     tgt_len: int = 128
     clamp_len: int = 0  # <= 0: no clamping (the original code clamps only when clamp_len > 0)
     same_length: bool = False
-    # NVIDIA's same_length lets each query see one key more than the original code (klen - mem_len - 1).
+    # NVIDIA's same_length lets each query see one key more than the original PyTorch code (klen - mem_len - 1);
+    # so does the original TensorFlow code (mlen + 1 keys, with its always-full memory). Both are 1.
     same_length_extra: int = 0
     layer_norm_epsilon: float = 1e-5
 

@@ -10,6 +10,7 @@ Folders are recognised by their `config.json`; files by what they hold once read
 | `nvidia`         | DeepLearningExamples dict with `model_config` + `model_state`            | `nvidia.NVIDIA_RULES`   |
 |                  | or their work directory: `checkpoint_best.pt`, else `checkpoint_last.pt` |                         |
 | `cmu-state-dict` | a state_dict in the original names (.pt or .safetensors) + a JSON config | `cmu.CMU_RULES`         |
+| `tensorflow`     | original TF V2 checkpoint (`model.ckpt-N`) or the published folder layout | `tensorflow.to_state_dict` |
 
 The config of a bare state_dict comes from `config=` (a path, a dict or a TxlConfig; `--config FILE` on the
 command line), else from `<name>.json` beside the weights (`model.json` for `model.pt`), else from `config.json`
@@ -29,7 +30,7 @@ from pathlib import Path
 from ..config import TxlConfig
 from ..errors import CheckpointError
 from ..vocab import Vocab
-from . import cmu, huggingface, nvidia, ours
+from . import cmu, huggingface, nvidia, ours, tensorflow
 from .ours import LoadedModel
 from .safe_pickle import torch_load
 from .weights import stored_inv_freq_note
@@ -52,10 +53,16 @@ NVIDIA_WORK_DIR_FILES = ("checkpoint_best.pt", "checkpoint_last.pt")
 VOCAB_FILES = ("vocab.json", "vocab.txt")
 
 
-def load_any(path, config=None, vocab=None, vocab_kind: str | None = None) -> LoadedModel:
-    """Load a checkpoint of any supported format. `config`: for a bare state_dict (path, dict or TxlConfig);
-    `vocab`: a vocabulary file overriding any other; `vocab_kind`: "word" or "char" for text vocabularies."""
+def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, preset: str | None = None) -> LoadedModel:
+    """Load a checkpoint of any supported format. `config`: for a bare state_dict (path, dict or TxlConfig), or the
+    training flags of a TensorFlow checkpoint; `vocab`: a vocabulary file overriding any other; `vocab_kind`:
+    "word" or "char" for text vocabularies; `preset`: the published model a TensorFlow checkpoint is."""
     path = Path(path)
+    # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
+    if tensorflow.is_tf_checkpoint(path):
+        return tensorflow.load_checkpoint(path, config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
+    if preset is not None:
+        raise CheckpointError(path, "--preset is for TensorFlow checkpoints (model.ckpt-N or the published folder)")
     if not path.exists():
         raise CheckpointError(path, "does not exist")
     folder = path if path.is_dir() else (path.parent if path.name in FOLDER_MEMBERS else None)

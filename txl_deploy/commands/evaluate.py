@@ -11,8 +11,9 @@ from ..errors import CheckpointError, InputError
 from . import threads_option
 
 
-def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True) -> dict:
-    """Bits per character (character models) or perplexity (word models) of `text`, memory threaded."""
+def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True, zero_memory: bool = False) -> dict:
+    """Bits per character (character models) or perplexity (word models) of `text`, memory threaded.
+    `zero_memory`: start from mem_len zero vectors (TensorFlow's and HuggingFace's first memory), not empty."""
     from tqdm import tqdm
 
     from ..evaluate import streaming_eval
@@ -21,6 +22,8 @@ def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True) -> dict
         raise InputError("this model has no vocabulary, so it cannot read text to evaluate")
     ids = rt.encode(text)
     rt.reset()
+    if zero_memory:
+        rt.start_from_zero_memory(1)
     start = time.perf_counter()
     with tqdm(total=max(ids.size - 1, 0), unit="tok", desc="evaluating", disable=not progress, leave=False) as bar:
         result = streaming_eval(ids, rt.step, tgt_len, progress=bar.update)
@@ -44,9 +47,12 @@ def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True) -> dict
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="[default: by file type]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
+@click.option("--zero-memory", is_flag=True, help="Start from mem_len zero vectors that are attended to, as the "
+              "original TensorFlow evaluation (and HuggingFace) do, instead of the paper's empty memory.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the result as JSON.")
 @threads_option
-def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, json_out, threads):
+def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, zero_memory, json_out,
+             threads):
     """Evaluate MODEL on a text, reading it once left to right in segments of TGT_LEN tokens with the memory
     threaded between them (the paper's evaluation). Prints bits per character for character models and
     perplexity for word models."""
@@ -59,9 +65,10 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, threads=threads) as rt:
         tgt_len = tgt_len or rt.config.tgt_len
-        result = evaluate_runtime(rt, text, tgt_len)
+        result = evaluate_runtime(rt, text, tgt_len, zero_memory=zero_memory)
         result.update(model=str(model), backend=rt.backend.name, tgt_len=tgt_len, mem_len=rt.mem_len,
-                      clamp_len=rt.config.clamp_len, same_length=rt.config.same_length, text=str(text_file))
+                      clamp_len=rt.config.clamp_len, same_length=rt.config.same_length, text=str(text_file),
+                      first_memory="zeros" if zero_memory else "empty")
     rows = [("model", model), ("backend", result["backend"]), ("text", text_file),
             ("tokens scored", f"{result['n_tokens']:,}"),
             ("tgt_len / mem_len / clamp_len", f"{tgt_len} / {result['mem_len']} / {result['clamp_len']}"),
