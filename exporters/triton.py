@@ -34,6 +34,8 @@ VOCAB_IN_CONFIG_BYTES = 256 * 1024  # larger vocabularies travel as <model>/voca
 DEFAULT_IDLE_TIMEOUT = 300.0  # seconds; Triton's own default (1 s) would drop a conversation between two messages
 DEFAULT_QUEUE_DELAY_US = 1000
 PARAM_PREFIX = "txl_deploy."
+RESUME_INPUT = "resume_state"  # the python model's park/resume tensors (exporters/triton_python_model.py)
+SAVED_OUTPUT = "saved_state"
 
 
 @dataclass
@@ -143,6 +145,7 @@ class RepoOptions:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     max_queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
     instance_kind: str | None = None  # KIND_CPU / KIND_GPU; default: GPU for TensorRT, Triton's choice otherwise
+    threads: int | None = None  # python backend: ONNX Runtime intra-op threads per instance (None: its default)
 
     def resolved(self, model: ServedModel) -> "RepoOptions":
         backend = self.backend or ("tensorrt" if model.kind == "engine" else "onnxruntime")
@@ -157,7 +160,8 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if opts.backend not in BACKENDS:
         raise ExportError(f"unknown Triton backend {opts.backend!r}; choose one of {', '.join(BACKENDS)}")
     for what, value, lo in (("--max-batch", opts.max_batch, 1), ("--instances", opts.instances, 1),
-                            ("--max-sequences", opts.max_sequences, 1)):
+                            ("--max-sequences", opts.max_sequences, 1)) + \
+            ((("--threads", opts.threads, 1),) if opts.threads is not None else ()):
         if not isinstance(value, int) or value < lo:
             raise ExportError(f"{what} must be an integer >= {lo}, got {value!r}")
     if opts.idle_timeout <= 0:
@@ -176,6 +180,9 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if model.max_batch is not None and opts.max_batch > model.max_batch:
         raise ExportError(f"{model.path}: --max-batch {opts.max_batch} exceeds the engine's profile (batch up to "
                           f"{model.max_batch}); rebuild the engine with a larger --batch or lower --max-batch")
+    if opts.threads is not None and opts.backend != "python":
+        raise ExportError("--threads applies to the python backend; Triton's onnxruntime backend takes "
+                          "intra_op_thread_count in the model config's parameters")
     if opts.max_sequences < opts.max_batch:
         raise ExportError(f"--max-sequences {opts.max_sequences} is below --max-batch {opts.max_batch}: batches "
                           "are formed from live conversations, so they could never fill")
@@ -204,14 +211,20 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
     else:
         lines.append(f'platform: "{PLATFORMS[opts.backend]}"')
         lines.append(f'default_model_filename: "{MODEL_FILES[opts.backend]}"')
+    # The python model also parks and resumes conversations: an optional input with a saved state (START only) and
+    # an output with the conversation's memory, returned only to requests that ask for it.
+    resume = (f',\n  {{ name: "{RESUME_INPUT}" data_type: TYPE_UINT8 dims: [ -1 ] optional: true }}'
+              if opts.backend == "python" else "")
+    saved = (f',\n  {{ name: "{SAVED_OUTPUT}" data_type: TYPE_UINT8 dims: [ -1 ] }}'
+             if opts.backend == "python" else "")
     lines += [
         f"max_batch_size: {opts.max_batch}",
         "input [",
         f'  {{ name: "{io_spec.TOKENS}" data_type: TYPE_INT64 dims: [ -1 ] }},',
-        f'  {{ name: "{io_spec.OUT_POSITIONS}" data_type: TYPE_INT64 dims: [ -1 ] }}',
+        f'  {{ name: "{io_spec.OUT_POSITIONS}" data_type: TYPE_INT64 dims: [ -1 ] }}' + resume,
         "]",
         "output [",
-        f'  {{ name: "{io_spec.LOG_PROBS}" data_type: {lp_type} dims: [ -1, {v} ] }}',
+        f'  {{ name: "{io_spec.LOG_PROBS}" data_type: {lp_type} dims: [ -1, {v} ] }}' + saved,
         "]",
         "sequence_batching {",
         f"  max_sequence_idle_microseconds: {idle_us}",
@@ -248,6 +261,8 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
     params = _common_params(model)
     if opts.backend == "python":
         params += [_param("model_file", model.path.name), _param("max_request_tokens", model.max_segment)]
+        if opts.threads is not None:
+            params.append(_param(PARAM_PREFIX + "threads", opts.threads))
     lines += params
     return "\n".join(lines) + "\n"
 
@@ -274,7 +289,7 @@ def check_config(config, model: ServedModel, opts: RepoOptions) -> list[str]:
         problems.append("the sequence batcher with the oldest strategy is missing")
     if config.max_batch_size != opts.max_batch:
         problems.append(f"max_batch_size {config.max_batch_size} != {opts.max_batch}")
-    names = {i.name for i in config.input}
+    names = {i.name for i in config.input} - ({RESUME_INPUT} if opts.backend == "python" else set())
     if names != {io_spec.TOKENS, io_spec.OUT_POSITIONS}:
         problems.append(f"inputs {sorted(names)}")
     if opts.backend == "python":
