@@ -28,7 +28,8 @@ segment) -> `log_probs` [1, P, V] float32. Park and resume: asking for the outpu
 conversation's memory after this request's tokens, as the bytes of an .npz file holding `TxlRuntime.save_state()`'s
 arrays (one row, the model's fingerprint, a format version); with END that parks the conversation. A START request
 with the input `resume_state` (such bytes) starts the conversation from that memory, refused with an error when the
-state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes.
+state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the conversation's latest
+next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
 A bad request gets an error response and changes no memory.
 """
 
@@ -285,7 +286,7 @@ class TritonPythonModel:
         arrays["__format_version__"] = np.array(STATE_FORMAT_VERSION)
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        return np.frombuffer(buf.getvalue(), dtype=np.uint8)[None]
+        return np.frombuffer(bytearray(buf.getvalue()), dtype=np.uint8)[None]  # writable: DLPack exports no read-only arrays
 
     # -- requests ---------------------------------------------------------------------------------------------
     def execute(self, requests):
@@ -369,8 +370,12 @@ class TritonPythonModel:
             if work.error is not None:
                 raise work.error
             log_probs = work.log_probs
-            if log_probs is None:  # a park/resume request without tokens
-                log_probs = np.zeros((1, 0, self.n_token), dtype=np.float32)
+            if log_probs is None:
+                # A park/resume request without tokens answers with the conversation's latest next-token
+                # log-probs (NaN where none is known): never a zero-size tensor, which the stub cannot hand over.
+                last = work.conv.last_log_probs
+                log_probs = (np.full((1, 1, self.n_token), np.nan, np.float32) if last is None
+                             else last.reshape(1, 1, -1))
             outputs = [_output("log_probs", log_probs.astype(np.float32, copy=False))]
             if work.want_state:
                 outputs.append(_output(SAVED_OUTPUT, self._saved_state(work.conv)))

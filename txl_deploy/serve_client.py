@@ -38,7 +38,8 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.vocab import Vocab
 
 PARAM_PREFIX = "txl_deploy."
-UNKNOWN_SEQUENCE = "must specify the START flag"
+UNKNOWN_SEQUENCE = "must specify the START flag"  # Triton's answer for a sequence it does not know
+UNKNOWN_TO_MODEL = "is unknown to this model instance"  # the model's, for one Triton knows but the model does not
 RESUME_INPUT = "resume_state"  # see exporters/triton_python_model.py
 SAVED_OUTPUT = "saved_state"
 LOST_RETRY_S = 30.0  # a server that could not be reached gets no new conversations for this long (if others can)
@@ -204,7 +205,7 @@ class TxlTritonClient:
 
     def _translate(self, server: _Server, e: Exception, sequence_id, conversation=None) -> ServingError:
         message = _first_line(e)
-        if UNKNOWN_SEQUENCE in message:
+        if UNKNOWN_SEQUENCE in message or UNKNOWN_TO_MODEL in message:
             return ServingError(f"the server at {server.url} does not know conversation {sequence_id} (it ended, "
                                 "idled out, or the server restarted since it began): start a new conversation")
         status = e.status() if callable(getattr(e, "status", None)) else None  # grpc: "StatusCode.UNAVAILABLE"
@@ -267,6 +268,8 @@ class TxlTritonClient:
         routes to. The id defaults to the parked conversation's. Refused (ServingError) if the state belongs to
         another model."""
         state = bytes(state)
+        if url is not None and url not in self.servers:
+            raise InputError(f"{url} is not one of this client's servers ({', '.join(self.servers)})")
         if sequence_id is None:
             sequence_id = parked_info(state)["sequence_id"]
         conv = Conversation(self, sequence_id)
@@ -297,14 +300,12 @@ def parked_info(state: bytes) -> dict:
             get = (lambda k: z[k][()] if k in keys else None)
             out = {"fingerprint": get("__fingerprint__"), "format_version": get("__format_version__"),
                    "sequence_id": get("__sequence_id__")}
-            last = z["__last_log_probs__"][0] if "__last_log_probs__" in keys else None
     except Exception as e:
         raise InputError(f"not a parked conversation state ({_first_line(e)})") from None
     if out["fingerprint"] is None:
         raise InputError("not a parked conversation state (no fingerprint)")
     out = {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items()}
     out["sequence_id"] = None if out["sequence_id"] is None else int(out["sequence_id"])
-    out["last_log_probs"] = last
     return out
 
 
@@ -407,10 +408,19 @@ class Conversation:
             return state.tobytes()
 
     def _resume(self, state: bytes, server: _Server):
-        info = parked_info(state)
-        self.client._request(server, self.id, [], [], start=True, resume_state=state, conversation=None)
+        try:
+            result = self.client._request(server, self.id, [], [], start=True, resume_state=state)
+        except ServingError:
+            # Triton opened the sequence before the model refused the state: end it, or it would hold a slot
+            # until it idles out.
+            try:
+                self.client._request(server, self.id, [0], [0], end=True)
+            except ServingError:
+                pass  # the expected answer: the model does not know the conversation
+            raise
         self.ended, self.pending = False, None
-        self.last_log_probs = info["last_log_probs"]
+        last = result.as_numpy(io_spec.LOG_PROBS)[0][0]
+        self.last_log_probs = None if np.isnan(last).all() else last
         self._register(server)
 
     def _move(self, url: str):
