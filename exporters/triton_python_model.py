@@ -58,6 +58,7 @@ _apply_pythonpath()
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from txl_deploy import io_spec  # noqa: E402
 
 _previous_hook = sys.unraisablehook
 
@@ -105,7 +106,8 @@ class RowPool:
         self.state = backend.new_state(capacity)  # np.zeros: pages are only touched once a row is used
         self.free = list(range(capacity))
         heapq.heapify(self.free)
-        self.gathered = self.viewed = 0  # groups that needed a copy / ran in place (logged at finalize)
+        self.with_holes = self.viewed = 0  # spans run with / without hole rows (logged at finalize)
+        self.incremental = getattr(getattr(backend, "spec", None), "state", "full") == "incremental"
 
     def start(self):
         row = heapq.heappop(self.free)
@@ -122,25 +124,76 @@ class RowPool:
     def save(self, row):
         return {name: np.array(value[row:row + 1]) for name, value in self.state.items()}
 
+    def spans(self, rows):
+        """Contiguous row ranges [lo, hi) covering `rows` (sorted, unique) and which of them each holds. Runs of
+        rows merge across a gap while the gap rows are no more than the member rows: a hole costs one wasted row
+        of compute, a separate call re-reads every weight (and a gather would copy whole memories)."""
+        spans = []
+        for i, row in enumerate(rows):
+            if spans and row == spans[-1][1]:
+                spans[-1][1] += 1
+                spans[-1][2].append(i)
+                continue
+            if spans:
+                lo, hi, members = spans[-1]
+                if (row + 1 - lo) - (len(members) + 1) <= len(members) + 1:
+                    spans[-1][1] = row + 1
+                    members.append(i)
+                    continue
+            spans.append([row, row + 1, [i]])
+        return spans
+
     def run(self, rows, tokens, positions):
+        """One batched call per span of rows (see spans); rows must be sorted. Rows inside a span that are not in
+        `rows` (holes) are computed with token 0 and then put back exactly as they were."""
         rows = np.asarray(rows, dtype=np.int64)
-        lo = int(rows[0])
-        if np.array_equal(rows, np.arange(lo, lo + rows.size)):
-            sub = {name: value[lo:lo + rows.size] for name, value in self.state.items()}
-            target = slice(lo, lo + rows.size)
-            self.viewed += 1
-        else:
-            sub = {name: value[rows] for name, value in self.state.items()}
-            target = rows
-            self.gathered += 1
-        before = dict(sub)
-        log_probs = self.backend.run(sub, tokens, positions)
-        for name, value in sub.items():
-            # a view was written in place (incremental graphs); a gathered copy, or the new arrays a full-state
-            # graph returns, go back into the pool
-            if value is not before[name] or target is rows:
-                self.state[name][target] = value
-        return log_probs
+        out = [None] * rows.size
+        for lo, hi, members in self.spans(rows):
+            mine = rows[members]
+            n = hi - lo
+            if n == len(members):
+                tok, pos = tokens[members], positions[members]
+                holes = ()
+                self.viewed += 1
+            else:
+                tok = np.zeros((n, tokens.shape[1]), np.int64)
+                pos = np.zeros((n, positions.shape[1]), np.int64)
+                tok[mine - lo], pos[mine - lo] = tokens[members], positions[members]
+                holes = np.setdiff1d(np.arange(lo, hi), mine)
+                self.with_holes += 1
+            sub = {name: value[lo:hi] for name, value in self.state.items()}  # views: no copy
+            before = dict(sub)
+            undo = self._keep(holes, tokens.shape[1]) if len(holes) and self.incremental else None
+            log_probs = self.backend.run(sub, tok, pos)
+            for name, value in sub.items():
+                if value is not before[name]:  # a full-state graph returns new arrays: take the members' rows
+                    self.state[name][mine] = value[mine - lo]
+            if undo is not None:
+                self._restore(undo)
+            for j, m in enumerate(members):
+                out[m] = log_probs[mine[j] - lo]
+        return np.stack(out)
+
+    def _keep(self, holes, q):
+        """What the ring write of a q-token segment will overwrite in the hole rows (the backend writes rows in
+        place: see runtimes/onnxruntime.write_ring), so it can be put back."""
+        m = self.backend.spec.mem_len
+        keep = min(q, m)
+        kept = []
+        count = self.state[io_spec.MEM_COUNT]
+        for h in holes:
+            slots = (int(count[h]) + q - keep + np.arange(keep)) % m
+            layers = [(self.state[io_spec.mem_k(i)][h][..., slots].copy(),
+                       self.state[io_spec.mem_v(i)][h][:, slots].copy()) for i in range(self.backend.spec.n_layer)]
+            kept.append((h, int(count[h]), slots, layers))
+        return kept
+
+    def _restore(self, kept):
+        for h, count, slots, layers in kept:
+            for i, (k, v) in enumerate(layers):
+                self.state[io_spec.mem_k(i)][h][..., slots] = k
+                self.state[io_spec.mem_v(i)][h][:, slots] = v
+            self.state[io_spec.MEM_COUNT][h] = count
 
 
 class SeparateStates:
@@ -410,7 +463,10 @@ class TritonPythonModel:
 
     def finalize(self):
         if isinstance(self.states, RowPool):
-            pb_utils.Logger.log_info(f"txl-deploy: batched groups run in place {self.states.viewed}, "
-                                     f"gathered {self.states.gathered}")
+            try:
+                pb_utils.Logger.log_info(f"txl-deploy: batched calls {self.states.viewed} without and "
+                                         f"{self.states.with_holes} with hole rows")
+            except Exception:
+                pass
         self.conversations.clear()
         self.runtime.close()
