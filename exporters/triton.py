@@ -10,9 +10,10 @@ Three backends, one wire format (`tokens` [1, Q] int64, `out_positions` [1, P] i
   of request i back as input `X` of request i + 1 of the same sequence, and gives a new sequence zeros, which is
   exactly an empty memory (mem_count 0 masks every slot). The graph needs no START/END/CORRID inputs: START is
   the zero initial state, END releases the state inside Triton.
-- `python`: Triton's Python backend running `TxlRuntime` (exporters/triton_python_model.py), one memory per
-  CORRID kept by the model, for machines without Triton's ONNX Runtime / TensorRT backends. It gets the START, END
-  and CORRID controls.
+- `python`: Triton's Python backend running `TxlRuntime` (exporters/triton_python_model.py) for machines without
+  Triton's ONNX Runtime / TensorRT backends: the memories of the live conversations are the rows of one batched
+  state, keyed by CORRID, and each Triton batch is one batched runtime call. It gets the START, END and CORRID
+  controls, and parks/resumes conversations (optional input `resume_state`, output `saved_state`).
 """
 
 from __future__ import annotations
@@ -327,8 +328,9 @@ def readme_text(model: ServedModel, opts: RepoOptions) -> str:
     live = opts.max_sequences * opts.instances
     name = opts.name
     if opts.backend == "python":
-        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend. The Python that runs it
-needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
+        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend: each model instance holds its
+conversations' memories as the rows of one batched state and runs each batch as one batched call. The Python that
+runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
 
 - Without Docker (Triton 2.51 from the `nvidia-pytriton` wheel, which bundles the Python backend):
 
@@ -394,11 +396,21 @@ should set a request timeout; raise `--max-sequences` / `--instances` if the bac
 
 ## Scaling out
 
-Run several Triton servers with this repository behind a load balancer that routes by sequence id (sticky
-routing: e.g. hash the `sequence_id` request parameter / header chosen by your client). A conversation's memory
-lives in exactly one server process; a request routed elsewhere gets the unknown-sequence error above, never
-another conversation's state.
-"""
+Run several Triton servers with this repository. A conversation's memory lives in exactly one server process, so
+every request of a conversation must reach the server that holds it (sticky routing by sequence id; a load
+balancer that spreads connections does not do that). `TxlTritonClient(["grpc://a:8001", "grpc://b:8001", ...])`
+routes by itself: rendezvous hashing of the sequence id over the list. A request routed elsewhere gets the
+unknown-sequence error above, never another conversation's state.
+""" + ("""
+## Park, resume, move
+
+Ask for the output `saved_state` (UINT8 [1, N]) in a request and the response carries the conversation's memory
+after that request, as the bytes of an .npz file (`TxlRuntime.save_state()`'s arrays, the model's fingerprint, a
+format version); with `sequence_end` that parks the conversation. A request with `sequence_start` and the input
+`resume_state` (those bytes) starts a conversation from it, on this server or another one serving the same model; a
+state from another model is refused. `tokens` may be empty ([1, 0]) in such a request. With `TxlTritonClient`:
+`state = conv.park()`, `client.resume(state)`, `client.drain(url)` (move every conversation off a server).
+""" if opts.backend == "python" else "")
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

@@ -90,6 +90,24 @@ def greedy(conv, n, prompt=None):
     return toks, lps
 
 
+def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onnx, tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from txl_deploy.errors import ExportError
+
+    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", threads=2, **QUIET)
+    cfg = text_format.Parse((repo / "txl" / "config.pbtxt").read_text(), mc.ModelConfig())
+    inputs = {i.name: i for i in cfg.input}
+    assert inputs["resume_state"].optional and inputs["resume_state"].data_type == mc.TYPE_UINT8
+    assert not inputs["tokens"].optional
+    assert {o.name: o.data_type for o in cfg.output}["saved_state"] == mc.TYPE_UINT8
+    assert cfg.parameters["txl_deploy.threads"].string_value == "2"
+    assert "client.drain(url)" in (repo / "README.md").read_text()
+    with pytest.raises(ExportError, match="--threads must be an integer >= 1"):
+        write_repository(tiny_onnx, tmp_path / "r2", backend="python", threads=0, **QUIET)
+
+
 # -- routing ---------------------------------------------------------------------------------------------------
 def test_rendezvous_routing_is_balanced_and_moves_only_a_removed_servers_conversations():
     from txl_deploy.serve_client import rendezvous_order
