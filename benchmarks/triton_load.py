@@ -92,7 +92,8 @@ def _random_demo_shaped(folder: Path, log) -> Path:
     return path
 
 
-def prepare_model(model, workdir: Path, log=print, mem_len: int = DEFAULT_SHAPE_MEM_LEN) -> tuple[Path, str]:
+def prepare_model(model, workdir: Path, log=print, mem_len: int = DEFAULT_SHAPE_MEM_LEN,
+                  cache_dir=None) -> tuple[Path, str]:
     """The ONNX (or engine) file to serve and a description. Checkpoints are exported (fp32, incremental state);
     a published shape name becomes a random-weight stand-in with `mem_len`."""
     from txl_deploy.demo_assets import DEMO_DIR
@@ -101,9 +102,10 @@ def prepare_model(model, workdir: Path, log=print, mem_len: int = DEFAULT_SHAPE_
     from txl_deploy.bench.standin import is_shape_name, standin_checkpoint, standin_onnx
 
     if model is not None and is_shape_name(str(model)):
-        ckpt = standin_checkpoint(str(model), workdir, mem_len=mem_len, log=_quiet)
-        log(f"exporting a random-weight stand-in of {model} (mem_len {mem_len}) to ONNX ...")
-        return standin_onnx(ckpt, workdir, mem_len, max_segment=EXPORT_MAX_SEGMENT, log=_quiet), \
+        cache = Path(cache_dir) if cache_dir else workdir
+        ckpt = standin_checkpoint(str(model), cache, mem_len=mem_len, log=_quiet)
+        log(f"a random-weight stand-in of {model} (mem_len {mem_len}) as ONNX (exported once per cache) ...")
+        return standin_onnx(ckpt, cache, mem_len, max_segment=EXPORT_MAX_SEGMENT, log=_quiet), \
             f"{model} shape, random weights"
     if model is None:
         demo = DEMO_DIR / "kjv-char"
@@ -294,7 +296,8 @@ def _machine() -> dict:
 def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEFAULT_TOKENS, instances=(1,),
                   prompt_len: int = DEFAULT_PROMPT_LEN, max_batch: int = DEFAULT_MAX_BATCH,
                   queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, repeat: int = DEFAULT_REPEAT,
-                  threads: int = DEFAULT_THREADS, mem_len: int = DEFAULT_SHAPE_MEM_LEN, log=print) -> dict:
+                  threads: int = DEFAULT_THREADS, mem_len: int = DEFAULT_SHAPE_MEM_LEN, cache_dir=None,
+                  log=print) -> dict:
     """Server rounds (per instance count) and in-process rounds at each concurrency; returns everything as a dict.
 
     One server per instance count runs for the whole benchmark, and the rounds are interleaved (for each repeat,
@@ -323,7 +326,7 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
               "server": [], "in_process": []}
     with tempfile.TemporaryDirectory(prefix="txl-triton-load-") as tmp, ExitStack() as stack:
         tmp = Path(tmp)
-        model_file, label = prepare_model(model, tmp, log, mem_len=mem_len)
+        model_file, label = prepare_model(model, tmp, log, mem_len=mem_len, cache_dir=cache_dir)
         shared = _load_runtime(model_file, threads)
         stack.callback(shared.close)
         result["model"] = {"label": label, "file": model_file.name, "n_token": shared.n_token,
@@ -472,7 +475,9 @@ def results_file(results: list[dict], command: str) -> str:
         m = result["model"]
         lines += [f"## {m['label']}", ""]
         for row in result["server"]:
-            lines.append(f"- {row['concurrency']} conversations, {row['instances']} instance(s): the server makes "
+            c, inst = row["concurrency"], row["instances"]
+            lines.append(f"- {c} conversation{'s' if c > 1 else ''}, {inst} instance{'s' if inst > 1 else ''}, "
+                         f"max_queue_delay {result['queue_delay_us']} us: the server makes "
                          f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s "
                          f"({row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
                          f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
@@ -492,8 +497,8 @@ def _int_list(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,8,32") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
     return values
 
 
@@ -510,6 +515,8 @@ def main(argv=None) -> int:
                         "demo model, else a random model of its shape")
     p.add_argument("--mem-len", type=int, default=DEFAULT_SHAPE_MEM_LEN,
                    help=f"memory length of a shape-name stand-in (default {DEFAULT_SHAPE_MEM_LEN})")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep shape stand-ins and their ONNX exports here between runs (default: a temporary folder)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                    help=f"ONNX Runtime intra-op threads, in-process and per server instance alike (default "
                         f"{DEFAULT_THREADS}); 0: ONNX Runtime's default (one per core)")
@@ -524,9 +531,11 @@ def main(argv=None) -> int:
                    help=f"prompt tokens per conversation (default {DEFAULT_PROMPT_LEN})")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"the repository's max_batch_size (default {DEFAULT_MAX_BATCH})")
-    p.add_argument("--queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US,
+    p.add_argument("--queue-delay-us", type=_int_list, default=[DEFAULT_QUEUE_DELAY_US],
                    help="the sequence batcher's max_queue_delay_microseconds: how long Triton may hold a request "
-                        f"to fill a batch (default {DEFAULT_QUEUE_DELAY_US}, what triton-repo writes)")
+                        f"to fill a batch (default {DEFAULT_QUEUE_DELAY_US}, what triton-repo writes); a "
+                        "comma-separated list gives one per --model (a step of a large model can afford a longer "
+                        "wait for the batch to fill than a small one)")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
                    help=f"rounds per row, interleaved across paths (default {DEFAULT_REPEAT})")
     p.add_argument("--json", default=None, help="also write every number (and the tokens) to this JSON file")
@@ -543,10 +552,16 @@ def main(argv=None) -> int:
         for path in (args.json, args.md):  # refuse before minutes of measuring, not after
             if path and Path(path).exists() and not args.force:
                 raise TxlError(f"{path} already exists (use --force to overwrite)")
+        models = args.model or [None]
+        delays = args.queue_delay_us
+        if len(delays) not in (1, len(models)):
+            raise TxlError(f"--queue-delay-us has {len(delays)} values for {len(models)} models: give one, or one "
+                           "per --model")
+        delays = delays * len(models) if len(delays) == 1 else delays
         results = [run_benchmark(model, args.concurrency, args.tokens, args.instances, args.prompt_len,
-                                 args.max_batch, args.queue_delay_us, args.repeat, threads=args.threads or None,
-                                 mem_len=args.mem_len)
-                   for model in (args.model or [None])]
+                                 args.max_batch, delay, args.repeat, threads=args.threads or None,
+                                 mem_len=args.mem_len, cache_dir=args.cache_dir)
+                   for model, delay in zip(models, delays)]
         command = "python benchmarks/triton_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
         text = results_file(results, command.strip())
         print()

@@ -328,9 +328,9 @@ def readme_text(model: ServedModel, opts: RepoOptions) -> str:
     live = opts.max_sequences * opts.instances
     name = opts.name
     if opts.backend == "python":
-        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend: each model instance holds its
-conversations' memories as the rows of one batched state and runs each batch as one batched call. The Python that
-runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
+        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend: each model instance holds
+its conversations' memories as the rows of one batched state and runs each batch as one batched call. The Python
+that runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
 
 - Without Docker (Triton 2.51 from the `nvidia-pytriton` wheel, which bundles the Python backend):
 

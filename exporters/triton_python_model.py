@@ -9,27 +9,29 @@ The memories live as the rows of ONE batched backend state per model instance (`
 row from START to END. `execute()` gets the requests the sequence batcher put together (at most one per
 conversation), groups them by segment length (a shorter segment cannot be padded with tokens: every token fed
 enters the memory), pads their `out_positions` to the longest in the group (repeating the last position, sliced
-off afterwards) and runs each group as one batched call. The rows of a group are passed as a view of the pool when
-they are contiguous (no copy: ONNX Runtime reads the rows in place and the ring write lands in the pool), else they
-are gathered into a contiguous batch and written back.
+off afterwards) and runs each group as one batched call. The rows of a group go to the backend as a view of the
+pool (no copy: ONNX Runtime reads them in place and the ring write lands in the pool); rows that are not contiguous
+are covered by spans with hole rows, computed with a dummy token and then put back exactly (see RowPool.spans),
+never gathered. Backends whose state is not host numpy arrays (TensorRT, ONNX Runtime on CUDA) keep one state per
+conversation and run a batch's requests one after another (SeparateStates).
 
-Why the `oldest` strategy with rows kept here, not the `direct` strategy's batch slots: measured on the
-enwik8-base shape (12 layers, d_model 512, mem_len 512: 24 MiB of memory per conversation) on 2 CPU cores, one
-batched decode step of 16 rows takes about 40 ms, and gathering 16 rows and writing them back about 30 ms more, so
-the win is in never copying rows, not in where the slot number comes from. With 16 conversations streaming and
-`preferred_batch_size` = max_batch, most batches are every live conversation at once, i.e. rows 0..15 in a row,
-with either strategy (the benchmark's server column shows it). `direct` would add costs `oldest` does not have:
-every live conversation pins a batch slot, so no more conversations than max_batch can be live per instance
-(`oldest` keeps max_candidate_sequences live and batches any max_batch of them), and a batch is padded with
-null requests for idle slots below the highest busy one.
+Why rows kept here with the `oldest` strategy, and no gathering: measured on the enwik8-base shape (12 layers,
+d_model 512, mem_len 512: 24 MiB of memory per conversation, ONNX Runtime CPU, 1 thread, a busy 2-core machine),
+one batched decode step of 16 rows took 0.22 s, and gathering those 16 rows into a contiguous batch and writing
+them back took 0.92 s more: copying memories costs several steps, so the win is in never copying rows, not in who
+numbers the slots. The `direct` strategy's batch slots would give the same views but add limits `oldest` does not
+have: every live conversation pins a batch slot, so no more conversations than max_batch can be live per instance
+(`oldest` keeps max_candidate_sequences live and batches any max_batch of them), and idle slots below the highest
+busy one arrive as null requests to skip. With conversations streaming, most batches are runs of neighbouring rows
+either way (rows are handed out lowest first); the load benchmark reports how full the batches are.
 
 Requests: `tokens` [1, Q] int64 (Q <= max_request_tokens) and `out_positions` [1, P] int64 (indices into the
 segment) -> `log_probs` [1, P, V] float32. Park and resume: asking for the output `saved_state` returns the
 conversation's memory after this request's tokens, as the bytes of an .npz file holding `TxlRuntime.save_state()`'s
 arrays (one row, the model's fingerprint, a format version); with END that parks the conversation. A START request
 with the input `resume_state` (such bytes) starts the conversation from that memory, refused with an error when the
-state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the conversation's latest
-next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
+state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the
+conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
 A bad request gets an error response and changes no memory.
 """
 
@@ -339,7 +341,8 @@ class TritonPythonModel:
         arrays["__format_version__"] = np.array(STATE_FORMAT_VERSION)
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        return np.frombuffer(bytearray(buf.getvalue()), dtype=np.uint8)[None]  # writable: DLPack exports no read-only arrays
+        # writable: DLPack cannot export a read-only array
+        return np.frombuffer(bytearray(buf.getvalue()), dtype=np.uint8)[None]
 
     # -- requests ---------------------------------------------------------------------------------------------
     def execute(self, requests):
