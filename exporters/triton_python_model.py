@@ -404,11 +404,14 @@ class TritonPythonModel:
                 groups.setdefault(work.tokens.shape[1], []).append(work)
         for group in groups.values():
             group.sort(key=lambda w: w.conv.handle if isinstance(w.conv.handle, int) else 0)
-            p_max = max(w.positions.shape[1] for w in group)
+            widths = {w.positions.shape[1] for w in group}
+            p_max = max(widths)
             tokens = np.concatenate([w.tokens for w in group])
-            # rows with fewer out_positions repeat their last one; the extra columns are sliced off below
-            positions = np.stack([np.pad(w.positions[0], (0, p_max - w.positions.shape[1]), mode="edge")
-                                  for w in group])
+            if len(widths) == 1:  # the usual case (decode: one position each)
+                positions = np.concatenate([w.positions for w in group])
+            else:  # rows with fewer out_positions repeat their last one; the extra columns are sliced off below
+                positions = np.stack([np.pad(w.positions[0], (0, p_max - w.positions.shape[1]), mode="edge")
+                                      for w in group])
             try:
                 log_probs = self.states.run([w.conv.handle for w in group], tokens, positions)
             except Exception as e:  # the backend commits nothing on failure: every memory is as it was
