@@ -165,6 +165,8 @@ def check_options(model: ServedModel, opts: RepoOptions):
             ((("--threads", opts.threads, 1),) if opts.threads is not None else ()):
         if not isinstance(value, int) or value < lo:
             raise ExportError(f"{what} must be an integer >= {lo}, got {value!r}")
+    if not isinstance(opts.max_queue_delay_us, int) or opts.max_queue_delay_us < 0:
+        raise ExportError(f"--max-queue-delay-us must be an integer >= 0, got {opts.max_queue_delay_us!r}")
     if opts.idle_timeout <= 0:
         raise ExportError(f"--idle-timeout must be > 0 seconds, got {opts.idle_timeout}")
     if not opts.name or any(c in opts.name for c in "/\\ ") or opts.name.startswith("."):

@@ -90,7 +90,7 @@ def greedy(conv, n, prompt=None):
     return toks, lps
 
 
-def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onnx, tmp_path):
+def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onnx, tiny_onnx_full, tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -106,6 +106,18 @@ def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onn
     assert "client.drain(url)" in (repo / "README.md").read_text()
     with pytest.raises(ExportError, match="--threads must be an integer >= 1"):
         write_repository(tiny_onnx, tmp_path / "r2", backend="python", threads=0, **QUIET)
+    from click.testing import CliRunner
+
+    from txl_deploy.cli import main
+
+    ok = CliRunner().invoke(main, ["triton-repo", str(tiny_onnx), "-o", str(tmp_path / "r3"), "--backend", "python",
+                                   "--max-queue-delay-us", "5000", "--threads", "1"])
+    assert ok.exit_code == 0, ok.output
+    cfg = text_format.Parse((tmp_path / "r3" / "txl" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.sequence_batching.oldest.max_queue_delay_microseconds == 5000
+    assert cfg.parameters["txl_deploy.threads"].string_value == "1"
+    bad = CliRunner().invoke(main, ["triton-repo", str(tiny_onnx_full), "-o", str(tmp_path / "r4"), "--threads", "2"])
+    assert bad.exit_code == 2 and "--threads applies to the python backend" in bad.output
 
 
 # -- routing ---------------------------------------------------------------------------------------------------
