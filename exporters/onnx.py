@@ -69,13 +69,14 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
 
 def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DEFAULT_OPSET,
                 state: str = "incremental", max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True,
-                force: bool = False, log=print) -> ExportResult:
+                force: bool = False, log=print, threads: int | None = None) -> ExportResult:
     """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
 
     mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
     state: "incremental" (outputs this segment's entries; the runtimes keep the ring buffer) or "full" (outputs
     the whole next state, for Triton's implicit state and ping-pong buffers).
     verify: run ONNX Runtime against the PyTorch reference on a multi-segment stream and refuse a mismatch.
+    threads: ONNX Runtime's CPU threads in that check (TxlRuntime.load); torch's are the caller's to set.
     """
     import torch
 
@@ -136,7 +137,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
             from .verify import verify_export
 
             log("verifying with ONNX Runtime against the PyTorch reference ...")
-            verification = verify_export(tmp, model, log=log)
+            verification = verify_export(tmp, model, log=log, threads=threads)
             info.verification = verification
             _write_verification(tmp, info)
             if not verification["passed"]:

@@ -219,10 +219,10 @@ class StreamingCalibration:
     advances the memory with the fp32 graph itself (the ONNX Runtime backend of TxlRuntime), so the ranges the
     calibrator sees are those of a model reading with a filled memory."""
 
-    def __init__(self, fp32_path, ids: np.ndarray, seg: int, batch: int = CALIB_BATCH, progress=None):
+    def __init__(self, fp32_path, ids: np.ndarray, seg: int, batch: int = CALIB_BATCH, progress=None, threads=None):
         from txl_deploy.runtimes.onnxruntime import OrtBackend
 
-        self.backend = OrtBackend(fp32_path, providers=["cpu"])
+        self.backend = OrtBackend(fp32_path, providers=["cpu"], intra_op_threads=threads)
         n = ids.size // seg  # whole segments
         batch = max(1, min(batch, n))
         per_row = (n // batch) * seg
@@ -247,15 +247,11 @@ class StreamingCalibration:
         feeds["tokens"], feeds["out_positions"] = tokens, self.positions
         return feeds
 
-    def rewind(self):
-        self.pos = 0
-        self.state = self.backend.new_state(self.streams.shape[0])
-
     def close(self):
         self.backend.close()
 
 
-def quantize_int8(fp32_path, out_path, calib_ids, seg: int, log=print):
+def quantize_int8(fp32_path, out_path, calib_ids, seg: int, log=print, threads=None):
     """Static symmetric Q/DQ quantization of the weight MatMuls, calibrated by streaming `calib_ids`."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -264,7 +260,7 @@ def quantize_int8(fp32_path, out_path, calib_ids, seg: int, log=print):
     model = onnx.load(str(fp32_path), load_external_data=False)
     nodes = weight_matmuls(model)
     with tqdm(desc="calibrating", unit="segment", leave=False) as bar:
-        reader = StreamingCalibration(fp32_path, calib_ids, seg, progress=bar)
+        reader = StreamingCalibration(fp32_path, calib_ids, seg, progress=bar, threads=threads)
         bar.total = reader.n_segments
         log(f"calibrating {len(nodes)} weight MatMuls on {reader.streams.size} tokens "
             f"({reader.streams.shape[0]} streams x {reader.n_segments} segments of {seg}, memory threaded through)")
@@ -343,13 +339,15 @@ def accuracy_report(evaluation: dict, kind: str) -> dict:
 def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=None, verify: bool = True,
                 force: bool = False, max_calib_tokens: int = DEFAULT_MAX_CALIB_TOKENS,
                 max_eval_tokens: int = DEFAULT_MAX_EVAL_TOKENS, keep_fp32_ops=FP16_KEEP_FP32_OPS,
-                dynamic_per_channel: bool = False, log=print):
+                dynamic_per_channel: bool = False, log=print, threads: int | None = None):
     """Convert a txl-deploy fp32 ONNX file to `precision`, check it against the fp32 graph, write it atomically.
 
     calib: calibration data for int8 (a text file, a .npy of token ids, or an array of ids).
     eval_data: held-out data for the accuracy change (same kinds) [default: the calibration data];
     without either, only the random-stream comparison is made (and recorded).
     verify: refuse the result (write nothing) when the stream comparison exceeds STREAM_TOLERANCE.
+    threads: ONNX Runtime's CPU threads for the calibration reader and the checks (quantize_static's calibrator
+    opens its own session, at ONNX Runtime's default threads: its API takes no session options).
     Returns the ExportResult of the written file.
     """
     import onnx
@@ -395,7 +393,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                 model = convert_fp16(model, keep_fp32_ops)
                 onnx.save_model(model, str(converted))
             elif precision == "int8":
-                quantize_int8(source, converted, calib_ids[0][:max_calib_tokens], seg, log=log)
+                quantize_int8(source, converted, calib_ids[0][:max_calib_tokens], seg, log=log, threads=threads)
             else:
                 quantize_int8_dynamic(source, converted, per_channel=dynamic_per_channel)
         except TxlError:
@@ -411,7 +409,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
         set_onnx_props(model, info)
         onnx.save_model(model, str(converted))
 
-        with TxlRuntime.load(converted, providers=["cpu"]) as rt, TxlRuntime.load(fp32_path, providers=["cpu"]) as r32:
+        with TxlRuntime.load(converted, providers=["cpu"], threads=threads) as rt, \
+                TxlRuntime.load(fp32_path, providers=["cpu"], threads=threads) as r32:
             log("comparing with the fp32 graph on a multi-segment stream ...")
             stream = compare_to_fp32(rt, r32)
             tol = STREAM_TOLERANCE[precision]
@@ -488,16 +487,9 @@ def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=No
             as work:
         fp32 = Path(work) / "fp32.onnx"
         export_onnx(loaded, fp32, mem_len=mem_len, opset=opset, state=state, max_segment=max_segment,
-                    verify=verify, force=True, log=log)
+                    verify=verify, force=True, log=log, threads=options.get("threads"))
         return reduce_onnx(fp32, out_path, precision=precision, calib=calib, eval_data=eval_text, verify=verify,
                            force=force, log=log, **options)
 
 
-def precision_report(path) -> dict | None:
-    """The `precision_report` stored in an exported file's metadata (None for fp32 exports)."""
-    from txl_deploy.metadata import read_onnx_info
-
-    return read_onnx_info(path).export.get("precision_report")
-
-
-__all__ = ["PRECISIONS", "export_reduced", "reduce_onnx", "read_token_ids", "convert_fp16", "precision_report"]
+__all__ = ["PRECISIONS", "export_reduced", "reduce_onnx", "read_token_ids", "convert_fp16"]

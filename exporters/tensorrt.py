@@ -6,8 +6,7 @@ is always strongly typed. On 10.12+ we ask for a strongly typed network too (the
 older 10.x builds weakly typed and sets the FP16/INT8 builder flags the graph's precision calls for.
 
 Every engine gets a JSON sidecar `<engine>.json` (TensorRT version, GPU, precision, profiles, model config and
-vocabulary): an engine only runs on the TensorRT version and GPU architecture it was built for, and the sidecar
-lets the runtime say so before TensorRT fails with a cryptic deserialization error.
+vocabulary); the file format, and loading an engine, live in txl_deploy/engine_file.py, which the runtime uses too.
 
 TensorRT API names used here are checked against TensorRT 10.3, 10.16 and 11.4 by tests/test_tensorrt_api.py. Its
 conventions: TensorRT objects live in variables named builder, network, config, parser, profile, engine, context,
@@ -22,29 +21,13 @@ import re
 from pathlib import Path
 
 from txl_deploy import io_spec
-from txl_deploy.errors import CheckpointError, ExportError, TxlError
+from txl_deploy.engine_file import (SIDECAR_FORMAT, SIDECAR_VERSION, gpu_info, import_tensorrt, make_logger,
+                                    sidecar_path)
+from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.files import atomic_path, check_writable
 
-SIDECAR_FORMAT = "txl-deploy-tensorrt-engine"
-SIDECAR_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_BATCH = (1, 1, 8)
-
-
-class TensorRTMissing(TxlError):
-    """TensorRT (or cuda-python) is not installed, or no NVIDIA GPU is usable."""
-
-
-_INSTALL_HINT = ("install it with `pip install txl-deploy[tensorrt]` (TensorRT needs an NVIDIA GPU and NVIDIA's "
-                 "libraries; on Jetson it comes with JetPack)")
-
-
-def import_tensorrt():
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        raise TensorRTMissing(f"TensorRT is not available ({e}); {_INSTALL_HINT}") from None
-    return trt
 
 
 def _trt_version(trt=None) -> tuple:
@@ -54,23 +37,6 @@ def _trt_version(trt=None) -> tuple:
 
 def _trt_major(trt=None) -> int:
     return _trt_version(trt)[0]
-
-
-def gpu_info() -> dict:
-    """Name and compute capability of CUDA device 0, through cuda-python (no torch, no pycuda)."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart  # cuda-python < 12.6 layout
-        except ImportError:
-            raise TensorRTMissing(f"cuda-python is not installed; {_INSTALL_HINT}") from None
-    err, props = cudart.cudaGetDeviceProperties(0)
-    if int(err) != 0:
-        raise TensorRTMissing(f"no usable NVIDIA GPU (cudaGetDeviceProperties: {err}); TensorRT needs one")
-    name = props.name.decode(errors="replace").rstrip("\0") if isinstance(props.name, bytes) else str(props.name)
-    return {"name": name, "compute_capability": f"{props.major}.{props.minor}",
-            "memory_mib": int(props.totalGlobalMem) >> 20}
 
 
 # -- ranges and profiles --------------------------------------------------------------------------------------
@@ -122,49 +88,6 @@ def profile_shapes(input_shapes: dict, batch, segment) -> dict:
     return shapes
 
 
-# -- sidecar ----------------------------------------------------------------------------------------------------
-def sidecar_path(engine_path) -> Path:
-    engine_path = Path(engine_path)
-    return engine_path.with_name(engine_path.name + ".json")
-
-
-def read_sidecar(engine_path) -> dict:
-    path = sidecar_path(engine_path)
-    if not Path(engine_path).is_file():
-        raise CheckpointError(engine_path, "engine file not found")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(engine_path, f"no sidecar {path.name} next to the engine; build engines with "
-                                           "`txl-deploy build-engine` (it writes both)") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"corrupt engine sidecar ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT or "config" not in meta:
-        raise CheckpointError(path, "not a txl-deploy engine sidecar")
-    if int(meta.get("format_version", 0)) > SIDECAR_VERSION:
-        raise CheckpointError(path, "written by a newer txl-deploy; upgrade txl-deploy")
-    return meta
-
-
-def check_sidecar_compatible(meta: dict, trt_version: str, gpu: dict | None, engine_path="<engine>"):
-    """Refuse an engine built for another TensorRT release or GPU architecture, in words a user can act on.
-
-    TensorRT engines are tied to the exact TensorRT version and to the GPU's compute capability (we do not build
-    hardware- or version-compatible engines: they are slower). The patch-level build number may differ.
-    """
-    built = str(meta.get("tensorrt_version", "?"))
-    if built.split(".")[:3] != str(trt_version).split(".")[:3]:
-        raise CheckpointError(engine_path, f"built with TensorRT {built}, but TensorRT {trt_version} is installed; "
-                                           "rebuild it with `txl-deploy build-engine` on this machine")
-    built_gpu = meta.get("gpu") or {}
-    if gpu is not None and built_gpu.get("compute_capability") != gpu.get("compute_capability"):
-        raise CheckpointError(
-            engine_path,
-            f"built for {built_gpu.get('name', '?')} (compute capability {built_gpu.get('compute_capability', '?')}), "
-            f"but this GPU is {gpu.get('name', '?')} (compute capability {gpu.get('compute_capability', '?')}); "
-            "rebuild it with `txl-deploy build-engine` on this machine")
-
-
 # -- precision ----------------------------------------------------------------------------------------------------
 def _has_qdq(onnx_path) -> bool:
     import onnx
@@ -192,24 +115,6 @@ def check_precision(onnx_path, info, precision: str | None, calib=None) -> str:
 
 
 # -- the build ------------------------------------------------------------------------------------------------------
-def _make_logger(trt):
-    class _RecordingLogger(trt.ILogger):
-        """Keeps the builder's errors so a failed build can say why (out of memory, unsupported node...)."""
-
-        def __init__(self, verbose=False):
-            trt.ILogger.__init__(self)
-            self.errors = []
-            self.verbose = verbose
-
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
-                self.errors.append(msg)
-            elif self.verbose and severity == trt.ILogger.Severity.WARNING:
-                print(f"[TensorRT] {msg}")
-
-    return _RecordingLogger()
-
-
 def _make_progress_monitor(trt):
     """A tqdm bar per top-level build phase; None where the TensorRT build has no IProgressMonitor."""
     if not hasattr(trt, "IProgressMonitor"):
@@ -278,22 +183,23 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
     check_tensorrt_compat(onnx_path, trt_major=major if major in (10, 11) else None).raise_if_failed()
     gpu = gpu_info()
 
-    logger = _make_logger(trt)
+    errors = []  # TensorRT's error messages, for the reason of a failure
+    logger = make_logger(trt, errors)
     builder = trt.Builder(logger)
     strongly_typed = _trt_version(trt) >= (10, 12)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
-        errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
-        raise ExportError(f"{onnx_path}: TensorRT's ONNX parser refused it: " + "; ".join(errors or logger.errors))
+        parse_errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
+        raise ExportError(f"{onnx_path}: TensorRT's ONNX parser refused it: " + "; ".join(parse_errors or errors))
 
     config = builder.create_builder_config()
-    if not strongly_typed:
-        # Weakly typed (TensorRT < 10.12): let the builder use the precision the graph was exported in.
-        if _trt_major(trt) < 11 and precision == "fp16":
+    if _trt_version(trt) < (10, 12):  # not strongly_typed, spelled as a version check for tests/test_tensorrt_api.py
+        # Weakly typed: let the builder use the precision the graph was exported in.
+        if precision == "fp16":
             config.set_flag(trt.BuilderFlag.FP16)
-        if _trt_major(trt) < 11 and precision == "int8":
+        elif precision == "int8":
             config.set_flag(trt.BuilderFlag.INT8)
     if precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
         # TF32 (on by default) rounds FP32 matmul inputs to 10 mantissa bits: an "fp32" engine should be FP32.
@@ -324,11 +230,11 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
     try:
         serialized = builder.build_serialized_network(network, config)
     except (RuntimeError, MemoryError) as e:
-        logger.errors.append(str(e))
+        errors.append(str(e))
         serialized = None
     if serialized is None:
-        why = "; ".join(logger.errors[-3:]) or "no error message from TensorRT"
-        if any(_OOM.search(m) for m in logger.errors):
+        why = "; ".join(errors[-3:]) or "no error message from TensorRT"
+        if any(_OOM.search(m) for m in errors):
             raise ExportError(
                 f"{onnx_path}: the GPU ({gpu['name']}, {gpu['memory_mib']} MiB) is too small for the requested "
                 f"profile (batch max {batch[2]}, segment max {segment[2]}): lower --batch/--segment MAX or "
@@ -355,20 +261,3 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
             tmp_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
     log(f"wrote {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB) and {sidecar_path(out_path).name}")
     return out_path
-
-
-def load_engine(engine_path, trt=None, logger=None):
-    """Deserialize an engine after checking its sidecar; returns (engine, sidecar dict, runtime).
-
-    The runtime is returned because the engine must not outlive it."""
-    trt = trt or import_tensorrt()
-    meta = read_sidecar(engine_path)
-    check_sidecar_compatible(meta, trt.__version__, gpu_info(), engine_path)
-    logger = logger or _make_logger(trt)
-    runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
-    if engine is None:  # TensorRT logs the reason and returns None rather than raising
-        why = "; ".join(getattr(logger, "errors", [])[-3:])
-        raise CheckpointError(engine_path, "TensorRT could not deserialize the engine (corrupt file, or built by "
-                                           f"another TensorRT version or GPU){': ' + why if why else ''}")
-    return engine, meta, runtime

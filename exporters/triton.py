@@ -99,7 +99,7 @@ def inspect_model(path) -> ServedModel:
                         if t.external_data[i].key == "location"})
         return ServedModel(path, "onnx", info, dtypes, extra_files=[path.parent / e for e in extra])
     if path.suffix.lower() in (".engine", ".plan", ".trt"):
-        from txl_deploy.exporters.tensorrt import read_sidecar, sidecar_path
+        from txl_deploy.engine_file import read_sidecar, sidecar_path
         from txl_deploy.metadata import ExportInfo
         from txl_deploy.config import TxlConfig
         from txl_deploy.vocab import Vocab

@@ -93,11 +93,12 @@ def describe(report: dict) -> str:
             f"{'OK' if report['passed'] else 'MISMATCH'}")
 
 
-def verify_export(onnx_path, reference_model, tolerance: float | None = None, providers=None, log=print) -> dict:
+def verify_export(onnx_path, reference_model, tolerance: float | None = None, providers=None, log=print,
+                  threads: int | None = None) -> dict:
     """Run the exported file in ONNX Runtime against the reference; returns the report (passed or not)."""
     from txl_deploy.runtimes import TxlRuntime
 
-    with TxlRuntime.load(onnx_path, providers=providers) as rt:
+    with TxlRuntime.load(onnx_path, providers=providers, threads=threads) as rt:
         report = judge(compare_stream(rt, reference_model), rt.backend.precision, tolerance)
     log("  " + describe(report))
     return report

@@ -8,13 +8,14 @@ computation succeeded.
 Rows of a batch are independent streams. The batch size is fixed by the first call after a full `reset()`.
 Thread safety: every call that reads or changes the memory holds the runtime's lock, so a runtime may be shared
 across threads without corrupting its memory; calls are serialised (for parallel streams, use batch rows or one
-runtime per thread).
+runtime per thread). generate() holds it per token, never while suspended at a `yield`.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -35,6 +36,7 @@ class Backend(abc.ABC):
     mem_len = 0
     max_segment = 512
     precision = "fp32"
+    threads = None  # CPU threads the backend was opened with (None: its library's default)
 
     @abc.abstractmethod
     def fingerprint(self) -> str:
@@ -106,6 +108,18 @@ def _backend_for(path: Path, backend: str | None) -> str:
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch", "torch-fast")
 
+TENSORRT_THREADS_NOTE = ("threads= has no effect on the TensorRT backend: the model runs on the GPU, and the host "
+                         "only copies tokens and log-probabilities")
+
+
+def check_threads(threads) -> int | None:
+    """`threads` as given to `TxlRuntime.load`: None (each library's default) or a whole number >= 1."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise InputError(f"threads must be a whole number >= 1 (or None for the library's default), got {threads!r}")
+    return int(threads)
+
 
 class TxlRuntime:
     """Incremental Transformer-XL inference with the memory threaded between calls.
@@ -125,11 +139,20 @@ class TxlRuntime:
     @classmethod
     def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
              mem_len: int | None = None, max_segment: int | None = None, clamp_len: int | None = None,
-             same_length: bool | None = None) -> "TxlRuntime":
+             same_length: bool | None = None, threads: int | None = None) -> "TxlRuntime":
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
         a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
         `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
-        graph has them built in: asking for other values is an error that says to re-export)."""
+        graph has them built in: asking for other values is an error that says to re-export).
+
+        threads: CPU threads for the computation [default: each library's own, which is every core].
+        ONNX Runtime: this session's intra-op threads, with one inter-op thread (the graph runs sequentially).
+        PyTorch backends: `torch.set_num_threads(threads)`, which is process-wide in PyTorch, so it also applies
+        to every other torch model in the process. TensorRT: no effect (the model runs on the GPU); a
+        RuntimeWarning says so rather than dropping the setting silently.
+        Fix it whenever two models share a process (say an ONNX Runtime session beside an eager reference):
+        at the defaults each library starts a thread per core and they contend for the same cores."""
+        threads = check_threads(threads)
         path = Path(path)
         if not path.exists():
             raise CheckpointError(path, "file not found")
@@ -138,8 +161,10 @@ class TxlRuntime:
         if kind == "onnxruntime":
             from .onnxruntime import OrtBackend
 
-            impl = OrtBackend(path, providers=providers)
+            impl = OrtBackend(path, providers=providers, intra_op_threads=threads)
         elif kind == "tensorrt":
+            if threads is not None:
+                warnings.warn(TENSORRT_THREADS_NOTE, RuntimeWarning, stacklevel=2)
             from .tensorrt import TensorRTBackend
 
             impl = TensorRTBackend(path)
@@ -148,7 +173,7 @@ class TxlRuntime:
 
             klass = TorchEagerBackend if kind == "torch" else TorchCachedBackend
             impl = klass.from_checkpoint(path, device=device, mem_len=mem_len, max_segment=max_segment,
-                                         overrides=overrides)
+                                         overrides=overrides, threads=threads)
             return cls(impl)
         else:
             raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -188,6 +213,11 @@ class TxlRuntime:
     @property
     def n_token(self) -> int:
         return self.backend.config.n_token
+
+    @property
+    def threads(self) -> int | None:
+        """CPU threads given to `load` (None: the library's default)."""
+        return self.backend.threads
 
     @property
     def batch_size(self) -> int | None:
@@ -360,38 +390,72 @@ class TxlRuntime:
 
         prompt: text (needs the vocabulary) or token ids; None continues from the last call.
         temperature 0 is greedy; top_k / top_p filter before sampling; `seed` makes sampling reproducible.
-        stop: token ids that end generation (yielded, then stop)."""
-        if temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise InputError(f"top_k must be >= 1, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {top_p}")
-        if max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        stop = set() if stop is None else {int(s) for s in np.atleast_1d(stop)}
+        stop: token ids that end generation (yielded, then stop).
+
+        Every argument, the prompt and the stream are checked here, when generate() is called, before anything
+        touches the memory: a rejected call raises InputError at once and leaves the memory as it was. The prompt
+        is fed when the first token is asked for. The lock is held for each step, not between tokens, so a
+        generator left suspended (abandoned, or driven from another thread) never blocks other callers; their
+        calls between two tokens advance the same memory, as any call on a shared runtime does."""
+        max_new_tokens = _whole("max_new_tokens", max_new_tokens, lo=0)
+        if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+            raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        top_k = None if top_k is None else _whole("top_k", top_k, lo=1)
+        if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+        seed = None if seed is None else _whole("seed", seed, lo=0)
+        stop_ids = set() if stop is None else {_whole("stop token id", s, lo=0) for s in np.atleast_1d(stop).tolist()}
         ids = None
         if prompt is not None:
             ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
-            ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
-            if ids.shape[1] == 0:
-                ids = None
-        rng = np.random.default_rng(seed)
+            if ids.ndim == 2 and ids.shape[0] != 1:
+                raise InputError(f"generate() runs one stream, but the prompt has {ids.shape[0]} rows; pass one "
+                                 "row (for several streams, use step()/prefill() with batch rows)")
+            if ids.ndim not in (1, 2):
+                raise InputError(f"the prompt must be text or token ids [Q] or [1, Q], got shape {ids.shape}")
+            ids = ids.reshape(1, -1) if ids.size else None
         with self._lock:
             if ids is not None:
-                log_probs = self.prefill(ids)[0]
-            elif self._last_log_probs is not None and self.batch_size == 1:
-                log_probs = self._last_log_probs[0]
+                ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
             else:
-                raise InputError("generate() needs a prompt (nothing has been fed to this stream yet)")
-            if self.batch_size != 1:
-                raise InputError("generate() runs one stream; reset() and feed a single row")
-            for _ in range(max_new_tokens):
-                tok = sample(log_probs, temperature, top_k, top_p, rng)
-                yield tok
-                if tok in stop:
-                    return
-                log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]
+                self._check_can_continue()
+        return self._generate(ids, max_new_tokens, float(temperature), top_k, top_p, seed, stop_ids)
+
+    def _check_can_continue(self):
+        if self._last_log_probs is None or self.batch_size is None:
+            raise InputError("generate() needs a prompt (nothing has been fed to this stream yet)")
+        if self.batch_size != 1:
+            raise InputError(f"generate() runs one stream, but the memory holds {self.batch_size} rows; reset() "
+                             "and feed a single row")
+        if np.isnan(self._last_log_probs[0]).any():
+            raise InputError("generate() needs a prompt (this stream was reset since its last call)")
+
+    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop) -> Iterator[int]:
+        rng = np.random.default_rng(seed)
+        with self._lock:
+            # Checked again: another caller may have changed the memory since generate() was called.
+            if ids is not None:
+                log_probs = self.prefill(ids)[0]
+            else:
+                self._check_can_continue()
+                log_probs = self._last_log_probs[0]
+        for _ in range(max_new_tokens):
+            tok = sample(log_probs, temperature, top_k, top_p, rng)
+            yield tok  # no lock held here
+            if tok in stop:
+                return
+            # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
+            log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step
+
+
+def _is_real(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _whole(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise InputError(f"{name} must be a whole number >= {lo}, got {value!r}")
+    return int(value)
 
 
 def sample(log_probs: np.ndarray, temperature: float, top_k, top_p, rng: np.random.Generator) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from txl_deploy import io_spec
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.metadata import read_onnx_info
+from txl_deploy.ring import write_segment
 
 from .base import Backend, check_state
 
@@ -53,7 +54,11 @@ class OrtBackend(Backend):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
         if intra_op_threads:
-            opts.intra_op_num_threads = int(intra_op_threads)
+            self.threads = int(intra_op_threads)
+            opts.intra_op_num_threads = self.threads
+            # The session runs its graph sequentially (ORT_SEQUENTIAL): an inter-op pool would only add idle
+            # threads competing for the same cores.
+            opts.inter_op_num_threads = 1
         if profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = str(profile_prefix)
@@ -69,6 +74,7 @@ class OrtBackend(Backend):
             raise CheckpointError(path, f"graph lacks the inputs its metadata declares ({', '.join(missing[:3])})")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
+        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         # Incremental graphs take a 1-slot memory for streams that have consumed nothing (cached.CachedTxl).
         self.fresh_prefill = self.spec.state == "incremental" and isinstance(inputs[io_spec.mem_k(0)].shape[3], str)
         self._one_slot = {}
@@ -130,7 +136,7 @@ class OrtBackend(Backend):
         outs = self.session.run(self.output_names, feeds)
         # Commit only after the run succeeded: a failed call leaves the memory as it was.
         if self.spec.state == "incremental":
-            write_ring(state, outs[1:], self.spec, tokens.shape[1])
+            write_segment([state[n] for n in self._mem_names], outs[1:], state[io_spec.MEM_COUNT], self.mem_len)
         else:
             for name, value in zip(self.output_names[1:], outs[1:]):
                 state[_input_for(name)] = value
@@ -149,27 +155,6 @@ class OrtBackend(Backend):
 
 def _input_for(output_name: str) -> str:
     return output_name[len("next_"):] if output_name.startswith("next_") else output_name
-
-
-def write_ring(state: dict, new_entries: list, spec: io_spec.GraphSpec, q: int):
-    """Write this segment's keys/values (new_k.i, new_v.i, ...) into their ring slots, in place."""
-    M = spec.mem_len
-    count = state[io_spec.MEM_COUNT]
-    keep = min(q, M)  # of a segment longer than the memory only the last M entries survive
-    first = q - keep
-    offsets = first + np.arange(keep)
-    if np.all(count == count[0]):  # the usual case: one fancy-index write per tensor
-        slots = (count[0] + offsets) % M
-        for i in range(spec.n_layer):
-            state[io_spec.mem_k(i)][..., slots] = new_entries[2 * i][..., first:]
-            state[io_spec.mem_v(i)][:, :, slots] = new_entries[2 * i + 1][:, :, first:]
-    else:
-        for b in range(count.shape[0]):
-            slots = (count[b] + offsets) % M
-            for i in range(spec.n_layer):
-                state[io_spec.mem_k(i)][b][..., slots] = new_entries[2 * i][b][..., first:]
-                state[io_spec.mem_v(i)][b][:, slots] = new_entries[2 * i + 1][b][:, first:]
-    count += q
 
 
 class _DeviceState:

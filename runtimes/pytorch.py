@@ -14,6 +14,7 @@ import numpy as np
 
 from txl_deploy import io_spec
 from txl_deploy.errors import InputError
+from txl_deploy.ring import write_segment
 
 from .base import Backend, check_state
 
@@ -38,8 +39,13 @@ def _load(path, device, mem_len, overrides=None):
 
 class _TorchBase(Backend):
     @classmethod
-    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None):
+    def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None, threads=None):
         self = cls()
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
+            self.threads = int(threads)
         loaded, model, device = _load(path, device, mem_len, overrides)
         self._init_common(loaded, model, device, max_segment)
         self._prepare()
@@ -186,7 +192,7 @@ class TorchCachedBackend(_TorchBase):
             if tokens.shape[1] > 1 and not bool(count.any()):
                 # A prompt into an empty memory attends a 1-slot stand-in, not mem_len masked slots (CachedTxl)
                 outs = self.cached(x, pos, *self._empty_memory(tokens.shape[0]), count)
-                self._write_ring(state, outs[1:], tokens.shape[1])
+                self._write_ring(state, outs[1:])
                 log_probs = outs[0]
             else:
                 log_probs = self._step(x, pos, state)
@@ -204,7 +210,7 @@ class TorchCachedBackend(_TorchBase):
     def _step(self, tokens, out_positions, state):
         """One call of the cached model, ring write included: all on the device, no host sync (CUDA-graph safe)."""
         outs = self.cached(tokens, out_positions, *[state[n] for n in self._state_names])
-        self._write_ring(state, outs[1:], tokens.shape[1])
+        self._write_ring(state, outs[1:])
         return outs[0]
 
     @property
@@ -231,22 +237,9 @@ class TorchCachedBackend(_TorchBase):
                 return None
         return self._graphs[key]
 
-    def _write_ring(self, state, new_entries, q):
-        import torch
-
-        M = self.mem_len
-        count = state[io_spec.MEM_COUNT]
-        keep = min(q, M)
-        first = q - keep
-        offsets = torch.arange(first, q, device=count.device)
-        slots = torch.remainder(count[:, None] + offsets[None, :], M)  # [B, keep]
-        B = count.shape[0]
-        for i in range(self.spec.n_layer):
-            k, v = state[io_spec.mem_k(i)], state[io_spec.mem_v(i)]
-            H, Dh = k.shape[1], k.shape[2]
-            k.scatter_(3, slots[:, None, None, :].expand(B, H, Dh, keep), new_entries[2 * i][..., first:])
-            v.scatter_(2, slots[:, None, :, None].expand(B, H, keep, Dh), new_entries[2 * i + 1][:, :, first:])
-        count += q
+    def _write_ring(self, state, new_entries):
+        mems = [state[n] for n in self._state_names[:-1]]  # io_spec order: mem_k.0, mem_v.0, ..., mem_count
+        write_segment(mems, new_entries, state[io_spec.MEM_COUNT], self.mem_len)
 
     def reset_rows(self, state, rows):
         idx = self._tensor(np.asarray(rows, dtype=np.int64))

@@ -1,9 +1,10 @@
 """The TensorRT backend of TxlRuntime: device buffers through cuda-python, the memory never leaves the GPU.
 
-Engines are built from the `full` state layout (exporters/tensorrt.py): each step reads `mem_k.i`/`mem_v.i`/
-`mem_count` and writes `next_mem_*`. TensorRT gives no guarantee that an output may alias an input, so every stream
-keeps two device buffer sets and swaps their addresses after each step (ping-pong): no copy of the memory, and a
-failed step leaves the current set untouched. Per step only the tokens go up and the log-probs come down.
+Engines are built from the `full` state layout (exporters/tensorrt.py; the file format and loading are in
+txl_deploy/engine_file.py): each step reads `mem_k.i`/`mem_v.i`/`mem_count` and writes `next_mem_*`. TensorRT
+gives no guarantee that an output may alias an input, so every stream keeps two device buffer sets and swaps their
+addresses after each step (ping-pong): no copy of the memory, and a failed step leaves the current set untouched.
+Per step only the tokens go up and the log-probs come down.
 
 The decode step (one token, one position) is captured in a CUDA graph per state and buffer parity: the addresses
 baked into a graph are fixed, and the ping-pong alternates between exactly two address sets. The graph replays
@@ -23,8 +24,8 @@ import numpy as np
 
 from txl_deploy import io_spec
 from txl_deploy.config import TxlConfig
+from txl_deploy.engine_file import import_tensorrt, load_engine
 from txl_deploy.errors import CheckpointError, InputError, TxlError
-from txl_deploy.exporters.tensorrt import import_tensorrt, load_engine
 from txl_deploy.metadata import ExportInfo
 from txl_deploy.vocab import Vocab
 

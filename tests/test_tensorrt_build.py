@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
+from txl_deploy import engine_file
 from txl_deploy.cli import main
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
@@ -134,26 +135,26 @@ def test_segment_beyond_the_graph(tmp_path, no_tensorrt):
 
 # -- sidecars --------------------------------------------------------------------------------------------------------
 def _sidecar(tmp_path, **changes):
-    meta = {"format": trt_build.SIDECAR_FORMAT, "format_version": 1, "tensorrt_version": "10.3.0.26",
+    meta = {"format": engine_file.SIDECAR_FORMAT, "format_version": 1, "tensorrt_version": "10.3.0.26",
             "gpu": {"name": "Orin", "compute_capability": "8.7"}, "config": {}, "precision": "fp16"}
     meta.update(changes)
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"engine")
-    trt_build.sidecar_path(engine).write_text(json.dumps(meta))
+    engine_file.sidecar_path(engine).write_text(json.dumps(meta))
     return engine
 
 
 def test_sidecar_version_and_gpu_checks(tmp_path):
     engine = _sidecar(tmp_path)
-    meta = trt_build.read_sidecar(engine)
+    meta = engine_file.read_sidecar(engine)
     orin = {"name": "Orin", "compute_capability": "8.7"}
-    trt_build.check_sidecar_compatible(meta, "10.3.0.30", orin, engine)  # another build of 10.3.0 is fine
+    engine_file.check_sidecar_compatible(meta, "10.3.0.30", orin, engine)  # another build of 10.3.0 is fine
     with pytest.raises(CheckpointError, match=r"built with TensorRT 10\.3\.0\.26, but TensorRT 11\.4\.0\.106 is "
                                               r"installed; rebuild it"):
-        trt_build.check_sidecar_compatible(meta, "11.4.0.106", orin, engine)
+        engine_file.check_sidecar_compatible(meta, "11.4.0.106", orin, engine)
     with pytest.raises(CheckpointError, match=r"built for Orin \(compute capability 8\.7\), but this GPU is "
                                               r"NVIDIA H200 \(compute capability 9\.0\)"):
-        trt_build.check_sidecar_compatible(meta, "10.3.0.26", {"name": "NVIDIA H200", "compute_capability": "9.0"},
+        engine_file.check_sidecar_compatible(meta, "10.3.0.26", {"name": "NVIDIA H200", "compute_capability": "9.0"},
                                            engine)
 
 
@@ -161,15 +162,15 @@ def test_sidecar_missing_or_foreign(tmp_path):
     engine = tmp_path / "x.engine"
     engine.write_bytes(b"engine")
     with pytest.raises(CheckpointError, match="no sidecar x.engine.json"):
-        trt_build.read_sidecar(engine)
-    trt_build.sidecar_path(engine).write_text("{not json")
+        engine_file.read_sidecar(engine)
+    engine_file.sidecar_path(engine).write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt engine sidecar"):
-        trt_build.read_sidecar(engine)
-    trt_build.sidecar_path(engine).write_text(json.dumps({"format": "something else"}))
+        engine_file.read_sidecar(engine)
+    engine_file.sidecar_path(engine).write_text(json.dumps({"format": "something else"}))
     with pytest.raises(CheckpointError, match="not a txl-deploy engine sidecar"):
-        trt_build.read_sidecar(engine)
+        engine_file.read_sidecar(engine)
     with pytest.raises(CheckpointError, match="engine file not found"):
-        trt_build.read_sidecar(tmp_path / "missing.engine")
+        engine_file.read_sidecar(tmp_path / "missing.engine")
 
 
 def test_help_mentions_every_option():

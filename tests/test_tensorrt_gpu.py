@@ -19,7 +19,7 @@ def _gpu_reason():
     except Exception as e:
         return f"TensorRT is not importable ({type(e).__name__}: {e})"
     try:
-        from txl_deploy.exporters.tensorrt import gpu_info
+        from txl_deploy.engine_file import gpu_info
 
         gpu_info()
     except Exception as e:

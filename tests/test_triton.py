@@ -95,7 +95,7 @@ def test_options_that_triton_or_the_model_cannot_honour_are_refused(tiny_onnx_fu
 
 def fake_engine(onnx_path, folder, batch_max=8):
     """An engine file + sidecar as build-engine writes them (TensorRT itself is not needed to write a repository)."""
-    from txl_deploy.exporters.tensorrt import SIDECAR_FORMAT, SIDECAR_VERSION
+    from txl_deploy.engine_file import SIDECAR_FORMAT, SIDECAR_VERSION
     from txl_deploy.metadata import read_onnx_info
 
     info = read_onnx_info(onnx_path)

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import io_spec
 from .model import MemTransformerLM, sinusoid
+from .ring import write_ring
 
 
 def r_table_size(clamp_len: int, mem_len: int, max_segment: int) -> int:
@@ -129,21 +130,9 @@ class CachedTxl(nn.Module):
             if self.state == "incremental":
                 outs += [k, v]
             else:
-                outs += list(self._write_ring(k_mem, v_mem, k, v, mem_count))
+                outs += list(write_ring(k_mem, v_mem, k, v, mem_count, M, in_place=False))
         if self.state == "full":
             outs.append(mem_count + Q)
 
         h_out = torch.gather(h, 1, out_positions[:, :, None].expand(B, out_positions.shape[1], cfg.d_model))
         return (self.crit(h_out), *outs)
-
-    def _write_ring(self, k_mem, v_mem, k, v, mem_count):
-        """Next full state: this segment's last (at most mem_len) entries scattered into their ring slots."""
-        M = self.mem_len
-        B, H, Dh, Q = k.shape
-        k_tail, v_tail = k[..., -M:], v[:, :, -M:]  # slicing clamps: all Q entries when Q <= M
-        n_tail = k_tail.shape[-1]
-        start = mem_count + (Q - n_tail)
-        slots = torch.remainder(start[:, None] + torch.arange(n_tail, device=k.device)[None, :], M)  # [B, n]
-        next_k = k_mem.scatter(3, slots[:, None, None, :].expand(B, H, Dh, n_tail), k_tail)
-        next_v = v_mem.scatter(2, slots[:, None, :, None].expand(B, H, n_tail, Dh), v_tail)
-        return next_k, next_v

@@ -51,9 +51,6 @@ class TritonInstall:
     stubs: Path | None = None  # pytriton's python_backend_stubs/<X.Y>/ folders
     libs: Path | None = None  # the wheel's bundled shared libraries
 
-    def backend_names(self) -> list[str]:
-        return sorted(p.name for p in self.backends.iterdir() if p.is_dir() and not p.name.startswith("_"))
-
 
 def _pytriton_dist(root: Path) -> TritonInstall | None:
     dist = root / "pytriton" / "tritonserver"

@@ -47,7 +47,7 @@ def resolve(model: str, reference=None, cache_dir=None, log=print) -> Source:
 
         return Source("onnx", path, ref, read_onnx_info(path).mem_len)
     if suffix in ENGINE_SUFFIXES:
-        from txl_deploy.exporters.tensorrt import read_sidecar
+        from txl_deploy.engine_file import read_sidecar
 
         return Source("engine", path, ref, int(read_sidecar(path)["export"]["mem_len"]))
     return Source("checkpoint", path, path, None)

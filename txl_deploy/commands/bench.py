@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import InputError
+from . import threads_option
 
 
 def _int_list(ctx, param, value):
@@ -43,8 +44,7 @@ def _int_list(ctx, param, value):
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where the torch backends run, and ONNX Runtime's CUDA provider when cuda.")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt) [default: by --device].")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="CPU threads for both sides (torch.set_num_threads, ORT intra-op) [default: each library's own].")
+@threads_option
 @click.option("--state", type=click.Choice(["incremental", "full"]), default="incremental", show_default=True,
               help="Graph layout when MODEL is exported on the fly ('full' keeps ORT CUDA's memory on the device).")
 @click.option("--cache-dir", type=click.Path(file_okay=False),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from . import threads_option
+
 
 def _stage(title):
     click.secho(f"\n== {title}", bold=True)
@@ -29,7 +31,9 @@ def _stage(title):
               help="Characters on which ONNX Runtime and the (slow) PyTorch eager reference are both evaluated.")
 @click.option("--bench/--no-bench", default=True, show_default=True, help="Run the short benchmark against eager.")
 @click.option("--force", is_flag=True, help="Allow writing into an existing --out folder (files are replaced).")
-def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars, parity_chars, bench, force):
+@threads_option
+def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars, parity_chars, bench, force,
+             threads):
     """Take the bundled demo model (a small character-level Transformer-XL trained on the King James Bible)
     through the whole pipeline: export to ONNX, verify against PyTorch, generate a sample, evaluate bits per
     character on the held-out text (and on its start with both backends), and a short decode benchmark against
@@ -54,11 +58,15 @@ def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars
 
     _stage(f"1/5 export {ckpt} to ONNX (verified against the PyTorch reference)")
     onnx_path = out / "model.onnx"
-    result = export_onnx(ckpt, onnx_path, force=True, log=click.echo)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # the export and the PyTorch reference, before anything runs
+    result = export_onnx(ckpt, onnx_path, force=True, log=click.echo, threads=threads)
     artefacts["ONNX model"] = onnx_path
     summary["verification"] = result.verification
 
-    with TxlRuntime.load(onnx_path) as rt:
+    with TxlRuntime.load(onnx_path, threads=threads) as rt:
         _stage(f"2/5 generate with ONNX Runtime (temperature 0.8, top-k 20, seed {seed})")
         click.echo(prompt, nl=False)
         pieces = []
@@ -79,7 +87,7 @@ def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars
         _stage(f"3/5 streaming evaluation (tgt_len {tgt_len}, mem_len {rt.mem_len}) on held-out {text_path.name}")
         ort_eval = evaluate_runtime(rt, text, tgt_len)
         ort_parity = evaluate_runtime(rt, parity_text, tgt_len, progress=False)
-    with TxlRuntime.load(ckpt) as ref:
+    with TxlRuntime.load(ckpt, threads=threads) as ref:
         ref_parity = evaluate_runtime(ref, parity_text, tgt_len)
     unit = ort_eval["unit"]
     click.echo(f"{'backend':<14} {'characters':>10} {unit:>8} {'tokens/s':>10}")
@@ -103,7 +111,8 @@ def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars
         from ..bench.report import table, write_json
 
         report = run_benchmark(str(onnx_path), backend="onnxruntime", reference=str(ckpt), batches=(1,),
-                               prompt_len=128, gen_len=32, warmup=1, repeat=3, floor=False, log=click.echo)
+                               prompt_len=128, gen_len=32, warmup=1, repeat=3, floor=False, threads=threads,
+                               log=click.echo)
         click.echo(table(report))
         write_json(report, out / "bench.json", force=True)
         artefacts["benchmark (JSON)"] = out / "bench.json"

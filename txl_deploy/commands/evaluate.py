@@ -8,6 +8,7 @@ import time
 import click
 
 from ..errors import CheckpointError, InputError
+from . import threads_option
 
 
 def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True) -> dict:
@@ -44,7 +45,8 @@ def evaluate_runtime(rt, text: str, tgt_len: int, progress: bool = True) -> dict
               help="[default: by file type]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the result as JSON.")
-def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, json_out):
+@threads_option
+def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, json_out, threads):
     """Evaluate MODEL on a text, reading it once left to right in segments of TGT_LEN tokens with the memory
     threaded between them (the paper's evaluation). Prints bits per character for character models and
     perplexity for word models."""
@@ -55,7 +57,7 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     except UnicodeDecodeError:
         raise CheckpointError(text_file, "not UTF-8 text") from None
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
-                         mem_len=mem_len, clamp_len=clamp_len, same_length=same_length) as rt:
+                         mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, threads=threads) as rt:
         tgt_len = tgt_len or rt.config.tgt_len
         result = evaluate_runtime(rt, text, tgt_len)
         result.update(model=str(model), backend=rt.backend.name, tgt_len=tgt_len, mem_len=rt.mem_len,

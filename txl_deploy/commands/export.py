@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import InputError
+from . import threads_option
 
 STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segment's keys/values (the runtime "
               "updates its ring buffer in place; fastest), 'full' outputs the whole next state (Triton implicit "
@@ -36,13 +37,17 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@threads_option
 def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, precision, calib, eval_text, vocab,
-               verify, force):
+               verify, force, threads):
     """Export CHECKPOINT (any supported format) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
     layer plus a per-row token counter) and returns log-probabilities and the memory update. Config, vocabulary
     and export settings are stored in the file's metadata, so the .onnx alone is enough to run it.
+
+    --threads applies to the export, the checks against PyTorch and fp32, and the int8 calibration reader; ONNX
+    Runtime's int8 calibrator runs its own session at ONNX Runtime's default threads.
 
     \b
     Example:
@@ -51,17 +56,22 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, 
     from ..checkpoints import load_model
 
     out = Path(output) if output else Path(Path(checkpoint).name.split(".")[0] + ".onnx")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # the export trace and the PyTorch reference of the verification
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     if precision == "fp32":
         from ..exporters.onnx import export_onnx
 
         export_onnx(loaded, out, mem_len=mem_len, opset=opset, state=state, max_segment=max_segment,
-                    verify=verify, force=force, log=click.echo)
+                    verify=verify, force=force, log=click.echo, threads=threads)
     else:
         from ..exporters.precision import export_reduced
 
         export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
-                       opset=opset, state=state, max_segment=max_segment, verify=verify, force=force, log=click.echo)
+                       opset=opset, state=state, max_segment=max_segment, verify=verify, force=force, log=click.echo,
+                       threads=threads)
 
 
 @click.command("verify")
@@ -73,14 +83,19 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, 
 @click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt) [default: automatic].")
-def verify_cmd(model, checkpoint, tolerance, batch, seed, providers):
+@threads_option
+def verify_cmd(model, checkpoint, tolerance, batch, seed, providers, threads):
     """Check an exported MODEL against the PyTorch reference built from CHECKPOINT on a multi-segment stream
     (partly empty memory, batch > 1, Q = 1 and Q > 1, ring wrap-around). Exit code 1 on a mismatch."""
     from ..checkpoints import load_model
     from ..exporters.verify import compare_stream, judge
     from ..runtimes import TxlRuntime
 
-    with TxlRuntime.load(model, providers=providers.split(",") if providers else None) as rt:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # the PyTorch reference
+    with TxlRuntime.load(model, providers=providers.split(",") if providers else None, threads=threads) as rt:
         reference = load_model(checkpoint).build().reset_length(rt.mem_len)
         if reference.cfg.replace(mem_len=0) != rt.config.replace(mem_len=0):
             raise InputError(f"{model} was not exported from {checkpoint}: their configs differ")
@@ -106,11 +121,13 @@ def verify_cmd(model, checkpoint, tolerance, batch, seed, providers):
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
-def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, providers):
+@threads_option
+def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, providers, threads):
     """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT."""
     from ..runtimes import TxlRuntime
 
-    with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None) as rt:
+    with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
+                         threads=threads) as rt:
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
         click.echo(prompt, nl=False)

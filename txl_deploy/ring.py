@@ -1,0 +1,73 @@
+"""The memory's ring buffer: where a segment's keys and values go. Every backend writes it through `write_ring`.
+
+Slot s of a row that has consumed n tokens holds stream position p with p % mem_len == s (see cached.py), so a
+segment of Q tokens into a row that has consumed n goes to slots (n + i) % mem_len. Of a segment longer than the
+memory only the last mem_len entries are written: the earlier ones would be overwritten in the same segment.
+
+Keys are [B, n_head, d_head, mem_len] (stored pre-transposed), values [B, n_head, mem_len, d_head]; a segment's
+are [B, n_head, d_head, Q] and [B, n_head, Q, d_head]. The same function serves three callers:
+- numpy arrays, in place (the ONNX Runtime backend): plain slices, at most two per row (the wrap-around), which
+  cost a tenth of a fancy-index write per decode step;
+- torch tensors, in place (torch-fast): a scatter with device-side slot indices, no host sync, so the CUDA graph of
+  a decode step can capture it;
+- torch tensors, `in_place=False` (the `full`-state graph, cached.py): the next memory as new tensors, which is
+  what the exported graph outputs.
+This module never imports torch at import time: a tensor only comes from a caller that has loaded torch already,
+and the ONNX Runtime and TensorRT backends must stay free of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):
+    """Write one layer's segment keys `k` and values `v` into the ring buffers `k_mem` / `v_mem` of rows that have
+    consumed `count` [B] tokens before this segment. Returns (keys, values): `k_mem`, `v_mem` themselves when
+    written in place, new tensors otherwise. `count` is not advanced here (it is shared by every layer)."""
+    # Slicing clamps: all Q entries when Q <= mem_len, else the last mem_len (no data-dependent branch, so the
+    # graph export keeps the segment length symbolic).
+    k_tail, v_tail = k[..., -mem_len:], v[:, :, -mem_len:]
+    n = k_tail.shape[-1]
+    start = count + (k.shape[-1] - n)  # [B] stream position of the first entry written
+    if isinstance(k_mem, np.ndarray):
+        if not in_place:
+            k_mem, v_mem = k_mem.copy(), v_mem.copy()
+        _write_slices(k_mem, v_mem, k_tail, v_tail, start, mem_len)
+        return k_mem, v_mem
+    import torch  # a tensor came in, so torch is loaded already
+
+    slots = torch.remainder(start[:, None] + torch.arange(n, device=k.device)[None, :], mem_len)  # [B, n]
+    B, H, Dh = k.shape[0], k.shape[1], k.shape[2]
+    k_idx = slots[:, None, None, :].expand(B, H, Dh, n)
+    v_idx = slots[:, None, :, None].expand(B, H, n, Dh)
+    if in_place:
+        k_mem.scatter_(3, k_idx, k_tail)
+        v_mem.scatter_(2, v_idx, v_tail)
+        return k_mem, v_mem
+    return k_mem.scatter(3, k_idx, k_tail), v_mem.scatter(2, v_idx, v_tail)
+
+
+def _write_slices(k_mem, v_mem, k_tail, v_tail, start, mem_len: int):
+    n = k_tail.shape[-1]
+    # Rows usually move together (one slice pair for the whole batch); after reset(rows) they differ.
+    if np.all(start == start[0]):
+        groups = [(slice(None), int(start[0]))]
+    else:
+        groups = [(slice(b, b + 1), int(s)) for b, s in enumerate(start)]
+    for rows, first in groups:
+        s = first % mem_len
+        a = min(n, mem_len - s)  # entries before the end of the buffer; the rest wrap to slot 0
+        k_mem[rows, :, :, s:s + a] = k_tail[rows, :, :, :a]
+        v_mem[rows, :, s:s + a] = v_tail[rows, :, :a]
+        if a < n:
+            k_mem[rows, :, :, :n - a] = k_tail[rows, :, :, a:]
+            v_mem[rows, :, :n - a] = v_tail[rows, :, a:]
+
+
+def write_segment(mems: list, new_entries: list, count, mem_len: int):
+    """Every layer's segment (new_k.0, new_v.0, new_k.1, ...) into the memory (mem_k.0, mem_v.0, ...), in place,
+    then `count` [B] advanced by the segment length, in place: the state after the segment."""
+    for i in range(0, len(mems), 2):
+        write_ring(mems[i], mems[i + 1], new_entries[i], new_entries[i + 1], count, mem_len)
+    count += new_entries[0].shape[-1]
