@@ -258,9 +258,7 @@ def _load_runtime(model_file: Path, threads):
     from txl_deploy.runtimes import TxlRuntime
 
     if model_file.suffix.lower() == ".onnx":
-        from txl_deploy.runtimes.onnxruntime import OrtBackend
-
-        return TxlRuntime(OrtBackend(model_file, providers=["cpu"], intra_op_threads=threads))
+        return TxlRuntime.load(model_file, providers=["cpu"], threads=threads)
     return TxlRuntime.load(model_file)
 
 

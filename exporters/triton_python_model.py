@@ -249,16 +249,14 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         model_file = os.path.join(version_dir, params["model_file"])
-        threads = int(params.get("txl_deploy.threads") or 0) or None
+        threads = int(params.get("txl_deploy.threads") or 0) or None  # ONNX Runtime intra-op threads
         if model_file.endswith(".onnx"):
-            from txl_deploy.runtimes.onnxruntime import OrtBackend
-
             providers = ["cpu"]
             if args.get("model_instance_kind") == "GPU":
                 providers = [("cuda", {"device_id": int(args.get("model_instance_device_id", 0))}), "cpu"]
-            self.runtime = TxlRuntime(OrtBackend(model_file, providers=providers, intra_op_threads=threads))
+            self.runtime = TxlRuntime.load(model_file, providers=providers, threads=threads)
         else:
-            self.runtime = TxlRuntime.load(model_file)
+            self.runtime = TxlRuntime.load(model_file)  # a TensorRT engine: host threads do not matter
         self.backend = self.runtime.backend
         self.n_token = self.runtime.n_token
         self.max_request_tokens = int(params.get("max_request_tokens") or self.backend.max_segment)
