@@ -476,8 +476,10 @@ def results_file(results: list[dict], command: str) -> str:
             c, inst = row["concurrency"], row["instances"]
             lines.append(f"- {c} conversation{'s' if c > 1 else ''}, {inst} instance{'s' if inst > 1 else ''}, "
                          f"max_queue_delay {result['queue_delay_us']} us: the server makes "
-                         f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s "
-                         f"({row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
+                         f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s (rounds "
+                         f"{100 * min(row['ratio_to_batched_rounds']):.0f}-"
+                         f"{100 * max(row['ratio_to_batched_rounds']):.0f}%; "
+                         f"{row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
                          f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
         lines += ["", markdown(result)]
     return "\n".join(lines)
