@@ -299,3 +299,11 @@ def test_a_killed_server_fails_only_its_conversations_each_with_a_clear_error(se
         fresh.feed([1, 2])
         assert fresh.url in urls[:2]
     client.close()
+    # a client started while a server is down still serves, from the others
+    later = TxlTritonClient(urls, timeout=20)
+    assert later.servers[urls[2]].lost_at is not None
+    for i in _ids_spread(urls, 2, start=9000):
+        with later.conversation(i) as conv:
+            conv.feed([3, 4])
+            assert conv.url != urls[2]
+    later.close()
