@@ -1,29 +1,36 @@
-"""Serving load figure (issue 6): tokens/s and per-token latency through tritonserver vs the runtime in-process.
+"""Serving load: tokens/s and per-token latency through tritonserver vs the same model in-process.
 
-    python benchmarks/triton_load.py [--model PATH] [--concurrency 1,8,32] [--tokens N] [--instances 1,2]
-                                     [--repeat R] [--queue-delay-us US] [--json out.json] [--md out.md] [--force]
+    python benchmarks/triton_load.py [--model PATH|SHAPE ...] [--concurrency 1,16] [--tokens N] [--threads T]
+                                     [--instances 1,2] [--max-batch B] [--queue-delay-us US] [--repeat R]
+                                     [--json out.json] [--md out.md] [--force]
 
 Paths compared, each at every concurrency C (C conversations at once, each with its own prompt, N greedy tokens):
 - Triton gRPC: a Python-backend repository for the model (`txl-deploy triton-repo --backend python`: the only
-  backend the bundled tritonserver has), served by tritonserver on 127.0.0.1 (free ports,
-  `txl_deploy.triton_local.TritonServer`), one server per --instances value; C client threads, each streaming its
-  conversation with `txl_deploy.serve_client` (one request per token, the server keeps the memory).
+  backend the bundled tritonserver has; it runs each Triton batch as one batched TxlRuntime call), served by
+  tritonserver on 127.0.0.1 (free ports, `txl_deploy.triton_local.TritonServer`), one server per --instances
+  value; C client threads, each streaming its conversation with `txl_deploy.serve_client` (one request per token,
+  the server keeps the memory).
 - in-process: C threads, each with its own `TxlRuntime` (its own memory) over ONE loaded ONNX Runtime session --
   what one Triton model instance holds -- so the difference to the server is Triton (scheduling, the Python
   backend's IPC), gRPC and the client.
-- in-process, batched: the C conversations as the rows of one `TxlRuntime`, one ONNX Runtime run per token for all.
+- in-process, batched: the C conversations as the rows of one `TxlRuntime`, one ONNX Runtime run per token for all:
+  the yardstick for the server, which batches the same way. The ratio column is server / this, per round.
+Both sides use the same ONNX Runtime thread count (--threads, default 1: on a small shared machine, ONNX Runtime's
+default of one thread per core made batch-1 decode twice as slow as one thread).
 
 Per-token latency is the time between two tokens a conversation receives (the first token, which includes the
 prompt, is its own column); tokens/s is C x N / wall time of a round (first prompt sent -> last token received).
-Rounds are interleaved (per repeat, per C: every server, then in-process) so the machine's other load hits every
-path alike. Every conversation's server tokens are compared with its in-process tokens (exit status 1 if any
-differ).
+Rounds are interleaved (per repeat, per C: every server, then in-process; the order reverses every other round) so
+the machine's other load hits every path alike. Every conversation's server tokens are compared with its
+in-process tokens (exit status 1 if any differ).
 
-Model: --model (an .onnx file, or a checkpoint that is exported to ONNX first); default the bundled demo model
-`txl_deploy/assets/demo/kjv-char/` if present, else a random model of the demo's shape (4 layers, d_model 192,
-mem_len 128, the held-out text's characters as vocabulary). Prompts are held-out lines for character models whose
-vocabulary covers them, else seeded random ids. Traffic goes to 127.0.0.1 only, request counts are bounded
-(C x (N + prompt pieces + 1) per round), and the servers are stopped at the end, also on errors and Ctrl-C.
+Models: --model, repeatable: an .onnx file, a checkpoint (exported to ONNX first), or a published shape name such
+as `enwik8-base` (a random-weight stand-in with --mem-len, default 512; speed depends on the shape, not on the
+weights). Default: the bundled demo model `txl_deploy/assets/demo/kjv-char/` if present, else a random model of its
+shape. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
+Traffic goes to 127.0.0.1 only, request counts are bounded (C x (N + prompt pieces + 1) per round), and the servers
+are stopped at the end, also on errors and Ctrl-C. --md writes a results file: the command, the machine and the
+date, then one table per model.
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ from pathlib import Path
 import numpy as np
 from txl_deploy.exporters.triton import DEFAULT_QUEUE_DELAY_US
 
-DEFAULT_CONCURRENCY = (1, 8, 32)
+DEFAULT_CONCURRENCY = (1, 16)
+DEFAULT_MAX_BATCH = 16
+DEFAULT_THREADS = 1
+DEFAULT_SHAPE_MEM_LEN = 512
 DEFAULT_TOKENS = 64
 DEFAULT_PROMPT_LEN = 48
 DEFAULT_REPEAT = 3
@@ -82,11 +92,21 @@ def _random_demo_shaped(folder: Path, log) -> Path:
     return path
 
 
-def prepare_model(model, workdir: Path, log=print) -> tuple[Path, str]:
-    """The ONNX (or engine) file to serve and a description. Checkpoints are exported (fp32, incremental state)."""
+def prepare_model(model, workdir: Path, log=print, mem_len: int = DEFAULT_SHAPE_MEM_LEN,
+                  cache_dir=None) -> tuple[Path, str]:
+    """The ONNX (or engine) file to serve and a description. Checkpoints are exported (fp32, incremental state);
+    a published shape name becomes a random-weight stand-in with `mem_len`."""
     from txl_deploy.demo_assets import DEMO_DIR
     from txl_deploy.errors import CheckpointError
 
+    from txl_deploy.bench.standin import is_shape_name, standin_checkpoint, standin_onnx
+
+    if model is not None and is_shape_name(str(model)):
+        cache = Path(cache_dir) if cache_dir else workdir
+        ckpt = standin_checkpoint(str(model), cache, mem_len=mem_len, log=_quiet)
+        log(f"a random-weight stand-in of {model} (mem_len {mem_len}) as ONNX (exported once per cache) ...")
+        return standin_onnx(ckpt, cache, mem_len, max_segment=EXPORT_MAX_SEGMENT, log=_quiet), \
+            f"{model} shape, random weights"
     if model is None:
         demo = DEMO_DIR / "kjv-char"
         random = not demo.exists()
@@ -233,6 +253,19 @@ def batched_round(shared, prompts, n_tokens: int):
 
 
 # -- the whole benchmark ---------------------------------------------------------------------------------------------
+def _load_runtime(model_file: Path, threads):
+    """The in-process runtime, with the ONNX Runtime thread count the server's instances get."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    if model_file.suffix.lower() == ".onnx":
+        return TxlRuntime.load(model_file, providers=["cpu"], threads=threads)
+    return TxlRuntime.load(model_file)
+
+
+def _rate(runs, c: int, n_tokens: int) -> float:
+    return c * n_tokens / (max(r[1][-1] for r in runs) - min(r[0] for r in runs))
+
+
 def _versions(server_version: str | None) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -259,19 +292,20 @@ def _machine() -> dict:
 
 
 def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEFAULT_TOKENS, instances=(1,),
-                  prompt_len: int = DEFAULT_PROMPT_LEN, max_batch: int = 8,
-                  queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, repeat: int = DEFAULT_REPEAT, log=print) -> dict:
+                  prompt_len: int = DEFAULT_PROMPT_LEN, max_batch: int = DEFAULT_MAX_BATCH,
+                  queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, repeat: int = DEFAULT_REPEAT,
+                  threads: int = DEFAULT_THREADS, mem_len: int = DEFAULT_SHAPE_MEM_LEN, cache_dir=None,
+                  log=print) -> dict:
     """Server rounds (per instance count) and in-process rounds at each concurrency; returns everything as a dict.
 
     One server per instance count runs for the whole benchmark, and the rounds are interleaved (for each repeat,
-    each concurrency: every server, then in-process), so a change in the machine's other load hits all paths alike.
-    `result["tokens_match"]` says whether every conversation produced the same greedy tokens on every path."""
+    each concurrency: every server, then in-process, in reverse order every other round), so a change in the
+    machine's other load hits all paths alike. `result["tokens_match"]` says whether every conversation produced
+    the same greedy tokens on every path."""
     from contextlib import ExitStack
 
-    from txl_deploy.exporters.triton import write_repository
-    from txl_deploy.runtimes import TxlRuntime
-
     from txl_deploy.errors import InputError
+    from txl_deploy.exporters.triton import write_repository
     from txl_deploy.serve_client import TxlTritonClient
     from txl_deploy.triton_local import TritonServer, find_tritonserver
 
@@ -281,15 +315,17 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
         raise InputError("--tokens must be at least 2 (per-token latency is the gap between two tokens)")
     if not concurrency or min(concurrency) < 1 or not instances or min(instances) < 1 or repeat < 1:
         raise InputError("--concurrency, --instances and --repeat must be positive integers")
+    if threads is not None and threads < 1:
+        raise InputError("--threads must be a positive integer")
     find_tritonserver()  # fail before the export if there is no server
     result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(),
               "tokens": tokens, "prompt_len": prompt_len, "concurrency": concurrency, "instances": instances,
-              "max_batch": max_batch, "queue_delay_us": queue_delay_us, "repeat": repeat,
+              "max_batch": max_batch, "queue_delay_us": queue_delay_us, "repeat": repeat, "threads": threads,
               "server": [], "in_process": []}
     with tempfile.TemporaryDirectory(prefix="txl-triton-load-") as tmp, ExitStack() as stack:
         tmp = Path(tmp)
-        model_file, label = prepare_model(model, tmp, log)
-        shared = TxlRuntime.load(model_file, providers=["cpu"] if model_file.suffix == ".onnx" else None)
+        model_file, label = prepare_model(model, tmp, log, mem_len=mem_len, cache_dir=cache_dir)
+        shared = _load_runtime(model_file, threads)
         stack.callback(shared.close)
         result["model"] = {"label": label, "file": model_file.name, "n_token": shared.n_token,
                            "n_layer": shared.config.n_layer, "d_model": shared.config.d_model,
@@ -299,7 +335,7 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
         for count in instances:
             repo = write_repository(model_file, tmp / f"repo{count}", backend="python", max_batch=max_batch,
                                     instances=count, max_sequences=max(max(concurrency), max_batch),
-                                    max_queue_delay_us=queue_delay_us, log=_quiet)
+                                    max_queue_delay_us=queue_delay_us, threads=threads, log=_quiet)
             log(f"starting tritonserver with {count} instance(s) of the python backend ...")
             servers[count] = stack.enter_context(TritonServer(repo))  # stopped on leaving, errors and Ctrl-C too
             server_round(servers[count].grpc_url, prompts[:2 * count], 4)  # warm-up: every instance's session
@@ -310,21 +346,36 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
         batched_round(shared, prompts[:2], 4)
         raw = {(path, c): [] for c in concurrency for path in [*instances, "in-process", "batched"]}
         stats = {(count, c): [] for c in concurrency for count in instances}
+
+        def server_path(count, server, c, r):
+            runs, delta = server_round(server.grpc_url, prompts[:c], tokens)
+            raw[count, c].append(runs)
+            stats[count, c].append(delta)
+            log(_line(f"server {count} inst.", c, r, runs, tokens))
+
+        def local_path(c, r):
+            raw["in-process", c].append(inprocess_round(shared, prompts[:c], tokens))
+            log(_line("in-process", c, r, raw["in-process", c][-1], tokens))
+
+        def batched_path(c, r):
+            raw["batched", c].append(batched_round(shared, prompts[:c], tokens))
+            log(_line("in-process batched", c, r, raw["batched", c][-1], tokens))
+
         for r in range(repeat):
             for c in concurrency:
-                for count, server in servers.items():
-                    runs, delta = server_round(server.grpc_url, prompts[:c], tokens)
-                    raw[count, c].append(runs)
-                    stats[count, c].append(delta)
-                    log(_line(f"server {count} inst.", c, r, runs, tokens))
-                raw["in-process", c].append(inprocess_round(shared, prompts[:c], tokens))
-                log(_line("in-process", c, r, raw["in-process", c][-1], tokens))
-                raw["batched", c].append(batched_round(shared, prompts[:c], tokens))
-                log(_line("in-process batched", c, r, raw["batched", c][-1], tokens))
+                paths = [lambda count=count, server=server: server_path(count, server, c, r)
+                         for count, server in servers.items()]
+                paths += [lambda: local_path(c, r), lambda: batched_path(c, r)]
+                for path in (paths if r % 2 == 0 else reversed(paths)):
+                    path()
     for count in instances:
         for c in concurrency:
-            result["server"].append({"instances": count, **_summarise(raw[count, c], tokens),
-                                     **_server_columns(stats[count, c])})
+            row = {"instances": count, **_summarise(raw[count, c], tokens), **_server_columns(stats[count, c])}
+            # server / batched in-process, round by round (neighbours in time), then the median
+            ratios = [_rate(s, c, tokens) / _rate(b, c, tokens) for s, b in zip(raw[count, c], raw["batched", c])]
+            row["ratio_to_batched"] = float(np.median(ratios))
+            row["ratio_to_batched_rounds"] = ratios
+            result["server"].append(row)
     result["in_process"] = [_summarise(raw["in-process", c], tokens) for c in concurrency]
     result["in_process_batched"] = [_summarise(raw["batched", c], tokens) for c in concurrency]
     reference = {row["concurrency"]: row["tokens"] for row in result["in_process"]}
@@ -353,19 +404,22 @@ def markdown(result: dict) -> str:
     mach = result["machine"]
     lines = [
         (f"Model: {m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
-         f"{m['n_token']} tokens, ONNX Runtime CPU fp32). Each conversation: a {result['prompt_len']}-token prompt "
-         f"({result['prompt_kind']}), then {result['tokens']} greedy tokens, one request per token. Server: "
-         f"tritonserver {v['tritonserver']} python backend, max_batch {result['max_batch']}, sequence batcher "
-         f"max_queue_delay {result['queue_delay_us']} us, gRPC on 127.0.0.1, client threads in the benchmark's "
-         "process. In-process: one thread and one TxlRuntime per conversation over one shared ONNX Runtime session; "
-         "in-process, batched: the conversations as the rows of one TxlRuntime, one ONNX Runtime run per token. "
+         f"{m['n_token']} tokens, ONNX Runtime CPU fp32, {_threads(result)} on both sides). Each conversation: a "
+         f"{result['prompt_len']}-token prompt ({result['prompt_kind']}), then {result['tokens']} greedy tokens, one "
+         f"request per token. Server: tritonserver {v['tritonserver']} python backend (one batched runtime call per "
+         f"batch), max_batch {result['max_batch']}, sequence batcher max_queue_delay {result['queue_delay_us']} us, "
+         "gRPC on 127.0.0.1, client threads in the benchmark's process. In-process: one thread and one TxlRuntime "
+         "per conversation over one shared ONNX Runtime session; in-process, batched: the conversations as the rows "
+         "of one TxlRuntime, one ONNX Runtime run per token. The ratio is server tokens/s over batched in-process "
+         "tokens/s, per round (neighbours in time), median. "
          f"{result['repeat']} interleaved rounds per row: tokens/s is the median round (all conversations' tokens / "
          "wall time; the slowest and fastest round in brackets); latencies pool every token gap of every round "
          "(the first token, which includes the prompt, is its own column)."),
         "",
-        ("| path | instances | conversations | tokens/s | p50 ms/token | p99 ms/token | mean ms/token "
-         "| p50 first token ms | Triton queue ms/request | execute() ms a request sat in | requests per execute() |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("| path | instances | conversations | tokens/s | of batched in-process | p50 ms/token | p99 ms/token "
+         "| mean ms/token | p50 first token ms | Triton queue ms/request | execute() ms a request sat in "
+         "| requests per execute() |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = [("Triton gRPC", r) for r in result["server"]] + [("in-process", r) for r in result["in_process"]] + \
         [("in-process, batched", r) for r in result.get("in_process_batched", [])]
@@ -374,8 +428,9 @@ def markdown(result: dict) -> str:
                  if "server_queue_ms" in r else "- | - | -")
         spread = f" ({min(r['tokens_per_s_rounds']):.0f}-{max(r['tokens_per_s_rounds']):.0f})" \
             if len(r["tokens_per_s_rounds"]) > 1 else ""
+        ratio = f"{100 * r['ratio_to_batched']:.0f}%" if "ratio_to_batched" in r else "-"
         lines.append(f"| {what} | {r.get('instances', '-')} | {r['concurrency']} | {r['tokens_per_s']:.0f}{spread} | "
-                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.1f} | {r['mean_ms']:.2f} | {r['first_token_p50_ms']:.1f} "
+                     f"{ratio} | {r['p50_ms']:.2f} | {r['p99_ms']:.1f} | {r['mean_ms']:.2f} | {r['first_token_p50_ms']:.1f} "
                      f"| {extra} |")
     lines += [
         "",
@@ -392,6 +447,44 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _threads(result) -> str:
+    t = result.get("threads")
+    return "ONNX Runtime's default threads" if not t else f"{t} ONNX Runtime thread{'s' if t > 1 else ''}"
+
+
+def results_file(results: list[dict], command: str) -> str:
+    """The whole results file: what produced it, where and when, then one section per model."""
+    first = results[0]
+    mach = first["machine"]
+    lines = [
+        "# Serving load: Triton Inference Server vs in-process",
+        "",
+        f"Produced by `benchmarks/triton_load.py` on {first['date']} (run it with `--help` for the options):",
+        "",
+        f"    {command}",
+        "",
+        (f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), shared with other work: load average "
+         f"{mach['load_average_start'][0]:.1f} at the start. Absolute speeds on a shared machine are noisy (the "
+         "brackets give the slowest and fastest round); the ratios compare paths measured in alternating rounds of "
+         "the same run, with the same ONNX Runtime threads on both sides."),
+        "",
+    ]
+    for result in results:
+        m = result["model"]
+        lines += [f"## {m['label']}", ""]
+        for row in result["server"]:
+            c, inst = row["concurrency"], row["instances"]
+            lines.append(f"- {c} conversation{'s' if c > 1 else ''}, {inst} instance{'s' if inst > 1 else ''}, "
+                         f"max_queue_delay {result['queue_delay_us']} us: the server makes "
+                         f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s (rounds "
+                         f"{100 * min(row['ratio_to_batched_rounds']):.0f}-"
+                         f"{100 * max(row['ratio_to_batched_rounds']):.0f}%; "
+                         f"{row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
+                         f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
+        lines += ["", markdown(result)]
+    return "\n".join(lines)
+
+
 def _write(path, text: str, force: bool):
     from txl_deploy.files import atomic_path
 
@@ -404,8 +497,8 @@ def _int_list(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,8,32") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
     return values
 
 
@@ -416,21 +509,33 @@ def _interrupt(signum, frame):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/triton_load.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="an .onnx file or a checkpoint (exported first); default: the bundled demo model, else a "
-                        "random model of its shape")
+    p.add_argument("--model", action="append", default=None,
+                   help="an .onnx file, a checkpoint (exported first) or a published shape name such as enwik8-base "
+                        "(random weights); repeat for several models, each measured in turn. Default: the bundled "
+                        "demo model, else a random model of its shape")
+    p.add_argument("--mem-len", type=int, default=DEFAULT_SHAPE_MEM_LEN,
+                   help=f"memory length of a shape-name stand-in (default {DEFAULT_SHAPE_MEM_LEN})")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep shape stand-ins and their ONNX exports here between runs (default: a temporary folder)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"ONNX Runtime intra-op threads, in-process and per server instance alike (default "
+                        f"{DEFAULT_THREADS}); 0: ONNX Runtime's default (one per core)")
     p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
-                   help="concurrent conversations per round, comma-separated (default 1,8,32)")
+                   help="concurrent conversations per round, comma-separated (default "
+                        f"{','.join(map(str, DEFAULT_CONCURRENCY))})")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"greedy tokens each conversation generates (default {DEFAULT_TOKENS})")
     p.add_argument("--instances", type=_int_list, default=[1],
                    help="Triton model instances; a comma-separated list runs one server per value (default 1)")
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
                    help=f"prompt tokens per conversation (default {DEFAULT_PROMPT_LEN})")
-    p.add_argument("--max-batch", type=int, default=8, help="the repository's max_batch_size (default 8)")
-    p.add_argument("--queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US,
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"the repository's max_batch_size (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--queue-delay-us", type=_int_list, default=[DEFAULT_QUEUE_DELAY_US],
                    help="the sequence batcher's max_queue_delay_microseconds: how long Triton may hold a request "
-                        f"to fill a batch (default {DEFAULT_QUEUE_DELAY_US}, what triton-repo writes)")
+                        f"to fill a batch (default {DEFAULT_QUEUE_DELAY_US}, what triton-repo writes); a "
+                        "comma-separated list gives one per --model (a step of a large model can afford a longer "
+                        "wait for the batch to fill than a small one)")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
                    help=f"rounds per row, interleaved across paths (default {DEFAULT_REPEAT})")
     p.add_argument("--json", default=None, help="also write every number (and the tokens) to this JSON file")
@@ -447,22 +552,31 @@ def main(argv=None) -> int:
         for path in (args.json, args.md):  # refuse before minutes of measuring, not after
             if path and Path(path).exists() and not args.force:
                 raise TxlError(f"{path} already exists (use --force to overwrite)")
-        result = run_benchmark(args.model, args.concurrency, args.tokens, args.instances, args.prompt_len,
-                               args.max_batch, args.queue_delay_us, args.repeat)
-        table = markdown(result)
+        models = args.model or [None]
+        delays = args.queue_delay_us
+        if len(delays) not in (1, len(models)):
+            raise TxlError(f"--queue-delay-us has {len(delays)} values for {len(models)} models: give one, or one "
+                           "per --model")
+        delays = delays * len(models) if len(delays) == 1 else delays
+        results = [run_benchmark(model, args.concurrency, args.tokens, args.instances, args.prompt_len,
+                                 args.max_batch, delay, args.repeat, threads=args.threads or None,
+                                 mem_len=args.mem_len, cache_dir=args.cache_dir)
+                   for model, delay in zip(models, delays)]
+        command = "python benchmarks/triton_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = results_file(results, command.strip())
         print()
-        print(table)
+        print(text)
         if args.json:
-            _write(args.json, json.dumps(result, indent=1) + "\n", args.force)
+            _write(args.json, json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n", args.force)
         if args.md:
-            _write(args.md, table, args.force)
+            _write(args.md, text, args.force)
     except TxlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted (the servers were stopped)", file=sys.stderr)
         return 130
-    return 0 if result["tokens_match"] else 1
+    return 0 if all(r["tokens_match"] for r in results) else 1
 
 
 if __name__ == "__main__":

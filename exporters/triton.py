@@ -10,9 +10,10 @@ Three backends, one wire format (`tokens` [1, Q] int64, `out_positions` [1, P] i
   of request i back as input `X` of request i + 1 of the same sequence, and gives a new sequence zeros, which is
   exactly an empty memory (mem_count 0 masks every slot). The graph needs no START/END/CORRID inputs: START is
   the zero initial state, END releases the state inside Triton.
-- `python`: Triton's Python backend running `TxlRuntime` (exporters/triton_python_model.py), one memory per
-  CORRID kept by the model, for machines without Triton's ONNX Runtime / TensorRT backends. It gets the START, END
-  and CORRID controls.
+- `python`: Triton's Python backend running `TxlRuntime` (exporters/triton_python_model.py) for machines without
+  Triton's ONNX Runtime / TensorRT backends: the memories of the live conversations are the rows of one batched
+  state, keyed by CORRID, and each Triton batch is one batched runtime call. It gets the START, END and CORRID
+  controls, and parks/resumes conversations (optional input `resume_state`, output `saved_state`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ VOCAB_IN_CONFIG_BYTES = 256 * 1024  # larger vocabularies travel as <model>/voca
 DEFAULT_IDLE_TIMEOUT = 300.0  # seconds; Triton's own default (1 s) would drop a conversation between two messages
 DEFAULT_QUEUE_DELAY_US = 1000
 PARAM_PREFIX = "txl_deploy."
+RESUME_INPUT = "resume_state"  # the python model's park/resume tensors (exporters/triton_python_model.py)
+SAVED_OUTPUT = "saved_state"
 
 
 @dataclass
@@ -143,6 +146,7 @@ class RepoOptions:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     max_queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
     instance_kind: str | None = None  # KIND_CPU / KIND_GPU; default: GPU for TensorRT, Triton's choice otherwise
+    threads: int | None = None  # python backend: ONNX Runtime intra-op threads per instance (None: its default)
 
     def resolved(self, model: ServedModel) -> "RepoOptions":
         backend = self.backend or ("tensorrt" if model.kind == "engine" else "onnxruntime")
@@ -157,9 +161,12 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if opts.backend not in BACKENDS:
         raise ExportError(f"unknown Triton backend {opts.backend!r}; choose one of {', '.join(BACKENDS)}")
     for what, value, lo in (("--max-batch", opts.max_batch, 1), ("--instances", opts.instances, 1),
-                            ("--max-sequences", opts.max_sequences, 1)):
+                            ("--max-sequences", opts.max_sequences, 1)) + \
+            ((("--threads", opts.threads, 1),) if opts.threads is not None else ()):
         if not isinstance(value, int) or value < lo:
             raise ExportError(f"{what} must be an integer >= {lo}, got {value!r}")
+    if not isinstance(opts.max_queue_delay_us, int) or opts.max_queue_delay_us < 0:
+        raise ExportError(f"--max-queue-delay-us must be an integer >= 0, got {opts.max_queue_delay_us!r}")
     if opts.idle_timeout <= 0:
         raise ExportError(f"--idle-timeout must be > 0 seconds, got {opts.idle_timeout}")
     if not opts.name or any(c in opts.name for c in "/\\ ") or opts.name.startswith("."):
@@ -176,6 +183,9 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if model.max_batch is not None and opts.max_batch > model.max_batch:
         raise ExportError(f"{model.path}: --max-batch {opts.max_batch} exceeds the engine's profile (batch up to "
                           f"{model.max_batch}); rebuild the engine with a larger --batch or lower --max-batch")
+    if opts.threads is not None and opts.backend != "python":
+        raise ExportError("--threads applies to the python backend; Triton's onnxruntime backend takes "
+                          "intra_op_thread_count in the model config's parameters")
     if opts.max_sequences < opts.max_batch:
         raise ExportError(f"--max-sequences {opts.max_sequences} is below --max-batch {opts.max_batch}: batches "
                           "are formed from live conversations, so they could never fill")
@@ -204,14 +214,20 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
     else:
         lines.append(f'platform: "{PLATFORMS[opts.backend]}"')
         lines.append(f'default_model_filename: "{MODEL_FILES[opts.backend]}"')
+    # The python model also parks and resumes conversations: an optional input with a saved state (START only) and
+    # an output with the conversation's memory, returned only to requests that ask for it.
+    resume = (f',\n  {{ name: "{RESUME_INPUT}" data_type: TYPE_UINT8 dims: [ -1 ] optional: true }}'
+              if opts.backend == "python" else "")
+    saved = (f',\n  {{ name: "{SAVED_OUTPUT}" data_type: TYPE_UINT8 dims: [ -1 ] }}'
+             if opts.backend == "python" else "")
     lines += [
         f"max_batch_size: {opts.max_batch}",
         "input [",
         f'  {{ name: "{io_spec.TOKENS}" data_type: TYPE_INT64 dims: [ -1 ] }},',
-        f'  {{ name: "{io_spec.OUT_POSITIONS}" data_type: TYPE_INT64 dims: [ -1 ] }}',
+        f'  {{ name: "{io_spec.OUT_POSITIONS}" data_type: TYPE_INT64 dims: [ -1 ] }}' + resume,
         "]",
         "output [",
-        f'  {{ name: "{io_spec.LOG_PROBS}" data_type: {lp_type} dims: [ -1, {v} ] }}',
+        f'  {{ name: "{io_spec.LOG_PROBS}" data_type: {lp_type} dims: [ -1, {v} ] }}' + saved,
         "]",
         "sequence_batching {",
         f"  max_sequence_idle_microseconds: {idle_us}",
@@ -248,6 +264,8 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
     params = _common_params(model)
     if opts.backend == "python":
         params += [_param("model_file", model.path.name), _param("max_request_tokens", model.max_segment)]
+        if opts.threads is not None:
+            params.append(_param(PARAM_PREFIX + "threads", opts.threads))
     lines += params
     return "\n".join(lines) + "\n"
 
@@ -274,7 +292,7 @@ def check_config(config, model: ServedModel, opts: RepoOptions) -> list[str]:
         problems.append("the sequence batcher with the oldest strategy is missing")
     if config.max_batch_size != opts.max_batch:
         problems.append(f"max_batch_size {config.max_batch_size} != {opts.max_batch}")
-    names = {i.name for i in config.input}
+    names = {i.name for i in config.input} - ({RESUME_INPUT} if opts.backend == "python" else set())
     if names != {io_spec.TOKENS, io_spec.OUT_POSITIONS}:
         problems.append(f"inputs {sorted(names)}")
     if opts.backend == "python":
@@ -312,8 +330,9 @@ def readme_text(model: ServedModel, opts: RepoOptions) -> str:
     live = opts.max_sequences * opts.instances
     name = opts.name
     if opts.backend == "python":
-        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend. The Python that runs it
-needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
+        start = """The `python` backend serves `TxlRuntime` inside Triton's Python backend: each model instance holds
+its conversations' memories as the rows of one batched state and runs each batch as one batched call. The Python
+that runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxruntime or tensorrt).
 
 - Without Docker (Triton 2.51 from the `nvidia-pytriton` wheel, which bundles the Python backend):
 
@@ -379,11 +398,21 @@ should set a request timeout; raise `--max-sequences` / `--instances` if the bac
 
 ## Scaling out
 
-Run several Triton servers with this repository behind a load balancer that routes by sequence id (sticky
-routing: e.g. hash the `sequence_id` request parameter / header chosen by your client). A conversation's memory
-lives in exactly one server process; a request routed elsewhere gets the unknown-sequence error above, never
-another conversation's state.
-"""
+Run several Triton servers with this repository. A conversation's memory lives in exactly one server process, so
+every request of a conversation must reach the server that holds it (sticky routing by sequence id; a load
+balancer that spreads connections does not do that). `TxlTritonClient(["grpc://a:8001", "grpc://b:8001", ...])`
+routes by itself: rendezvous hashing of the sequence id over the list. A request routed elsewhere gets the
+unknown-sequence error above, never another conversation's state.
+""" + ("""
+## Park, resume, move
+
+Ask for the output `saved_state` (UINT8 [1, N]) in a request and the response carries the conversation's memory
+after that request, as the bytes of an .npz file (`TxlRuntime.save_state()`'s arrays, the model's fingerprint, a
+format version); with `sequence_end` that parks the conversation. A request with `sequence_start` and the input
+`resume_state` (those bytes) starts a conversation from it, on this server or another one serving the same model; a
+state from another model is refused. `tokens` may be empty ([1, 0]) in such a request. With `TxlTritonClient`:
+`state = conv.park()`, `client.resume(state)`, `client.drain(url)` (move every conversation off a server).
+""" if opts.backend == "python" else "")
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

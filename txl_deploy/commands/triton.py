@@ -25,18 +25,27 @@ import click
                    "conversations wait in Triton's backlog until one ends or idles out. Default: 4 x --max-batch.")
 @click.option("--idle-timeout", type=float, default=300.0, show_default=True,
               help="Seconds without a request after which Triton drops a conversation and its memory.")
+@click.option("--max-queue-delay-us", type=int, default=1000, show_default=True,
+              help="How long the sequence batcher may hold a request to fill a batch (microseconds). Longer means "
+                   "fuller batches and more latency: a fraction of one decode step is a good setting.")
+@click.option("--threads", type=int, default=None,
+              help="python backend: ONNX Runtime threads per model instance (default: ONNX Runtime's, one per "
+                   "core). On a machine shared with other work, 1 per instance avoids oversubscribing the cores.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output folder.")
-def triton_repo(model, out, backend, name, max_batch, instances, max_sequences, idle_timeout, force):
+def triton_repo(model, out, backend, name, max_batch, instances, max_sequences, idle_timeout, max_queue_delay_us,
+                threads, force):
     """Write a Triton Inference Server model repository for MODEL (an exported .onnx or a TensorRT engine).
 
     Every conversation is a Triton sequence whose memory stays on the server between requests (implicit state
-    for onnxruntime/tensorrt, one TxlRuntime memory per sequence for python). The repository's README.md says
-    how to start Triton on it and how much memory each conversation takes.
+    for onnxruntime/tensorrt; for python, the conversations' memories are the rows of one batched TxlRuntime
+    state, one runtime call per Triton batch, and a conversation can be parked and resumed on another server).
+    The repository's README.md says how to start Triton on it and how much memory each conversation takes.
     """
     from txl_deploy.exporters.triton import write_repository
 
     write_repository(model, out, force=force, log=click.echo, backend=backend, name=name, max_batch=max_batch,
-                     instances=instances, max_sequences=max_sequences, idle_timeout=idle_timeout)
+                     instances=instances, max_sequences=max_sequences, idle_timeout=idle_timeout,
+                     max_queue_delay_us=max_queue_delay_us, threads=threads)
 
 
 @click.command("serve-client")
