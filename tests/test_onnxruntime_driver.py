@@ -2,9 +2,10 @@
 
 Both layouts, fp32 and fp16, batch 2: a prefill into an empty memory, decode steps, a segment longer than mem_len
 (the ring wraps and only its last mem_len entries count), a reset of one row while the other keeps its memory,
-and more steps after it. Tolerances: 1e-5 max abs log-prob difference in fp32 (the same graph computes both sides;
-observed ~1e-6); 1e-2 in fp16 (both run the same fp16 graph, but TxlRuntime feeds an empty memory as one slot and
-zeroes a reset row, so reductions differ in order; observed ~2e-3 against log-probs of magnitude up to ~20).
+and more steps after it. Tolerances on the max abs log-prob difference: 1e-5 in fp32 and 5e-3 in fp16 (log-probs
+reach magnitude ~18, where fp16 steps are 0.0156). Both sides run the same graph, but TxlRuntime feeds an empty
+memory as one slot and zeroes a reset row where the driver keeps mem_len slots and the stale ring, so the kernels
+may differ; observed: 0.0 in all four cases (ONNX Runtime 1.32, x86-64).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from txl_deploy.demo_assets import demo_model_path
 from txl_deploy.runtimes import TxlRuntime
 
 DRIVER = Path(__file__).resolve().parents[1] / "examples" / "onnxruntime_driver.py"
-TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2}
+TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3}
 QUIET = dict(log=lambda *a: None)
 
 

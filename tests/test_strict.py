@@ -58,6 +58,20 @@ def test_variant_passes_polygraphy_lint(variants, lint_results, key):
     assert result["errors"] == [] and result["status"] == 0, result
 
 
+@pytest.mark.parametrize("key", [k for k in KEYS if k[2] == 18 and not k[3]], ids=lambda k: variant_name(k))
+def test_tensorrt_table_and_polygraphy_on_each_variant(variants, lint_results, key):
+    """Polygraphy lints every variant clean: it checks ONNX validity through ONNX Runtime, not TensorRT. The table
+    refuses int8-dynamic for what TensorRT's operator matrix marks unsupported, and nothing else."""
+    from txl_deploy.exporters.trt_compat import check_tensorrt_compat
+
+    report = check_tensorrt_compat(variants[key])
+    assert lint_results[str(variants[key])]["errors"] == []
+    if key[0] == "int8-dynamic":
+        assert {p.op for p in report.problems} == {"DynamicQuantizeLinear", "MatMulInteger"}
+    else:
+        assert report.ok, str(report)
+
+
 # -- fp16 log-probs are float32 -------------------------------------------------------------------------------
 @pytest.mark.parametrize("state", ["incremental", "full"])
 def test_fp16_log_probs_never_pass_through_fp16(variants, state):
