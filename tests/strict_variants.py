@@ -7,7 +7,7 @@ Used by tests/test_strict.py (built once per test session) and runnable on its o
 Variants: fp32, fp16, int8, int8-dynamic x `--state incremental|full` x every supported opset, plus each precision
 and layout with its weights in an external data file (the >2 GB path, forced on the tiny model by lowering the
 threshold). Checks: `onnx.checker.check_model(path, full_check=True)`, nodes in topological order (a Kahn sort
-leaves the order unchanged), and `polygraphy check lint` with no error.
+leaves the order unchanged), `polygraphy check lint` with no error, and (for reference) the TensorRT table.
 """
 
 from __future__ import annotations
@@ -149,10 +149,14 @@ def table(variants: Variants, work: Path) -> str:
     keys = variant_keys()
     paths = [variants[k] for k in keys]
     lint = polygraphy_lint(paths, work / "lint")
-    rows = ["| variant | precision | state | opset | external data | full_check | toposort | polygraphy lint |",
-            "|---|---|---|---|---|---|---|---|"]
+    from txl_deploy.exporters.trt_compat import check_tensorrt_compat
+
+    rows = ["| variant | precision | state | opset | external data | full_check | toposort | polygraphy lint "
+            "| TensorRT 10.x/11.x table |", "|---|---|---|---|---|---|---|---|---|"]
     for key, path in zip(keys, paths):
         checks = check_file(path)
+        trt = check_tensorrt_compat(path)
+        trt_text = "pass" if trt.ok else "refused: " + ", ".join(sorted({p.op or p.node for p in trt.problems}))
         lr = lint[str(path)]
         lint_text = "pass" if lr["status"] == 0 and not lr["errors"] else \
             f"FAIL: {'; '.join(e['message'][:120] for e in lr['errors']) or 'status ' + str(lr['status'])}"
@@ -160,7 +164,7 @@ def table(variants: Variants, work: Path) -> str:
             lint_text += f" ({len(lr['warnings'])} warning(s))"
         precision, state, opset, external = key
         rows.append(f"| {variant_name(key)} | {precision} | {state} | {opset} | {'yes' if external else 'no'} | "
-                    f"{checks['full_check']} | {checks['toposort']} | {lint_text} |")
+                    f"{checks['full_check']} | {checks['toposort']} | {lint_text} | {trt_text} |")
     return "\n".join(rows)
 
 
