@@ -25,7 +25,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
               "[default: the checkpoint's]. Built into the graph and recorded in its metadata.")
 @click.option("--same-length/--no-same-length", default=None, help="Let every query see the same number of keys "
               "(the last mem_len) [default: the checkpoint's]. Built into the graph and recorded in its metadata.")
-@click.option("--opset", type=click.IntRange(min=17), default=18, show_default=True, help="ONNX opset.")
+@click.option("--opset", type=click.IntRange(17, 20), default=18, show_default=True,
+              help="ONNX opset (17 to 20: what the TensorRT 10.x and 11.x parsers read).")
 @click.option("--state", type=click.Choice(["incremental", "full"]), default="incremental", show_default=True,
               help=STATE_HELP)
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
