@@ -20,7 +20,12 @@ from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.files import atomic_path, check_writable
 from txl_deploy.metadata import ExportInfo
 
+from .strict import check_strict
+
 DEFAULT_OPSET = 18
+# Opsets an export may use: 17 is the first with LayerNormalization; TensorRT 10.x parses opsets up to 20
+# (onnx-tensorrt docs/operators.md, "opset 9 to opset 20" from 10.0 on) and 11.x up to 25 (trt_compat.MAX_OPSET).
+SUPPORTED_OPSETS = range(17, 21)
 DEFAULT_MAX_SEGMENT = 512
 EXTERNAL_DATA_BYTES = 2_000_000_000  # protobuf's 2 GB limit
 
@@ -84,8 +89,10 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
     from txl_deploy.checkpoints.weights import weights_sha256
 
     out_path = check_writable(out_path, force)
-    if opset < 17:
-        raise ExportError(f"opset {opset} is too old: the exported graph needs opset >= 17 (LayerNormalization)")
+    if opset not in SUPPORTED_OPSETS:
+        lo, hi = SUPPORTED_OPSETS[0], SUPPORTED_OPSETS[-1]
+        why = "LayerNormalization needs 17" if opset < lo else f"TensorRT 10.x parses opsets up to {hi}"
+        raise ExportError(f"opset {opset} is not supported: choose {lo} to {hi} ({why})")
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     config = loaded.config
     mem_len = int(mem_len if mem_len is not None else config.mem_len)
@@ -144,12 +151,33 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, opset: int = DE
                     f"verification failed: max abs difference {verification['max_abs_diff']:.3g} outside "
                     f"{verification['criterion']} (top-1 agreement {verification['top1_agreement']:.4f}); "
                     "nothing was written")
-        if external:  # the weights file travels beside the model
-            for extra in tmp.parent.iterdir():
-                if extra.name != tmp.name and extra.name.startswith(tmp.name):
-                    os.replace(extra, check_writable(out_path.parent / extra.name, force))
+        check_strict(tmp, "the exported graph")  # last: nothing is written that a strict consumer refuses
+        place_external_data(tmp, out_path, force)
     log(f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
+
+
+def save_checked(model, tmp, what: str) -> None:
+    """Save an onnx.ModelProto at `tmp` and run `check_strict` on the file: how every exporter ends.
+
+    Models of EXTERNAL_DATA_BYTES or more keep their weights in `<file name>.data` beside the model (protobuf cannot
+    hold 2 GB); `place_external_data` moves that file beside the output."""
+    import onnx
+
+    if model.ByteSize() >= EXTERNAL_DATA_BYTES:
+        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=Path(tmp).name + ".data")
+    else:
+        onnx.save_model(model, str(tmp))
+    check_strict(tmp, what)
+
+
+def place_external_data(tmp, out_path, force: bool) -> None:
+    """Move the external data files written beside `tmp` (named after it) beside `out_path`."""
+    tmp, out_path = Path(tmp), Path(out_path)
+    for extra in tmp.parent.iterdir():
+        if extra.name != tmp.name and extra.name.startswith(tmp.name):
+            os.replace(extra, check_writable(out_path.parent / (out_path.name + extra.name[len(tmp.name):]), force))
 
 
 def _write_verification(path, info: ExportInfo):

@@ -10,7 +10,10 @@ ONNX parser would refuse, instead of a parser error deep in a GPU build. Rules:
   contested in TensorRT's shape machinery; our memory buffers never need one, see io_spec);
 - QuantizeLinear/DequantizeLinear zero-points are constant zeros of type int8 (TensorRT quantizes symmetrically
   to INT8 only) and no `DynamicQuantizeLinear` (the ONNX Runtime CPU int8-dynamic variant is not for TensorRT);
-- the default-domain opset is >= 17 (LayerNormalization, and the oldest opset our exporter emits);
+- the default-domain opset is >= 17 (LayerNormalization, and the oldest opset our exporter emits) and no newer
+  than the parser documents (MAX_OPSET);
+- the nodes are in topological order: the parser imports them in file order, as the ONNX IR specifies them
+  (ONNX Runtime and OpenVINO sort a graph themselves, so a file can run there and still fail to parse);
 - no operator from another domain (com.microsoft contrib ops): the parser knows only the ONNX domain.
 """
 
@@ -21,7 +24,13 @@ from pathlib import Path
 
 from txl_deploy.errors import ExportError
 
+from .strict import first_unsorted
+
 MIN_OPSET = 17
+# The newest opset each parser documents: onnx-tensorrt docs/operators.md, "TensorRT 10.0 supports operators in the
+# inclusive range of opset 9 to opset 20" (10.x as on JetPack 6, 10.3); NVIDIA's ONNX Opset Guide for TensorRT 11.x,
+# "Maximum opset 25".
+MAX_OPSET = {10: 20, 11: 25}
 
 # Source: onnx/onnx-tensorrt docs/operators.md, "TensorRT 10.15 supports operators in the inclusive range of opset 9
 # to opset 24" (Operator Support Matrix, rows marked Y), read 2026-11. The operators that docs/Changelog.md says
@@ -140,6 +149,17 @@ def check_tensorrt_compat(model_or_path, trt_major: int | None = None) -> Report
     add = report.problems.append
     if opset is None or opset < MIN_OPSET:
         add(Problem("<model>", "", f"default-domain opset {opset} < {MIN_OPSET}; re-export with opset >= {MIN_OPSET}"))
+    elif opset > min(MAX_OPSET[m] for m in majors):
+        newest = min(MAX_OPSET[m] for m in majors)
+        too_new = "/".join(f"{m}.x" for m in majors if opset > MAX_OPSET[m])
+        add(Problem("<model>", "", f"default-domain opset {opset} is newer than the TensorRT {too_new} parser "
+                                   f"supports ({newest}); re-export with opset {MIN_OPSET} to {newest}"))
+    unsorted = first_unsorted(model.graph)
+    if unsorted:
+        node, index, tensor = unsorted
+        add(Problem(node.name or f"<node {index}>", node.op_type,
+                    f"reads {tensor!r} before the node that produces it: nodes are not in topological order, which "
+                    "TensorRT's ONNX parser needs (it imports them in file order)"))
     _check_graph(model.graph, supported, majors, add)
     return report
 

@@ -116,8 +116,9 @@ def test_operator_tables_differ_between_majors():
     # Swish arrived in 11.0; RMSNormalization in 10.15 (not in JetPack 6's 10.3).
     swish = _model([helper.make_node("Swish", ["x"], ["y"], name="sw")], opset=24)
     assert check_tensorrt_compat(swish, trt_major=11).ok
-    assert [p.node for p in check_tensorrt_compat(swish, trt_major=10).problems] == ["sw"]
-    assert "10.x" in check_tensorrt_compat(swish).problems[0].why
+    # the 10.x parser knows neither the operator nor opset 24
+    assert [p.node for p in check_tensorrt_compat(swish, trt_major=10).problems] == ["<model>", "sw"]
+    assert all("10.x" in p.why for p in check_tensorrt_compat(swish).problems)
     assert "Swish" not in SUPPORTED_OPS[10] and "RMSNormalization" not in SUPPORTED_OPS[10]
     with pytest.raises(ExportError, match="TensorRT 9.x"):
         check_tensorrt_compat(swish, trt_major=9)
@@ -144,6 +145,45 @@ def test_old_opset_is_refused():
     report = check_tensorrt_compat(_model([helper.make_node("Relu", ["x"], ["y"], name="r")], opset=13))
     assert [p.node for p in report.problems] == ["<model>"]
     assert "opset 13 < 17" in report.problems[0].why
+
+
+def test_opsets_newer_than_the_parser_documents_are_refused():
+    # onnx-tensorrt docs/operators.md: TensorRT 10.x parses opsets 9 to 20; TensorRT 11.x up to 25.
+    relu = [helper.make_node("Relu", ["x"], ["y"], name="r")]
+    assert check_tensorrt_compat(_model(relu, opset=20)).ok
+    report = check_tensorrt_compat(_model(relu, opset=21))
+    assert [p.node for p in report.problems] == ["<model>"]
+    assert "opset 21 is newer than the TensorRT 10.x parser supports (20)" in report.problems[0].why
+    assert check_tensorrt_compat(_model(relu, opset=25), trt_major=11).ok
+    assert not check_tensorrt_compat(_model(relu, opset=26), trt_major=11).ok
+
+
+def test_nodes_out_of_topological_order_are_refused():
+    # The table once passed such a graph while `polygraphy check lint` and onnx.checker rejected it. The ONNX IR
+    # requires a topologically sorted node list and TensorRT's parser imports nodes in file order, so the linter was
+    # right: the fp16 export had a LogSoftmax before the Cast that fed it.
+    nodes = [
+        helper.make_node("LogSoftmax", ["h32"], ["y"], name="node_log_softmax", axis=-1),
+        helper.make_node("Cast", ["x"], ["h32"], name="cast_to_fp32", to=TensorProto.FLOAT),
+    ]
+    report = check_tensorrt_compat(_model(nodes))
+    assert [(p.node, p.op) for p in report.problems] == [("node_log_softmax", "LogSoftmax")]
+    assert "'h32' before the node that produces it" in report.problems[0].why
+    assert check_tensorrt_compat(_model(nodes[::-1])).ok
+
+
+def test_int8_dynamic_operators_are_not_in_the_tensorrt_tables():
+    # Polygraphy lints the int8-dynamic graph clean (it checks ONNX validity through ONNX Runtime); TensorRT's
+    # operator matrix (onnx-tensorrt docs/operators.md, 10.15) marks DynamicQuantizeLinear and MatMulInteger "N".
+    for major in (10, 11):
+        assert "MatMulInteger" not in SUPPORTED_OPS[major] and "DynamicQuantizeLinear" not in SUPPORTED_OPS[major]
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"], name="dql"),
+        helper.make_node("MatMulInteger", ["q", "q"], ["y"], name="mmi"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.INT32, ["batch", 4])]
+    report = check_tensorrt_compat(_model(nodes, outputs=outputs))
+    assert [(p.node, p.op) for p in report.problems] == [("dql", "DynamicQuantizeLinear"), ("mmi", "MatMulInteger")]
 
 
 def test_unreadable_file_is_a_clear_error(tmp_path):

@@ -20,7 +20,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx].")
 @click.option("--mem-len", type=click.IntRange(min=1), help="Memory length of the graph [default: the checkpoint's]. "
               "May exceed the training memory.")
-@click.option("--opset", type=click.IntRange(min=17), default=18, show_default=True, help="ONNX opset.")
+@click.option("--opset", type=click.IntRange(17, 20), default=18, show_default=True,
+              help="ONNX opset (17 to 20: what the TensorRT 10.x and 11.x parsers read).")
 @click.option("--state", type=click.Choice(["incremental", "full"]), default="incremental", show_default=True,
               help=STATE_HELP)
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
