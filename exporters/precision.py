@@ -654,7 +654,7 @@ def _store_fp16(model) -> dict:
     return counts
 
 def check_int4_graph(model):
-    """The strict checks of every export, plus what they cannot see in an int4 graph.
+    """The strict checks of every export (`check_strict`), plus what they cannot see in an int4 graph.
 
     onnx's checker (`full_check`: types and shapes, strictly) has no schemas for com.microsoft operators and
     passes MatMulNBits and GatherBlockQuantized without looking at them, so their attributes and packed weights
@@ -663,10 +663,9 @@ def check_int4_graph(model):
     import onnx
     from onnx import numpy_helper
 
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as e:
-        raise ExportError(f"int4 graph fails onnx's checker: {str(e).splitlines()[0][:300]}") from None
+    from .strict import check_strict
+
+    check_strict(model, "the int4 graph")
     inits = {t.name: t for t in model.graph.initializer}
     cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in inits}
     for node in model.graph.node:

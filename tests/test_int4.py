@@ -107,9 +107,12 @@ def test_block_size_is_selectable(int4):
     assert read_onnx_info(int4[64]).export["precision_report"]["method"]["block_size"] == 64
     # one scale per block of 64 input rows of each weight column (the last block zero-padded)
     inits = {t.name: t for t in model.graph.initializer}
+    cast = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}  # scales stored in fp16
     for node in (n for n in model.graph.node if n.op_type == "MatMulNBits"):
         a = {x.name: x.i for x in node.attribute}
-        assert int(np.prod(inits[node.input[2]].dims)) == a["N"] * -(-a["K"] // 64)
+        scales = inits[cast[node.input[2]]]
+        assert scales.data_type == onnx.TensorProto.FLOAT16
+        assert int(np.prod(scales.dims)) == a["N"] * -(-a["K"] // 64)
 
 
 def test_bad_block_size(tiny_onnx, tmp_path):
