@@ -7,9 +7,10 @@ no host but 127.0.0.1, so nothing comes from a CDN. They need `chromium` and an 
 where their absence fails.
 
 Tolerances, page (onnxruntime-web, wasm) against TxlRuntime (ONNX Runtime CPU) on the same file, on a stream
-that wraps the memory ring: fp32 1e-4 absolute on every log-prob, greedy tokens identical; fp16 3e-2 and int4
-0.25 absolute (the wasm kernels round differently from the native x86 ones: fp16 accumulates in other orders,
-int4's accuracy_level 4 quantizes activations on x86 VNNI paths only), with top-1 agreement >= 0.97.
+that wraps the memory ring: fp32 1e-4 absolute on every log-prob (observed 1.2e-5), greedy tokens identical;
+fp16 1e-2 (observed 1.6e-3) and int4 0.25 (observed 0.19) absolute, with top-1 agreement >= 0.97, and every
+greedy token of the page TxlRuntime's most likely one up to that tolerance (the wasm build runs other kernels
+than native x86 ONNX Runtime: sums in another order in fp16, another MatMulNBits implementation in int4).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ NPM_DIR = Path(os.environ.get("TXL_NPM_CACHE", Path.home() / ".cache" / "txl-dep
 ORT_WEB_DIR = NPM_DIR / "node_modules" / "onnxruntime-web"
 REQUIRED = os.environ.get("TXL_WEB_TESTS") == "required"
 PROMPT = "And God said"
-TOL = {"fp32": 1e-4, "fp16": 3e-2, "int4": 0.25}
+TOL = {"fp32": 1e-4, "fp16": 1e-2, "int4": 0.25}
 
 
 def _need(condition: bool, why: str):
@@ -305,6 +306,8 @@ def test_page_log_probs_match_txlruntime_across_the_ring_wrap(served, browser, d
         want = [rt.step(np.array([s]))[0] for s in segments]
     got, want = np.concatenate(got), np.concatenate(want)
     assert got.shape == want.shape == (151, 73)
+    print(f"{precision}: page vs TxlRuntime max abs log-prob difference {np.abs(got - want).max():.3g}, top-1 "
+          f"agreement {(got.argmax(-1) == want.argmax(-1)).mean():.4f}")
     assert np.abs(got - want).max() <= TOL[precision], np.abs(got - want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= (1.0 if precision == "fp32" else 0.97)
 
@@ -318,9 +321,18 @@ def test_page_greedy_generation_equals_txlruntime(served, browser, demo_exports,
         want = list(rt.generate(PROMPT, max_new_tokens=n, temperature=0))
     if precision == "fp32":
         assert got == want
-    else:  # greedy decoding amplifies any rounding difference once two tokens are close: compare the start
-        agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), n)
-        assert agree >= 20, (agree, got[:40], want[:40])
+        return
+    # Reduced precision: once two tokens are nearly tied, a rounding difference picks the other one and the two
+    # continuations part. So the page's tokens are checked step by step against TxlRuntime fed the page's own
+    # choices: each must be TxlRuntime's most likely token up to the log-prob tolerance.
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), n)
+    print(f"{precision}: page and TxlRuntime greedy tokens agree for the first {agree} of {n}")
+    with TxlRuntime.load(demo_exports[precision], providers=["cpu"]) as rt:
+        lp = rt.prefill(rt.encode(PROMPT)[None])[0]
+        for tok in got:
+            assert lp[tok] >= lp.max() - TOL[precision]
+            lp = rt.prefill(np.array([[tok]]))[0]
+    assert len(got) == n
 
 
 def test_page_streams_text_and_screenshot_shows_it(served, browser, demo_exports, tmp_path):
