@@ -83,7 +83,7 @@ def resident_bytes(path, threads: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0) -> dict:
+def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: bool = False) -> dict:
     """Median ms per decode token of each graph, with a full memory, interleaved token by token."""
     from txl_deploy.runtimes import TxlRuntime
     from txl_deploy.runtimes.onnxruntime import OrtBackend
@@ -107,9 +107,16 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0) -> dict:
             t0 = time.perf_counter()
             rt.step([[int(tok)]])
             times[name].append(time.perf_counter() - t0)
+    profiles = {}
+    if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
+        from txl_deploy.bench.profile import profile_decode
+
+        for name, rt in ((k, r) for k, r in runtimes.items() if k in ("fp32", "int4")):
+            state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
+            profiles[name] = profile_decode(paths[name], state, tokens[None, :7], threads=threads, steps=5)
     for rt in runtimes.values():
         rt.close()
-    return {"median_ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()},
+    return {"profiles": profiles, "median_ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()},
             "p90_ms": {k: 1e3 * float(np.percentile(v, 90)) for k, v in times.items()},
             "loaded_rss_mb": {k: v / 1e6 for k, v in loaded.items()},
             "file_mb": {k: Path(p).stat().st_size / 1e6 for k, p in paths.items()}}
@@ -136,14 +143,23 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of both sides (default 1)")
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
     ap.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32, the export default)")
+    ap.add_argument("--other-blocks", default="128",
+                    help="further block sizes measured beside it, comma-separated (default 128; '' for none)")
     ap.add_argument("--out", default=str(HERE / "results_int4.md"))
     args = ap.parse_args()
     CACHE.mkdir(exist_ok=True)
     command = "python benchmarks/int4.py" + "".join(f" {a}" for a in sys.argv[1:])
     acc = accuracy(args.block_size, CACHE)
     wt = wt103_paths(args.block_size)
-    speed_wt = decode_speed({"fp32": wt["fp32"], "int4": wt["int4"]}, args.threads, args.steps)
-    speed_demo = decode_speed({"fp32": acc["fp32_path"], "int4": acc["int4_path"]}, args.threads, args.steps)
+    others = [int(b) for b in args.other_blocks.split(",") if b.strip()]
+    acc_other = {b: accuracy(b, CACHE) for b in others}
+    wt_other = {b: wt103_paths(b) for b in others}
+    speed_wt = decode_speed({"fp32": wt["fp32"], "int4": wt["int4"],
+                             **{f"int4, block {b}": wt_other[b]["int4"] for b in others}},
+                            args.threads, args.steps, profile=True)
+    speed_demo = decode_speed({"fp32": acc["fp32_path"], "int4": acc["int4_path"],
+                               **{f"int4, block {b}": acc_other[b]["int4_path"] for b in others}},
+                              args.threads, args.steps)
 
     a = acc["report"]["accuracy"]
     s = acc["report"]["stream"]
@@ -184,6 +200,10 @@ def main():
         f"| fp32 | {a['fp32']:.4f} | | | | {speed_demo['file_mb']['fp32']:.2f} |",
         f"| int4 | {a['reduced']:.4f} | {100 * a['relative_change']:+.3f}% | {a['top1_agreement']:.4f} | "
         f"{s['kl_divergence']:.3g} | {speed_demo['file_mb']['int4']:.2f} |",
+        *[f"| int4, block {b} | {o['report']['accuracy']['reduced']:.4f} | "
+          f"{100 * o['report']['accuracy']['relative_change']:+.3f}% | {o['report']['accuracy']['top1_agreement']:.4f} "
+          f"| {o['report']['stream']['kl_divergence']:.3g} | {speed_demo['file_mb'][f'int4, block {b}']:.2f} |"
+          for b, o in acc_other.items()],
         "",
         f"{a['tokens']} held-out characters, streaming evaluation (segments of the training length, memory "
         "threaded); the stream comparison is the export-time check (random tokens, prefill and decode, ring wrap).",
@@ -194,7 +214,7 @@ def main():
         "|---|---|---|---|---|---|---|",
     ]
     for shape, sp in (("WikiText-103 base (mem_len 640)", speed_wt), ("demo model (mem_len 128)", speed_demo)):
-        for g in ("fp32", "int4"):
+        for g in sp["median_ms"]:
             lines.append(f"| {shape} | {g} | {sp['median_ms'][g]:.2f} | {sp['p90_ms'][g]:.2f} | "
                          f"{sp['median_ms']['fp32'] / sp['median_ms'][g]:.2f}x | {sp['file_mb'][g]:.1f} | "
                          f"{_resident(sp['loaded_rss_mb'][g])} |")
@@ -205,7 +225,14 @@ def main():
               f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
               "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
               "that matters is the trained demo model's above)."]
-    text = "\n".join(lines) + "\n"
+    from txl_deploy.bench.profile import profile_table
+
+    lines += ["", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
+              "MatMulNBits are the 4-bit weight products, MatMul in the int4 graph the fp32 attention over the fp32 "
+              "memory and the positional tables):", ""]
+    for g in ("fp32", "int4"):
+        lines += [f"{g}:", "", "```", profile_table(speed_wt["profiles"][g], 8), "```", ""]
+    text = "\n".join(lines).rstrip() + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
     raw = {"accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command}

@@ -167,3 +167,12 @@ def test_cli_export_int4(tiny_ckpt, tmp_path):
     assert method["block_size"] == 16
     tables = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer if t.name.endswith("_fp16")]
     assert tables and all(t.dtype == np.float16 for t in tables)  # positional tables stored in fp16
+
+
+def test_cli_block_size_only_with_int4(tiny_ckpt, tmp_path):
+    from txl_deploy.cli import main
+
+    result = CliRunner().invoke(main, ["export", str(tiny_ckpt), "--precision", "fp16", "--block-size", "64", "-o",
+                                       str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and "--block-size is for --precision int4, not fp16" in result.output
+    assert not (tmp_path / "m.onnx").exists()

@@ -29,8 +29,9 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-dynamic", "int4"]), default="fp32",
               show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32). "
               "int4: 4-bit weights (ONNX Runtime MatMulNBits, CPU and browser; not TensorRT).")
-@click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]), default="32", show_default=True,
-              help="--precision int4: weights per block sharing one scale (larger: smaller file, coarser).")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]),
+              help="--precision int4: weights per block sharing one scale (larger: smaller file, coarser). "
+                   "[default: 32]")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False),
               help="Calibration data for --precision int8: text (tokenized with the model's vocabulary) or a .npy of "
                    "token ids.")
@@ -54,6 +55,8 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, 
     """
     from ..checkpoints import load_model
 
+    if block_size is not None and precision != "int4":
+        raise InputError(f"--block-size is for --precision int4, not {precision}")
     out = Path(output) if output else Path(Path(checkpoint).name.split(".")[0] + ".onnx")
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     if precision == "fp32":
@@ -64,7 +67,7 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, opset, state, max_segment, 
     else:
         from ..exporters.precision import export_reduced
 
-        options = {"int4_block_size": int(block_size)} if precision == "int4" else {}
+        options = {"int4_block_size": int(block_size)} if block_size is not None else {}
         export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
                        opset=opset, state=state, max_segment=max_segment, verify=verify, force=force, log=click.echo,
                        **options)
