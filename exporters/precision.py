@@ -38,7 +38,7 @@ from txl_deploy.files import atomic_path, check_writable
 from .verify import REDUCED_KL
 
 PRECISIONS = ("fp16", "int8", "int8-dynamic", "int4")
-# Ops computed in FP32 in the fp16 graph (with everything downstream of them): see the module docstring.
+# Ops computed in FP32 in the fp16 graph (LogSoftmax with everything downstream of it): see the module docstring.
 FP16_KEEP_FP32_OPS = ("LogSoftmax",)
 # Tolerances of the stream comparison against the fp32 graph: the mean KL divergence KL(fp32 || reduced) in nats
 # per position. Not the max abs log-prob difference: over a 267k-word vocabulary the log-probs of words with

@@ -125,7 +125,7 @@ def first_unsorted(graph, outer=frozenset()):
 
 
 _NODE_PATTERNS = (
-    re.compile(r"name:\s*(\S+)\s+OpType:\s*(\S+)"),  # checker: "Bad node spec for node. Name: X OpType: Y"
+    re.compile(r"name:\s*(\S+)\s+OpType:\s*(\S+)", re.IGNORECASE),  # checker: "Bad node spec for node. Name: X OpType: Y"
     re.compile(r"op_type:\s*(\w+),\s*node name:\s*([^)\s]+)"),  # shape inference: "(op_type:Y, node name: X)"
 )
 
