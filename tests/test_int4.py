@@ -176,3 +176,18 @@ def test_cli_block_size_only_with_int4(tiny_ckpt, tmp_path):
                                        str(tmp_path / "m.onnx")])
     assert result.exit_code == 2 and "--block-size is for --precision int4, not fp16" in result.output
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
+    """The strict checks of every export (node order + full_check), and `polygraphy check lint`, which runs the
+    graph through ONNX Runtime and so does know the com.microsoft operators."""
+    pytest.importorskip("polygraphy")
+    from strict_variants import polygraphy_lint
+
+    from txl_deploy.exporters.strict import check_strict
+
+    for path in int4.values():
+        check_strict(path, "int4 graph")
+    lint = polygraphy_lint(list(int4.values()), tmp_path, processes=1)
+    for path, result in lint.items():
+        assert result["status"] == 0 and result["errors"] == [], (path, result)
