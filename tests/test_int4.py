@@ -191,3 +191,41 @@ def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
     lint = polygraphy_lint(list(int4.values()), tmp_path, processes=1)
     for path, result in lint.items():
         assert result["status"] == 0 and result["errors"] == [], (path, result)
+
+
+def test_untied_embedding_gets_its_own_4bit_table(tmp_path):
+    """Without tie_weight the embedding tables are quantized on their own (GatherBlockQuantized, no fp32 copy)."""
+    from conftest import TINY_VOCAB, make_tiny_model
+
+    from txl_deploy.checkpoints import save_checkpoint
+    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.vocab import Vocab
+
+    ckpt, fp32, out = tmp_path / "ckpt", tmp_path / "fp32.onnx", tmp_path / "int4.onnx"
+    save_checkpoint(ckpt, make_tiny_model(seed=1, tie_weight=False, tie_projs=[False, False, False]),
+                    Vocab(TINY_VOCAB))
+    export_onnx(ckpt, fp32, max_segment=16, **QUIET)
+    res = reduce_onnx(fp32, out, precision="int4", **QUIET)
+    method = res.info.export["precision_report"]["method"]
+    assert method["embedding_tables"] >= 1 and method["embedding_tied_to_output"] == 0
+    model = onnx.load(str(out))
+    inits = {t.name for t in model.graph.initializer}
+    assert not [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(0, 60, size=(1, q)) for q in (8, 1, 8, 3)]
+    with TxlRuntime.load(out) as rt, TxlRuntime.load(fp32) as ref:
+        got, want = _stream(rt, segs), _stream(ref, segs)
+    kl = (np.exp(want.astype(np.float64)) * (want - got)).sum(-1).mean()
+    assert 0 <= kl <= STREAM_TOLERANCE["int4"] and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.85
+
+
+def test_full_state_layout(tiny_onnx_full, tmp_path):
+    out = tmp_path / "int4-full.onnx"
+    reduce_onnx(tiny_onnx_full, out, precision="int4", **QUIET)
+    rng = np.random.default_rng(4)
+    segs = [rng.integers(0, 60, size=(2, q)) for q in (8, 1, 5, 1, 8, 3)]
+    with TxlRuntime.load(out) as rt, TxlRuntime.load(tiny_onnx_full) as ref:
+        assert rt.backend.spec.state == "full" and rt.backend.precision == "int4"
+        got, want = _stream(rt, segs), _stream(ref, segs)
+    kl = (np.exp(want.astype(np.float64)) * (want - got)).sum(-1).mean()
+    assert 0 <= kl <= STREAM_TOLERANCE["int4"]
