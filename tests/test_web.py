@@ -7,7 +7,8 @@ no host but 127.0.0.1, so nothing comes from a CDN. They need `chromium` and an 
 where their absence fails.
 
 Tolerances, page (onnxruntime-web, wasm) against TxlRuntime (ONNX Runtime CPU) on the same file, on a stream
-that wraps the memory ring: fp32 1e-4 absolute on every log-prob (observed 1.2e-5), greedy tokens identical;
+that wraps the memory ring: fp32 1e-4 absolute on every log-prob (observed 1.2e-5, both state layouts), greedy
+tokens identical;
 fp16 1e-2 (observed 1.6e-3) and int4 0.25 (observed 0.19) absolute, with top-1 agreement >= 0.97, and every
 greedy token of the page TxlRuntime's most likely one up to that tolerance (the wasm build runs other kernels
 than native x86 ONNX Runtime: sums in another order in fp16, another MatMulNBits implementation in int4).
@@ -66,6 +67,8 @@ def demo_exports(tmp_path_factory):
     for precision in ("fp16", "int4"):
         out[precision] = root / f"kjv-{precision}.onnx"
         reduce_onnx(out["fp32"], out[precision], precision=precision, **QUIET)
+    out["fp32-full"] = root / "kjv-full.onnx"  # the other state layout: the driver swaps in the whole next state
+    export_onnx(DEMO_DIR / "kjv-char", out["fp32-full"], max_segment=64, state="full", **QUIET)
     return out
 
 
@@ -294,19 +297,20 @@ def _wrap_segments(mem_len=128, seed=0, n_token=73):
     return [rng.integers(0, n_token, size=q).tolist() for q in (3, 1, 1, 5, 64, 64, 9, 1, 2, 1)]  # 151 > 128
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "int4"])
-def test_page_log_probs_match_txlruntime_across_the_ring_wrap(served, browser, demo_exports, precision):
-    ready = browser.open(served + f"{precision}/index.html?ep=wasm")
+@pytest.mark.parametrize("variant", ["fp32", "fp32-full", "fp16", "int4"])
+def test_page_log_probs_match_txlruntime_across_the_ring_wrap(served, browser, demo_exports, variant):
+    precision = variant.split("-")[0]
+    ready = browser.open(served + f"{variant}/index.html?ep=wasm")
     assert ready == {"precision": precision, "provider": "wasm"}
     segments = _wrap_segments()
     assert sum(map(len, segments)) > 128
     got = [np.array(a, dtype=np.float32).reshape(len(s), -1)
            for a, s in zip(browser.evaluate(f"txlDemo.logProbs({json.dumps(segments)})"), segments)]
-    with TxlRuntime.load(demo_exports[precision], providers=["cpu"]) as rt:
+    with TxlRuntime.load(demo_exports[variant], providers=["cpu"]) as rt:
         want = [rt.step(np.array([s]))[0] for s in segments]
     got, want = np.concatenate(got), np.concatenate(want)
     assert got.shape == want.shape == (151, 73)
-    print(f"{precision}: page vs TxlRuntime max abs log-prob difference {np.abs(got - want).max():.3g}, top-1 "
+    print(f"{variant}: page vs TxlRuntime max abs log-prob difference {np.abs(got - want).max():.3g}, top-1 "
           f"agreement {(got.argmax(-1) == want.argmax(-1)).mean():.4f}")
     assert np.abs(got - want).max() <= TOL[precision], np.abs(got - want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= (1.0 if precision == "fp32" else 0.97)
