@@ -42,6 +42,7 @@ export class TxlStream {
   // Feed token ids; returns log-probs [P, n_token] as one Float32Array (P = the number of ids, or 1 with
   // lastOnly). Segments longer than the graph's max_segment go in pieces, with the same result.
   async step(ids, { lastOnly = false } = {}) {
+    if (ids.length === 0) throw new RangeError("step() needs at least one token id");
     const pieces = [];
     for (let start = 0; start < ids.length; start += this.spec.max_segment) {
       const segment = ids.slice(start, start + this.spec.max_segment);
