@@ -99,6 +99,9 @@ def _has_qdq(onnx_path) -> bool:
 def check_precision(onnx_path, info, precision: str | None, calib=None) -> str:
     """The precision to build: the ONNX's own, which a requested --fp16/--int8 must match."""
     have = info.precision
+    if have == "int4":  # MatMulNBits is an ONNX Runtime contrib op: TensorRT's ONNX parser has no such operator
+        raise ExportError(f"{onnx_path}: is an int4 graph (ONNX Runtime MatMulNBits), which TensorRT cannot build; "
+                          "run it with ONNX Runtime, or export --precision fp16 or int8 for TensorRT")
     if precision is None:
         return have
     if precision not in PRECISIONS:

@@ -14,7 +14,7 @@ import numpy as np
 # below whose last-bit differences exceed 1e-4 while the distribution is the same. Trained models sit far inside.
 FP32_ATOL, FP32_RTOL = 1e-4, 1e-5
 # Reduced precision is judged by the mean KL(reference || exported) per position, in nats (see precision.py).
-REDUCED_KL = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1}
+REDUCED_KL = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1, "int4": 0.1}
 
 
 def verification_segments(mem_len: int, max_segment: int) -> list[int]:

@@ -209,8 +209,8 @@ def test_bad_calibration_files(tiny_onnx, tmp_path):
     np.save(big, np.full(50, 60))
     with pytest.raises(InputError, match="outside the vocabulary"):
         reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=big, **QUIET)
-    with pytest.raises(InputError, match="precision 'int4'"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int4", **QUIET)
+    with pytest.raises(InputError, match="precision 'int2'"):
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int2", **QUIET)
 
 
 def test_never_overwrites_and_needs_an_fp32_source(reduced, tiny_onnx, tmp_path):

@@ -31,8 +31,12 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
               help=STATE_HELP)
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="Longest segment one call of the graph takes (longer inputs are fed in pieces).")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-dynamic"]), default="fp32",
-              show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-dynamic", "int4"]), default="fp32",
+              show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32). "
+              "int4: 4-bit weights (ONNX Runtime MatMulNBits, CPU and browser; not TensorRT).")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]),
+              help="--precision int4: weights per block sharing one scale (larger: smaller file, coarser). "
+                   "[default: 32]")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False),
               help="Calibration data for --precision int8: text (tokenized with the model's vocabulary) or a .npy of "
                    "token ids.")
@@ -44,7 +48,7 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @threads_option
 def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
-               calib, eval_text, vocab, verify, force, threads):
+               block_size, calib, eval_text, vocab, verify, force, threads):
     """Export CHECKPOINT (any supported format) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
@@ -64,6 +68,8 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
     """
     from ..checkpoints import load_model
 
+    if block_size is not None and precision != "int4":
+        raise InputError(f"--block-size is for --precision int4, not {precision}")
     out = Path(output) if output else Path(Path(checkpoint).name.split(".")[0] + ".onnx")
     if threads:
         import torch
@@ -79,9 +85,11 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
     else:
         from ..exporters.precision import export_reduced
 
+        options = {"int4_block_size": int(block_size)} if block_size is not None else {}
         export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
                        clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
-                       max_segment=max_segment, verify=verify, force=force, log=click.echo, threads=threads)
+                       max_segment=max_segment, verify=verify, force=force, log=click.echo, threads=threads,
+                       **options)
 
 
 @click.command("verify")

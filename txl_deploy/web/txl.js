@@ -1,0 +1,173 @@
+// txl.js: run a txl-deploy Transformer-XL export with onnxruntime-web, the memory threaded between calls.
+//
+// This is the graph contract of the README ("Exported graph") in JavaScript, for one stream (batch 1):
+//   inputs   tokens [1, Q] int64, out_positions [1, P] int64,
+//            mem_k.i [1, n_head, d_head, mem_len], mem_v.i [1, n_head, mem_len, d_head] (float32 or float16),
+//            mem_count [1] int64: tokens consumed since the reset; stream position p lives in ring slot p % mem_len
+//   outputs  log_probs [1, P, n_token] float32, then per layer
+//            new_k.i [1, H, d_head, Q], new_v.i [1, H, Q, d_head]            (state "incremental": we write
+//                                                                              them into the ring ourselves)
+//            or next_mem_k.i, next_mem_v.i and next_mem_count (state "full": the whole next state, swapped in)
+// The all-zero state is the empty memory. An incremental graph also takes a 1-slot memory while nothing has
+// been consumed, which spares a prompt the scores against mem_len masked slots.
+// `spec` is the model.json that `txl-deploy web-demo` writes beside the model (read from the ONNX metadata).
+// Copy this file into your app as it is; it needs nothing but onnxruntime-web.
+
+export class TxlStream {
+  constructor(ort, session, spec) {
+    this.ort = ort;
+    this.session = session;
+    this.spec = spec;
+    this.reset();
+  }
+
+  static async load(ort, modelUrl, spec, sessionOptions = {}) {
+    const session = await ort.InferenceSession.create(modelUrl, sessionOptions);
+    return new TxlStream(ort, session, spec);
+  }
+
+  // Forget the memory: zeroed ring buffers and a count of 0.
+  reset() {
+    const { n_layer, n_head, d_head, mem_len } = this.spec;
+    const Buffer = this.spec.float_dtype === "float16" ? Uint16Array : Float32Array; // fp16 kept as raw bits
+    this.count = 0;
+    this.k = [];
+    this.v = [];
+    for (let i = 0; i < n_layer; i++) {
+      this.k.push(new Buffer(n_head * d_head * mem_len));
+      this.v.push(new Buffer(n_head * mem_len * d_head));
+    }
+  }
+
+  // Feed token ids; returns log-probs [P, n_token] as one Float32Array (P = the number of ids, or 1 with
+  // lastOnly). Segments longer than the graph's max_segment go in pieces, with the same result.
+  async step(ids, { lastOnly = false } = {}) {
+    if (ids.length === 0) throw new RangeError("step() needs at least one token id");
+    const pieces = [];
+    for (let start = 0; start < ids.length; start += this.spec.max_segment) {
+      const segment = ids.slice(start, start + this.spec.max_segment);
+      const last = start + this.spec.max_segment >= ids.length;
+      const out = await this.run(segment, lastOnly ? [segment.length - 1] : segment.map((_, j) => j));
+      if (!lastOnly || last) pieces.push(out);
+    }
+    if (pieces.length === 1) return pieces[0];
+    const all = new Float32Array(pieces.reduce((n, p) => n + p.length, 0));
+    pieces.reduce((offset, p) => (all.set(p, offset), offset + p.length), 0);
+    return all;
+  }
+
+  async run(segment, positions) {
+    const { ort, spec } = this;
+    const { n_layer, n_head, d_head, mem_len } = spec;
+    const Q = segment.length;
+    for (const id of segment) {
+      if (!Number.isInteger(id) || id < 0 || id >= spec.n_token) {
+        throw new RangeError(`token id ${id} is outside the vocabulary [0, ${spec.n_token})`);
+      }
+    }
+    const float = spec.float_dtype;
+    const slots = spec.fresh_prefill && this.count === 0 ? 1 : mem_len;
+    const feeds = {
+      tokens: new ort.Tensor("int64", BigInt64Array.from(segment, BigInt), [1, Q]),
+      out_positions: new ort.Tensor("int64", BigInt64Array.from(positions, BigInt), [1, positions.length]),
+      mem_count: new ort.Tensor("int64", BigInt64Array.of(BigInt(this.count)), [1]),
+    };
+    for (let i = 0; i < n_layer; i++) {
+      const k = slots === mem_len ? this.k[i] : new this.k[i].constructor(n_head * d_head);
+      const v = slots === mem_len ? this.v[i] : new this.v[i].constructor(n_head * d_head);
+      feeds[`mem_k.${i}`] = new ort.Tensor(float, k, [1, n_head, d_head, slots]);
+      feeds[`mem_v.${i}`] = new ort.Tensor(float, v, [1, n_head, slots, d_head]);
+    }
+    const out = await this.session.run(feeds);
+    // Commit the memory only now that the run has succeeded.
+    for (let i = 0; i < n_layer; i++) {
+      if (spec.state === "full") {
+        this.k[i].set(bits(out[`next_mem_k.${i}`].data));
+        this.v[i].set(bits(out[`next_mem_v.${i}`].data));
+      } else {
+        this.writeRing(i, bits(out[`new_k.${i}`].data), bits(out[`new_v.${i}`].data), Q);
+      }
+    }
+    this.count += Q;
+    const logProbs = out.log_probs.data;
+    for (const tensor of Object.values(out)) if (tensor.data !== logProbs) tensor.dispose?.();
+    return logProbs;
+  }
+
+  // Entry j of this segment goes to slot (count + j) % mem_len; of a segment longer than the memory only the
+  // last mem_len entries survive.
+  writeRing(i, newK, newV, Q) {
+    const { n_head, d_head, mem_len: M } = this.spec;
+    const K = this.k[i], V = this.v[i];
+    for (let j = Math.max(0, Q - M); j < Q; j++) {
+      const slot = (this.count + j) % M;
+      for (let h = 0; h < n_head; h++) {
+        for (let d = 0; d < d_head; d++) K[(h * d_head + d) * M + slot] = newK[(h * d_head + d) * Q + j];
+        const row = (h * Q + j) * d_head;
+        V.set(newV.subarray(row, row + d_head), (h * M + slot) * d_head);
+      }
+    }
+  }
+}
+
+// fp16 tensors may come back as Float16Array: copy their raw bits, never convert them.
+function bits(data) {
+  return typeof Float16Array !== "undefined" && data instanceof Float16Array
+    ? new Uint16Array(data.buffer, data.byteOffset, data.length)
+    : data;
+}
+
+// The model's vocabulary (vocab.json), as txl_deploy.vocab.Vocab reads and writes text.
+export class Vocab {
+  constructor({ kind, symbols }) {
+    this.kind = kind;
+    this.symbols = symbols;
+    this.index = new Map(symbols.map((s, i) => [s, i]));
+    this.unk = this.index.get("<unk>");
+    this.eos = this.index.get("<eos>");
+  }
+
+  encode(text) {
+    let pieces;
+    if (this.kind === "char") {
+      pieces = Array.from(text);
+    } else { // words; <eos> at every line end, not after an unterminated last line
+      pieces = [];
+      const lines = text.split("\n");
+      lines.forEach((line, n) => {
+        pieces.push(...line.split(/\s+/).filter(Boolean));
+        if (this.eos !== undefined && n < lines.length - 1) pieces.push("<eos>");
+      });
+    }
+    return pieces.map((p) => {
+      const id = this.index.get(p) ?? this.unk;
+      if (id === undefined) throw new RangeError(`symbol ${JSON.stringify(p)} is not in the vocabulary`);
+      return id;
+    });
+  }
+
+  // Text of one generated token as it continues a stream: words get a leading space, <eos> a newline.
+  piece(id) {
+    if (this.kind === "char") return this.symbols[id];
+    return id === this.eos ? "\n" : " " + this.symbols[id];
+  }
+}
+
+// One token from log-probs: temperature 0 is greedy (the first maximum, as numpy's argmax); topK keeps the k
+// most likely tokens. `random` returns uniform numbers in [0, 1).
+export function sample(logProbs, temperature, topK = 0, random = Math.random) {
+  let best = 0;
+  for (let i = 1; i < logProbs.length; i++) if (logProbs[i] > logProbs[best]) best = i;
+  if (temperature === 0) return best;
+  let kth = -Infinity;
+  if (topK > 0 && topK < logProbs.length) kth = Float32Array.from(logProbs).sort()[logProbs.length - topK];
+  const top = logProbs[best] / temperature;
+  const weights = new Float64Array(logProbs.length);
+  let total = 0;
+  for (let i = 0; i < logProbs.length; i++) {
+    if (logProbs[i] >= kth) total += weights[i] = Math.exp(logProbs[i] / temperature - top);
+  }
+  let r = random() * total;
+  for (let i = 0; i < weights.length; i++) if (weights[i] > 0 && (r -= weights[i]) < 0) return i;
+  return best;
+}
