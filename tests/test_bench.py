@@ -254,3 +254,64 @@ def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monk
     assert timed_while_sampling == []
     for side in rep["results"][0]["sides"].values():
         assert side["decode_ms"]["n"] == 8 and side["peak_memory_bytes"] >= side["loaded_memory_bytes"]
+
+
+def _run_all_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+    spec = importlib.util.spec_from_file_location("run_all", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_md_is_generated_whole_and_takes_in_every_generated_results_file(tiny_onnx, tiny_ckpt, tmp_path,
+                                                                              monkeypatch):
+    """RESULTS.md = run_all's own tables + every benchmarks/results_*.md that names the command that wrote it; a
+    hand-written one is listed as left out, not pasted in."""
+    from txl_deploy.bench import run_benchmark
+    from txl_deploy.bench.report import generating_command, results_markdown
+
+    run_all = _run_all_module()
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    (tmp_path / "results_zz_new.md").write_text(results_markdown("A later benchmark", "| a |\n|---|\n| 1.5 |",
+                                                                 "python benchmarks/zz.py --fast"))
+    (tmp_path / "results_by_hand.md").write_text("# Notes\n\nTyped in.\n")
+    assert generating_command((tmp_path / "results_zz_new.md").read_text()) == "python benchmarks/zz.py --fast"
+    rep = run_benchmark(str(tiny_onnx), reference=str(tiny_ckpt), prompt_len=6, gen_len=4, repeat=2, warmup=1,
+                        as_written_batches=(1,), progress=False, log=lambda *a: None)
+    rep["name"] = "tiny"
+    text = run_all.results_md([rep], "memory bandwidth: not measured", "python benchmarks/run_all.py")
+    assert text.startswith("# Benchmark results\n\nWritten by `python benchmarks/run_all.py`")
+    assert "## tiny" in text and "torch (eager, as written)" in text
+    assert "## A later benchmark" in text and "| 1.5 |" in text  # one heading level down, content as written
+    assert "Typed in." not in text and "`benchmarks/results_by_hand.md`: it does not say which command" in text
+
+
+def test_shipped_results_name_their_commands_and_no_issue_numbers():
+    """What a user reads about the benchmarks: every results file says which command wrote it, and neither they nor
+    the benchmark scripts' --help mention how the work was organised (issue numbers)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from txl_deploy.bench.report import generating_command
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    parts = sorted(bench_dir.glob("results_*.md"))
+    for part in parts:
+        assert generating_command(part.read_text()), f"{part.name} does not name the command that wrote it"
+    texts = {p.name: p.read_text() for p in [bench_dir / "RESULTS.md", *parts, *bench_dir.glob("*.md")]}
+    for script in ("run_all.py", "precision.py", "triton_load.py"):
+        out = subprocess.run([sys.executable, str(bench_dir / script), "--help"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        texts[f"{script} --help"] = out.stdout
+    for name, text in texts.items():
+        assert not re.search(r"\bissues?\s*#?\d", text, re.IGNORECASE), name
+    results = texts["RESULTS.md"]
+    assert "Left out" not in results  # every shipped results file was taken in
+    assert all(f"benchmarks/{p.name}, written by" in results for p in parts)
