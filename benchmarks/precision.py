@@ -76,8 +76,9 @@ def accuracy(args):
 
         from txl_deploy.bench.report import command_line, results_markdown
 
-        body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, no GPU, onnxruntime {onnxruntime.__version__}.",
-                          "", *lines])
+        gpu = "a GPU (not used)" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "no GPU"
+        body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, {gpu}, onnxruntime {onnxruntime.__version__}.",
+                           "", *lines])
         _write(args.md, results_markdown("Reduced precision: accuracy on held-out text", body,
                                          command_line("benchmarks/precision.py", sys.argv[1:])), args.force)
         print(f"wrote {args.md}")
