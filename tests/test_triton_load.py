@@ -71,3 +71,30 @@ def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, tin
     existing.write_text("{}")
     assert bench.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2
     assert existing.read_text() == "{}"
+
+
+def test_statistics_are_read_once_they_count_every_completed_request():
+    """Triton records a request in its statistics after the client has the response: a read right after a round
+    could miss the last ones (seen on a loaded machine: 8 of 10). The benchmark waits until the count covers every
+    request its clients completed, and still reports a real shortfall instead of waiting for ever."""
+    spec = importlib.util.spec_from_file_location("triton_load_stats", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class LaggingServer:  # counts 2 more requests on each statistics read, up to what was really served
+        def __init__(self, served):
+            self.served, self.seen = served, 0
+
+        def get_inference_statistics(self, model, as_json):
+            self.seen = min(self.served, self.seen + 2)
+            return {"model_stats": [{"execution_count": self.seen,
+                                     "inference_stats": {"success": {"count": self.seen, "ns": 5 * self.seen}}}]}
+
+    class Client:
+        def __init__(self, server):
+            self._client = server
+
+    before = {"requests": 0}
+    assert module._stats_after(Client(LaggingServer(10)), "txl", before, sent=10)["requests"] == 10
+    module.STATS_SETTLE_S = 0.1  # a server that lost requests: the shortfall is what gets reported
+    assert module._stats_after(Client(LaggingServer(8)), "txl", before, sent=10)["requests"] == 8
