@@ -183,7 +183,9 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "`MemTransformerLM.forward` does (prefill only: a decode step is one position either way). Speedup "
         "columns are against `torch (eager)` of the same group. Peak memory = resident memory added by loading "
         "plus the largest rise during a call, measured in a separate untimed pass (nothing samples memory while "
-        "a call is timed). `floor gap` = measured decode p50 / ((weight bytes + memory bytes read per step) / "
+        "a call is timed). All sides of a configuration share one process and its heap: memory that an earlier "
+        "side or configuration freed is reused without growing the resident set, so a side can show a peak near "
+        "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = measured decode p50 / ((weight bytes + memory bytes read per step) / "
         "measured copy bandwidth). Stand-ins have random weights.",
         "",
         "## Targets",
