@@ -217,9 +217,11 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         aw = set(s.get("as_written_batches") or ())
         if aw and any(res["batch"] not in aw for res in rep["results"]):
             big = rep.get("config") or {}
+            per_row = f" ({s['prompt_len'] * big['n_token'] * 4 / 1e6:.0f} MB per row in float32)" \
+                if big.get("n_token") else ""
             lines.append(f"- eager as written is timed at batch {', '.join(map(str, sorted(aw)))} only: at larger "
                          f"batches its prefill holds batch x {s['prompt_len']} x {big.get('n_token', 'V')} "
-                         "log-probabilities at once, more memory than this shared machine can spare")
+                         f"log-probabilities at once{per_row}, more memory than this shared machine can spare")
         for res in rep["results"]:
             if res.get("profile"):
                 lines += ["", f"Profile of one decode step (ONNX Runtime profiler, median of steps), mem_len "
