@@ -1,25 +1,27 @@
-"""Reduced-precision ONNX: accuracy on held-out text and int8-dynamic CPU decode speed (benchmarks/RESULTS.md).
+"""Reduced-precision ONNX: accuracy on held-out text (benchmarks/results_precision.md, included in RESULTS.md).
 
     # accuracy of fp16 / int8 / int8-dynamic against fp32 (default: the demo model and its held-out text;
     # the first half of the text calibrates int8, the second half is evaluated, so they never overlap)
-    python benchmarks/precision.py accuracy [--model CKPT] [--text FILE] [--out DIR]
+    python benchmarks/precision.py accuracy [--model CKPT] [--text FILE] [--out DIR] [--md FILE [--force]]
 
-    # ONNX Runtime CPU decode time per token, fp32 vs int8-dynamic, on a published shape with random weights
-    # (batch 1, memory full: mem_len tokens are fed before timing)
-    python benchmarks/precision.py speed [--shape wt103-base] [--tokens 64] [--out DIR]
-
-Prints a Markdown table and writes it with the raw numbers as JSON beside the models in --out.
+Prints a Markdown table and writes it with the raw numbers as JSON beside the models in --out; --md writes it as
+a results file that names this command (benchmarks/run_all.py includes benchmarks/results_*.md in RESULTS.md).
+The decode speed of int8-dynamic against fp32 is measured by benchmarks/run_all.py (configuration
+wt103-base-int8-dynamic), at the same thread setting as every other row there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+# The accuracy targets (relative change in bits per character or perplexity against fp32) this benchmark checks.
+TARGETS = {"fp16": 0.002, "int8": 0.02, "int8-dynamic": 0.01}
 
 
 def _quiet(*args, **kwargs):
@@ -63,64 +65,23 @@ def accuracy(args):
         lines.append(f"| {r['precision']} | {r['fp32']:.4f} | {r['reduced']:.4f} | {100 * r['relative_change']:+.3f}% "
                      f"| {r['top1_agreement']:.4f} | {r['stream_max_abs_diff']:.3g} | "
                      f"{'yes' if r['tensorrt_ready'] else 'no'} | {r['size_mb']:.1f} |")
+    met = {r["precision"]: abs(r["relative_change"]) <= TARGETS[r["precision"]] for r in rows if r["precision"] in TARGETS}
+    lines += ["", "Targets (relative change in " + metric + " against fp32): "
+              + ", ".join(f"{k} <= {100 * v:g}%" for k, v in TARGETS.items() if k in met) + ": "
+              + ("all met" if all(met.values()) else "missed by " + ", ".join(k for k, ok in met.items() if not ok))
+              + "."]
     _emit(out / "precision_accuracy", lines, rows)
+    if args.md:
+        import onnxruntime
 
+        from txl_deploy.bench.report import command_line, results_markdown
 
-def speed(args):
-    import torch
-
-    from txl_deploy.checkpoints import save_checkpoint
-    from txl_deploy.config import published_config
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.exporters.precision import reduce_onnx
-    from txl_deploy.model import MemTransformerLM
-    from txl_deploy.runtimes import TxlRuntime
-
-    out = Path(args.out or tempfile.mkdtemp(prefix="txl-precision-speed-"))
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = published_config(args.shape)
-    fp32, dyn = out / "fp32.onnx", out / "int8-dynamic.onnx"
-    if not fp32.exists():
-        torch.manual_seed(0)
-        model = MemTransformerLM(cfg).eval()
-        save_checkpoint(out / "ckpt", model, None, force=True)
-        del model
-        t0 = time.perf_counter()
-        export_onnx(out / "ckpt", fp32, max_segment=args.max_segment, verify=False, force=True, log=print)
-        print(f"fp32 export {time.perf_counter() - t0:.0f} s")
-    if not dyn.exists():
-        t0 = time.perf_counter()
-        # random weights: the KL gate is for trained models, so the comparison is only recorded here
-        reduce_onnx(fp32, dyn, precision="int8-dynamic", force=True, verify=False,
-                    dynamic_per_channel=args.per_channel, log=print)
-        print(f"int8-dynamic conversion {time.perf_counter() - t0:.0f} s")
-
-    rng = np.random.default_rng(0)
-    context = rng.integers(0, cfg.n_token, size=(1, cfg.mem_len))
-    decode = rng.integers(0, cfg.n_token, size=args.tokens)
-    times = {}
-    runtimes = {"fp32": TxlRuntime.load(fp32, providers=["cpu"]), "int8-dynamic": TxlRuntime.load(dyn, providers=["cpu"])}
-    for rt in runtimes.values():
-        rt.prefill(context)  # memory full: every decode step attends to mem_len cached tokens
-        rt.step([[int(decode[0])]])  # warm-up
-    for name in runtimes:
-        times[name] = []
-    for tok in decode:  # interleaved, so a neighbour's load on the machine hits both alike
-        for name, rt in runtimes.items():
-            t0 = time.perf_counter()
-            rt.step([[int(tok)]])
-            times[name].append(time.perf_counter() - t0)
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    sizes = {k: p.stat().st_size / 1e6 for k, p in (("fp32", fp32), ("int8-dynamic", dyn))}
-    import os
-
-    lines = [f"`{args.shape}` shape, random weights, batch 1, memory full ({cfg.mem_len} tokens), ONNX Runtime "
-             f"CPU provider, {os.cpu_count()} cores, median of {args.tokens} decode steps (interleaved).", "",
-             "| graph | ms / token | speed-up | file MB |", "|---|---|---|---|"]
-    for k in ("fp32", "int8-dynamic"):
-        lines.append(f"| {k} | {1000 * med[k]:.2f} | {med['fp32'] / med[k]:.2f}x | {sizes[k]:.0f} |")
-    _emit(out / "precision_speed", lines, {"median_s": med, "times_s": times, "size_mb": sizes,
-                                            "speedup": med["fp32"] / med["int8-dynamic"]})
+        gpu = "a GPU (not used)" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "no GPU"
+        body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, {gpu}, onnxruntime {onnxruntime.__version__}.",
+                           "", *lines])
+        _write(args.md, results_markdown("Reduced precision: accuracy on held-out text", body,
+                                         command_line("benchmarks/precision.py", sys.argv[1:])), args.force)
+        print(f"wrote {args.md}")
 
 
 def _emit(stem: Path, lines, raw):
@@ -131,6 +92,13 @@ def _emit(stem: Path, lines, raw):
     print(f"wrote {stem}.md and {stem}.json")
 
 
+def _write(path, text: str, force: bool):
+    from txl_deploy.files import atomic_path
+
+    with atomic_path(path, force=force) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -139,14 +107,13 @@ def main():
     a.add_argument("--text", help="text file [default: the demo held-out text]")
     a.add_argument("--max-segment", type=int, default=128)
     a.add_argument("--out", help="folder for the models and the table [default: a temporary folder]")
-    s = sub.add_parser("speed", help="int8-dynamic vs fp32 ONNX Runtime CPU decode time per token")
-    s.add_argument("--shape", default="wt103-base")
-    s.add_argument("--tokens", type=int, default=64, help="decode steps timed")
-    s.add_argument("--max-segment", type=int, default=64)
-    s.add_argument("--per-channel", action="store_true", help="per-channel int8 weights in the dynamic graph")
-    s.add_argument("--out", help="folder for the models (reused when present) and the table")
+    a.add_argument("--md", help="also write the table as a results file naming this command, e.g. "
+                                "benchmarks/results_precision.md")
+    a.add_argument("--force", action="store_true", help="overwrite an existing --md file")
     args = p.parse_args()
-    accuracy(args) if args.cmd == "accuracy" else speed(args)
+    if args.md and Path(args.md).exists() and not args.force:  # refuse before minutes of measuring, not after
+        raise SystemExit(f"{args.md} already exists (use --force to overwrite)")
+    accuracy(args)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 from txl_deploy.exporters.triton import DEFAULT_QUEUE_DELAY_US
+from txl_deploy.bench.report import command_line, results_markdown
 
 DEFAULT_CONCURRENCY = (1, 16)
 DEFAULT_MAX_BATCH = 16
@@ -61,6 +62,7 @@ DEFAULT_REPEAT = 3
 EXPORT_MAX_SEGMENT = 64  # requests are 1 token (decode) or a prompt piece; a short graph exports and loads fast
 DEMO_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 192, "d_head": 48, "d_inner": 768, "tgt_len": 64, "mem_len": 128}
 TIMEOUT = 300.0  # seconds; a request or barrier waiting longer than this means something is stuck
+STATS_SETTLE_S = 30.0  # how long Triton may take to count requests whose responses the clients already have
 
 
 def _quiet(*args, **kwargs):
@@ -163,10 +165,11 @@ def _summarise(rounds, n_tokens: int) -> dict:
     gaps = np.concatenate([np.diff(r[1]) for r in runs]) * 1e3
     first = np.array([r[1][0] - r[0] for r in runs]) * 1e3
     c = len(rounds[0])
-    rates = [c * n_tokens / (max(r[1][-1] for r in rnd) - min(r[0] for r in rnd)) for rnd in rounds]
+    walls = [max(r[1][-1] for r in rnd) - min(r[0] for r in rnd) for rnd in rounds]
+    rates = [c * n_tokens / w for w in walls]
     tokens = [r[2] for r in rounds[0]]
     return {"concurrency": c, "tokens_per_conversation": n_tokens, "rounds": len(rounds),
-            "tokens_per_s": float(np.median(rates)), "tokens_per_s_rounds": rates,
+            "tokens_per_s": float(np.median(rates)), "tokens_per_s_rounds": rates, "wall_s_rounds": walls,
             "p50_ms": float(np.percentile(gaps, 50)), "p99_ms": float(np.percentile(gaps, 99)),
             "mean_ms": float(gaps.mean()), "latency_samples": int(gaps.size),
             "first_token_p50_ms": float(np.percentile(first, 50)),
@@ -183,13 +186,41 @@ def _server_stats(client, model: str) -> dict:
             **{f"{k}_ns": v for k, v in ns.items()}}
 
 
+def _counting_requests(client, counter: list, lock):
+    """Count every request `client` completes (Conversation calls client.infer once per request)."""
+    real = client.infer
+
+    def infer(*args, **kwargs):
+        out = real(*args, **kwargs)
+        with lock:
+            counter[0] += 1
+        return out
+
+    client.infer = infer
+    return client
+
+
+def _stats_after(client, model: str, before: dict, sent: int) -> dict:
+    """Triton's counters once they include all `sent` requests. A client has its response before the server has
+    recorded the request in its statistics (the last ones, e.g. the END requests, can be missing from a read
+    right after the round on a loaded machine), so wait until the count covers them, up to STATS_SETTLE_S."""
+    deadline = time.monotonic() + STATS_SETTLE_S
+    while True:
+        after = _server_stats(client, model)
+        if after["requests"] - before["requests"] >= sent or time.monotonic() > deadline:
+            return after
+        time.sleep(0.02)
+
+
 def server_round(url: str, prompts, n_tokens: int, model: str = "txl"):
     """C = len(prompts) concurrent conversations through the server, one client (gRPC channel) each.
-    Returns the conversations' (start, token times, tokens) and the change in Triton's counters."""
+    Returns the conversations' (start, token times, tokens) and the change in Triton's counters (read once they
+    include every request the clients completed; `client_requests` is that number)."""
     from txl_deploy.serve_client import TxlTritonClient
 
     c = len(prompts)
-    clients = [TxlTritonClient(url, model=model, timeout=TIMEOUT) for _ in range(c)]
+    sent, lock = [0], threading.Lock()
+    clients = [_counting_requests(TxlTritonClient(url, model=model, timeout=TIMEOUT), sent, lock) for _ in range(c)]
     barrier = threading.Barrier(c)
     before = _server_stats(clients[0], model)
 
@@ -200,11 +231,11 @@ def server_round(url: str, prompts, n_tokens: int, model: str = "txl"):
     try:
         with ThreadPoolExecutor(c) as pool:
             runs = list(pool.map(one, range(c)))
-        after = _server_stats(clients[0], model)
+        after = _stats_after(clients[0], model, before, sent[0])
     finally:
         for cl in clients:
             cl.close()
-    return runs, {k: after[k] - before[k] for k in after}
+    return runs, {**{k: after[k] - before[k] for k in after}, "client_requests": sent[0]}
 
 
 def _server_columns(deltas) -> dict:
@@ -213,7 +244,8 @@ def _server_columns(deltas) -> dict:
         return {}
     # Triton charges every request of a batch the whole batch's execute() time: compute_infer / requests is the
     # average execute() duration a request sat in, not a per-request cost.
-    return {"server_requests": d["requests"], "server_queue_ms": d["queue_ns"] / d["requests"] / 1e6,
+    return {"server_requests": d["requests"], "client_requests": d["client_requests"],
+            "server_queue_ms": d["queue_ns"] / d["requests"] / 1e6,
             "server_execute_ms": d["compute_infer_ns"] / d["requests"] / 1e6,
             "mean_batch": d["requests"] / max(1, d["executions"])}
 
@@ -457,12 +489,6 @@ def results_file(results: list[dict], command: str) -> str:
     first = results[0]
     mach = first["machine"]
     lines = [
-        "# Serving load: Triton Inference Server vs in-process",
-        "",
-        f"Produced by `benchmarks/triton_load.py` on {first['date']} (run it with `--help` for the options):",
-        "",
-        f"    {command}",
-        "",
         (f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), shared with other work: load average "
          f"{mach['load_average_start'][0]:.1f} at the start. Absolute speeds on a shared machine are noisy (the "
          "brackets give the slowest and fastest round); the ratios compare paths measured in alternating rounds of "
@@ -482,7 +508,7 @@ def results_file(results: list[dict], command: str) -> str:
                          f"{row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
                          f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
         lines += ["", markdown(result)]
-    return "\n".join(lines)
+    return results_markdown("Serving load: Triton Inference Server vs in-process", "\n".join(lines), command)
 
 
 def _write(path, text: str, force: bool):
@@ -539,7 +565,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
                    help=f"rounds per row, interleaved across paths (default {DEFAULT_REPEAT})")
     p.add_argument("--json", default=None, help="also write every number (and the tokens) to this JSON file")
-    p.add_argument("--md", default=None, help="also write the Markdown table to this file")
+    p.add_argument("--md", default=None, help="also write the Markdown table to this file, headed by the command "
+                                              "that wrote it (benchmarks/results_triton.md is included in RESULTS.md)")
     p.add_argument("--force", action="store_true", help="overwrite existing --json / --md files")
     args = p.parse_args(argv)
 
@@ -562,8 +589,8 @@ def main(argv=None) -> int:
                                  args.max_batch, delay, args.repeat, threads=args.threads or None,
                                  mem_len=args.mem_len, cache_dir=args.cache_dir)
                    for model, delay in zip(models, delays)]
-        command = "python benchmarks/triton_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = results_file(results, command.strip())
+        command = command_line("benchmarks/triton_load.py", sys.argv[1:] if argv is None else argv)
+        text = results_file(results, command)
         print()
         print(text)
         if args.json:

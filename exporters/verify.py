@@ -15,6 +15,7 @@ import numpy as np
 FP32_ATOL, FP32_RTOL = 1e-4, 1e-5
 # Reduced precision is judged by the mean KL(reference || exported) per position, in nats (see precision.py).
 REDUCED_KL = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1, "int4": 0.1}
+COMPARE_CHUNK_FLOATS = 4 * 1024 * 1024  # log-probs compared at once in float64 (32 MB)
 
 
 def verification_segments(mem_len: int, max_segment: int) -> list[int]:
@@ -33,17 +34,23 @@ def compare_steps(step, reference_step, n_token: int, segments, batch: int = 2, 
     pos, worst, ratio, kl, agree, total = 0, 0.0, 0.0, 0.0, 0, 0
     for q in segments:
         seg = tokens[:, pos:pos + q]
-        ref = np.asarray(reference_step(seg), dtype=np.float64)
-        got = np.asarray(step(seg), dtype=np.float64)
-        if not np.isfinite(got).all():  # overflow in reduced precision: no distance is meaningful any more
-            worst = ratio = kl = float("inf")
-        elif np.isfinite(kl):
-            diff = np.abs(got - ref)
-            worst = max(worst, float(diff.max()))
-            ratio = max(ratio, float((diff / (FP32_ATOL + FP32_RTOL * np.abs(ref))).max()))
-            kl += float((np.exp(ref) * (ref - got)).sum())
-        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        total += got.shape[0] * got.shape[1]
+        ref_all, got_all = np.asarray(reference_step(seg)), np.asarray(step(seg))
+        # float64 metrics a few positions at a time: a whole 512-token segment over a 267,735-word vocabulary
+        # would be 1.1 GB per row in float64, several times over in temporaries
+        chunk = max(1, COMPARE_CHUNK_FLOATS // max(1, ref_all.shape[-1]))
+        for b in range(ref_all.shape[0]):
+            for c in range(0, ref_all.shape[1], chunk):
+                ref = ref_all[b, c:c + chunk].astype(np.float64)
+                got = got_all[b, c:c + chunk].astype(np.float64)
+                if not np.isfinite(got).all():  # overflow in reduced precision: no distance is meaningful any more
+                    worst = ratio = kl = float("inf")
+                elif np.isfinite(kl):
+                    diff = np.abs(got - ref)
+                    worst = max(worst, float(diff.max()))
+                    ratio = max(ratio, float((diff / (FP32_ATOL + FP32_RTOL * np.abs(ref))).max()))
+                    kl += float((np.exp(ref) * (ref - got)).sum())
+                agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += got_all.shape[0] * got_all.shape[1]
         pos += q
     return {"max_abs_diff": worst, "allclose_ratio": ratio, "kl_divergence": kl / total,
             "top1_agreement": agree / total, "tokens": total, "batch": batch, "segments": list(segments)}

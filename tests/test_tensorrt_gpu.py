@@ -55,10 +55,8 @@ def exported(tmp_path_factory):
 def _onnx_for(exported, precision):
     if precision == "fp32":
         return exported / "fp32.onnx"
-    try:
-        from txl_deploy.exporters import precision as reduced
-    except ImportError:
-        pytest.skip("txl_deploy.exporters.precision (fp16/int8 ONNX) is not available yet")
+    from txl_deploy.exporters import precision as reduced
+
     path = exported / f"{precision}.onnx"
     if not path.exists():
         calib = np.random.default_rng(1).integers(0, 50, size=400)

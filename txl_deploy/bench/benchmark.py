@@ -2,7 +2,13 @@
 
 For every (mem_len, batch) the chosen backend (the candidate) and the PyTorch eager reference (the baseline)
 are measured in the same process on the same token stream, interleaved (see `measure`). The eager reference is
-`MemTransformerLM` exactly as trained: it re-projects its memory of hidden states at every step.
+`MemTransformerLM` with the memory of hidden states exactly as trained (it re-projects the memory at every step),
+its output layer applied only at the positions asked for (`eager.EagerAtPositions`: the last one of a prompt),
+as a text generator runs it. Optional extra sides, measured in the same interleaving:
+- "eager as written" (`as_written_batches`): the prefill with the output layer at every prompt position, as
+  `MemTransformerLM.forward` computes it; prefill only (a decode step is one position either way);
+- `compare`: another exported graph of the same model (e.g. the fp32 graph a reduced-precision one came from),
+  on the candidate's backend settings.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                   mem_lens=None, prompt_len: int = 512, gen_len: int = 128, warmup: int = 2, repeat: int = 3,
                   device: str = "cpu", threads: int | None = None, providers=None, state: str = "incremental",
                   reference=None, cache_dir=None, seed: int = 0, floor: bool = True, profile: bool = False,
-                  progress: bool = True, log=print) -> dict:
+                  as_written_batches=(), compare=None, progress: bool = True, log=print) -> dict:
     if baseline not in ("eager", "none"):
         raise InputError(f"baseline must be 'eager' or 'none', got {baseline!r}")
     if gen_len < 1 or prompt_len < 1 or repeat < 1 or warmup < 0:
@@ -98,21 +104,37 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
         # Export (or build) every candidate before timing anything: exports are minutes and would skew nothing,
         # but a progress bar that stalls on them would mislead.
         openers = {m: opener(source, backend, m, providers=providers, **kw) for m in mem_lens}
+        compare_opener, compare_mem_len = None, None
+        if compare is not None:
+            if backend != "onnxruntime":
+                raise InputError("--compare runs another .onnx file: it needs the onnxruntime backend")
+            compare_source = resolve(str(compare), cache_dir=cache, log=log)
+            if compare_source.kind != "onnx" or compare_source.fixed_mem_len not in mem_lens:
+                raise InputError(f"{compare}: --compare needs an .onnx file of the same memory length "
+                                 f"({', '.join(map(str, mem_lens))})")
+            compare_mem_len = compare_source.fixed_mem_len
+            compare_opener = opener(compare_source, backend, compare_mem_len, providers=providers, **kw)
         bandwidth = None
         if floor and not device.startswith("cuda") and backend in ("onnxruntime", "torch-fast"):
             from .floor import copy_bandwidth
 
             bandwidth = copy_bandwidth()
-        n_sides = 1 if baseline == "none" else 2
-        bar = tqdm(total=len(configs) * n_sides * (repeat + 1), desc="bench", unit="phase", disable=not progress,
-                   leave=False)
+        as_written_batches = set(as_written_batches or ()) if baseline == "eager" else set()
+        n_sides = sum(1 + (baseline == "eager") + (m == compare_mem_len) + (b in as_written_batches)
+                      for m, b in configs)
+        bar = tqdm(total=n_sides * (repeat + 1), desc="bench", unit="phase", disable=not progress, leave=False)
         results = []
         config = None
         for mem_len, batch in configs:
             sides = [measure.Side("candidate", openers[mem_len], _cuda_device(backend, device))]
             if baseline == "eager":
-                sides.append(measure.Side("baseline", opener(source, "torch", mem_len, **kw),
+                sides.append(measure.Side("baseline", opener(source, "eager", mem_len, **kw),
                                           _cuda_device("torch", device)))
+            if compare_opener is not None and mem_len == compare_mem_len:
+                sides.append(measure.Side("compare", compare_opener))
+            if batch in as_written_batches:
+                sides.append(measure.Side("eager_as_written", opener(source, "eager-as-written", mem_len, **kw),
+                                          _cuda_device("torch", device), prefill_only=True))
             probe = measure.open_side(sides[0])
             config, n_token, table_size = probe.config, probe.n_token, _table_size(probe)
             precision = getattr(probe.backend, "precision", "fp32")
@@ -120,15 +142,27 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
             bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
             measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
             res = {"mem_len": mem_len, "batch": batch,
-                   "sides": {s.label: {"backend": _backend_name(s.label, backend), **measure.summarise(s, stream)}
-                             for s in sides},
+                   "sides": {s.label: {"backend": _backend_name(s.label, backend, compare, precision),
+                                       **measure.summarise(s, stream)} for s in sides},
                    "speedup": None, "parity": None}
+            by_label = {s.label: s for s in sides}
+            c = res["sides"]["candidate"]
             if baseline == "eager":
-                c, b = res["sides"]["candidate"], res["sides"]["baseline"]
+                b = res["sides"]["baseline"]
                 res["speedup"] = {"decode_p50": b["decode_ms"]["p50"] / c["decode_ms"]["p50"],
                                   "decode_tokens_per_s": c["decode_tokens_per_s"] / b["decode_tokens_per_s"],
                                   "prefill": b["prefill_ms"] / c["prefill_ms"]}
-                res["parity"] = measure.parity(sides[0], sides[1])
+                res["parity"] = measure.parity(by_label["candidate"], by_label["baseline"])
+                if "eager_as_written" in res["sides"]:
+                    res["speedup"]["prefill_vs_as_written"] = (res["sides"]["eager_as_written"]["prefill_ms"]
+                                                               / c["prefill_ms"])
+                    # the same model: its full-sequence output layer at the last position equals the baseline's
+                    res["as_written_parity"] = measure.parity(by_label["eager_as_written"], by_label["baseline"])
+            if "compare" in res["sides"]:
+                o = res["sides"]["compare"]
+                res["speedup_vs_compare"] = {"decode_p50": o["decode_ms"]["p50"] / c["decode_ms"]["p50"],
+                                             "prefill": o["prefill_ms"] / c["prefill_ms"]}
+                res["compare_parity"] = measure.parity(by_label["candidate"], by_label["compare"])
             if bandwidth:
                 from .floor import floor as floor_of
 
@@ -144,14 +178,21 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
         "machine": machine_info(), "versions": versions(),
         "settings": {"backend": backend, "baseline": baseline, "device": device, "threads": threads,
                      "prompt_len": prompt_len, "gen_len": gen_len, "warmup": warmup, "repeat": repeat, "seed": seed,
-                     "state": state},
+                     "state": state, "as_written_batches": sorted(as_written_batches),
+                     "compare": None if compare is None else str(compare)},
         "config": config.to_dict() if config is not None else None,
         "results": results,
     }
 
 
-def _backend_name(label, backend):
-    return backend if label == "candidate" else "torch (eager)"
+def _backend_name(label, backend, compare=None, precision="fp32"):
+    if label == "candidate":
+        return backend if precision == "fp32" else f"{backend} ({precision})"
+    if label == "compare":
+        from txl_deploy.metadata import read_onnx_info
+
+        return f"{backend} ({read_onnx_info(compare).precision})"
+    return {"baseline": "torch (eager)", "eager_as_written": "torch (eager, as written)"}[label]
 
 
 def _table_size(rt):

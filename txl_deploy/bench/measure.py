@@ -1,10 +1,15 @@
-"""Timing one configuration (memory length, batch) of two runtimes side by side, interleaved.
+"""Timing one configuration (memory length, batch) of several runtimes side by side, interleaved.
 
-Both sides see the same token stream (drawn once from a seed): the first `mem_len` tokens fill the memory, then
+All sides see the same token stream (drawn once from a seed): the first `mem_len` tokens fill the memory, then
 every repeat starts from that full memory (a saved state, restored), times `gen_len` single-token decode steps,
-and separately times a `prompt_len`-token prefill from an empty memory. The two sides alternate per repeat
-(A B, B A, A B, ...) so a slow phase of a shared machine hits both; ratios are taken between medians.
-Log-probabilities of both sides are compared on every timed position of the first repeat.
+and separately times a `prompt_len`-token prefill from an empty memory. The sides alternate per repeat
+(A B C, C B A, A B C, ...) so a slow phase of a shared machine hits all; ratios are taken between medians.
+A side may be prefill-only (the "eager as written" column). Log-probabilities of every side are kept on every
+timed position of the first repeat for the parity check.
+
+Nothing but the calls runs while they are timed: peak memory is measured in a separate, untimed pass after the
+timed repeats (one prefill and a few decode steps under the resident-set sampler, whose thread would otherwise
+wake every 2 ms inside the timed loops).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Side:
     label: str
     open: callable  # () -> TxlRuntime
     cuda_device: object = None  # a torch device for torch backends on CUDA, else None
+    prefill_only: bool = False  # time the prefill only (no decode steps)
     rt: object = None
     path: str = None  # the file the backend ran (for the profiler)
     memory: PeakMemory = None
@@ -62,12 +68,13 @@ def open_side(side: Side):
 def _setup(side: Side, stream: Stream, warmup: int):
     if side.rt is None:
         open_side(side)
-    with side.memory.load():
-        side.rt.prefill(stream.fill)  # the memory is full from here on
-        side.sync()
-    side.full_state = side.rt.save_state()
-    for t in range(min(warmup, stream.decode.shape[1])):
-        side.rt.step(stream.decode[:, t:t + 1])
+    if not side.prefill_only:
+        with side.memory.load():
+            side.rt.prefill(stream.fill)  # the memory is full from here on
+            side.sync()
+        side.full_state = side.rt.save_state()
+        for t in range(min(warmup, stream.decode.shape[1])):
+            side.rt.step(stream.decode[:, t:t + 1])
     if warmup:
         side.rt.reset()
         side.rt.prefill(stream.prompt)
@@ -77,26 +84,47 @@ def _setup(side: Side, stream: Stream, warmup: int):
 def _repeat(side: Side, stream: Stream, keep_log_probs: bool):
     rt = side.rt
     rt.reset()
-    with side.memory.call():
-        t0 = time.perf_counter()
-        lp = rt.prefill(stream.prompt)
-        side.sync()
-        side.prefill_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    lp = rt.prefill(stream.prompt)
+    side.sync()
+    side.prefill_s.append(time.perf_counter() - t0)
     if keep_log_probs:
         side.log_probs.append(np.array(lp, dtype=np.float32))
+    if side.prefill_only:
+        return
+    rt.load_state(side.full_state)
+    for t in range(stream.decode.shape[1]):
+        t0 = time.perf_counter()
+        lp = rt.step(stream.decode[:, t:t + 1])
+        side.sync()
+        side.decode_s.append(time.perf_counter() - t0)
+        if keep_log_probs:
+            side.log_probs.append(np.array(lp[:, 0], dtype=np.float32))
+
+
+MEMORY_DECODE_STEPS = 8  # a decode step's footprint does not change from step to step once the memory is full
+
+
+def _memory_pass(side: Side, stream: Stream):
+    """The side's largest transient rise in resident memory (or CUDA allocation) over one prefill and a few decode
+    steps, untimed."""
+    rt = side.rt
+    rt.reset()
+    with side.memory.call():
+        rt.prefill(stream.prompt)
+        side.sync()
+    if side.prefill_only:
+        return
     rt.load_state(side.full_state)
     with side.memory.call():
-        for t in range(stream.decode.shape[1]):
-            t0 = time.perf_counter()
-            lp = rt.step(stream.decode[:, t:t + 1])
-            side.sync()
-            side.decode_s.append(time.perf_counter() - t0)
-            if keep_log_probs:
-                side.log_probs.append(np.array(lp[:, 0], dtype=np.float32))
+        for t in range(min(MEMORY_DECODE_STEPS, stream.decode.shape[1])):
+            rt.step(stream.decode[:, t:t + 1])
+        side.sync()
 
 
 def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None):
-    """Measure every side (1 or 2) on `stream`, interleaved. `progress(n)` is told about each finished phase."""
+    """Measure every side on `stream`, interleaved, then each side's memory. `progress(n)` is told about each
+    finished phase."""
     for side in sides:
         _setup(side, stream, warmup)
         if progress:
@@ -108,6 +136,7 @@ def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progre
             if progress:
                 progress(1)
     for side in sides:
+        _memory_pass(side, stream)
         side.path = getattr(side.rt.backend, "path", None)
         side.rt.close()
         side.rt = None
@@ -121,17 +150,18 @@ def percentiles(samples_s) -> dict:
 
 def summarise(side: Side, stream: Stream) -> dict:
     batch, prompt_len = stream.prompt.shape
-    decode = percentiles(side.decode_s)
     prefill_ms = float(np.median(side.prefill_s)) * 1e3
-    return {
-        "decode_ms": decode,
-        "decode_tokens_per_s": batch * 1e3 / decode["p50"],
+    out = {
         "prefill_ms": prefill_ms,
         "prefill_tokens_per_s": batch * prompt_len * 1e3 / prefill_ms,
         "peak_memory_bytes": int(side.memory.peak),
         "loaded_memory_bytes": int(side.memory.loaded),
         "memory_kind": side.memory.kind,
     }
+    if side.prefill_only:
+        return {"decode_ms": None, "decode_tokens_per_s": None, **out}
+    decode = percentiles(side.decode_s)
+    return {"decode_ms": decode, "decode_tokens_per_s": batch * 1e3 / decode["p50"], **out}
 
 
 def parity(a: Side, b: Side) -> dict:

@@ -3,15 +3,22 @@
 JSON (`schema` "txl-deploy-bench/1"):
   model, source ("shape" | "checkpoint" | "onnx" | "engine"), date (UTC ISO), machine {cpu, cores, platform,
   gpu}, versions {python, numpy, txl_deploy, onnxruntime, torch, tensorrt: null when absent}, settings
-  {backend, baseline, device, threads, prompt_len, gen_len, warmup, repeat, seed, state},
+  {backend, baseline, device, threads, prompt_len, gen_len, warmup, repeat, seed, state, as_written_batches,
+  compare},
   results: one entry per (mem_len, batch):
     mem_len, batch,
     sides: {label: {backend, decode_ms {p50, p90, p99, mean, min, n}, decode_tokens_per_s (batch / p50),
-            prefill_ms (median), prefill_tokens_per_s, peak_memory_bytes (loaded + largest rise during a call),
-            loaded_memory_bytes, memory_kind ("rss" | "cuda_allocated")}},
-    speedup: {decode_p50, decode_tokens_per_s, prefill} (baseline / candidate; null without a baseline),
+            prefill_ms (median), prefill_tokens_per_s, peak_memory_bytes (loaded + largest rise during a call,
+            from a separate untimed pass), loaded_memory_bytes, memory_kind ("rss" | "cuda_allocated")}};
+            labels: candidate (the backend under test), baseline (PyTorch eager, output layer at the requested
+            positions), eager_as_written (prefill only, output layer at every position: decode_ms and
+            decode_tokens_per_s null), compare (another graph of the same model, with `compare`),
+    speedup: {decode_p50, decode_tokens_per_s, prefill, prefill_vs_as_written (with that side)} (baseline /
+            candidate; null without a baseline),
     parity: {max_abs_diff, top1_agreement, positions} (candidate against baseline log-probs on the same
-            stream; null without a baseline),
+            stream; null without a baseline); as_written_parity (eager as written against the baseline, prefill
+            position), compare_parity (candidate against the compared graph),
+    speedup_vs_compare: {decode_p50, prefill} (compared graph / candidate, with `compare`),
     floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap}
            (gap = candidate decode p50 / floor_ms; present when the bandwidth was measured, CPU only),
     profile: {step_ms, kernel_ms, ops: [{op_type, ms_per_step, share, calls_per_step}]} (with --profile, ORT).
@@ -32,32 +39,47 @@ def _x(v):
     return "-" if v is None else f"{v:.1f}x"
 
 
+SIDE_ORDER = ("candidate", "compare", "baseline", "eager_as_written")
+
+
 def table(report: dict) -> str:
-    head = ("mem_len", "batch", "backend", "decode p50 ms", "p90", "p99", "tok/s", "prefill tok/s", "peak mem",
-            "speedup", "floor gap")
+    """One row per side; the speedup columns are against the eager baseline of the same (mem_len, batch)."""
+    head = ("mem_len", "batch", "backend", "decode p50 ms", "p90", "p99", "tok/s", "prefill ms", "prefill tok/s",
+            "peak mem", "decode speedup", "prefill speedup", "floor gap")
     rows = [head]
     for res in report["results"]:
-        for label, s in sorted(res["sides"].items(), key=lambda kv: kv[0] != "candidate"):
-            is_candidate = label == "candidate"
-            sp = res.get("speedup") or {}
-            floor = res.get("floor") if is_candidate else None
+        base = res["sides"].get("baseline")
+        for label in sorted(res["sides"], key=lambda k: SIDE_ORDER.index(k) if k in SIDE_ORDER else len(SIDE_ORDER)):
+            s = res["sides"][label]
+            d = s["decode_ms"]
+            floor = res.get("floor") if label == "candidate" else None
+            dec_x = _x(base["decode_ms"]["p50"] / d["p50"]) if base and d else ""
+            pre_x = _x(base["prefill_ms"] / s["prefill_ms"]) if base else ""
             rows.append((
-                str(res["mem_len"]), str(res["batch"]), s["backend"], f"{s['decode_ms']['p50']:.2f}",
-                f"{s['decode_ms']['p90']:.2f}", f"{s['decode_ms']['p99']:.2f}", f"{s['decode_tokens_per_s']:.1f}",
-                f"{s['prefill_tokens_per_s']:.0f}", _mb(s["peak_memory_bytes"]),
-                _x(sp.get("decode_p50")) if is_candidate else "1.0x" if sp else "",
-                f"{floor['gap']:.2f}x" if floor else "",
+                str(res["mem_len"]), str(res["batch"]), s["backend"],
+                *((f"{d['p50']:.2f}", f"{d['p90']:.2f}", f"{d['p99']:.2f}", f"{s['decode_tokens_per_s']:.1f}")
+                  if d else ("-",) * 4),
+                f"{s['prefill_ms']:.1f}", f"{s['prefill_tokens_per_s']:.0f}", _mb(s["peak_memory_bytes"]),
+                dec_x, pre_x, f"{floor['gap']:.2f}x" if floor else "",
             ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = []
     for res in report["results"]:
+        where = f"mem_len {res['mem_len']} batch {res['batch']}"
         p = res.get("parity")
         if p:
-            notes.append(f"mem_len {res['mem_len']} batch {res['batch']}: log-probs max abs diff "
-                         f"{p['max_abs_diff']:.2e} over {p['positions']} positions, top-1 agreement "
-                         f"{p['top1_agreement']:.4f}; prefill speedup {_x(res['speedup']['prefill'])}")
+            notes.append(f"{where}: log-probs max abs diff {p['max_abs_diff']:.2e} over {p['positions']} positions, "
+                         f"top-1 agreement {p['top1_agreement']:.4f} against eager; prefill speedup "
+                         f"{_x(res['speedup']['prefill'])}")
+            if res["speedup"].get("prefill_vs_as_written") is not None:
+                notes[-1] += f" ({_x(res['speedup']['prefill_vs_as_written'])} against eager as written)"
+        if res.get("speedup_vs_compare"):
+            sc, cp = res["speedup_vs_compare"], res["compare_parity"]
+            notes.append(f"{where}: against {res['sides']['compare']['backend']}: decode {sc['decode_p50']:.2f}x, "
+                         f"prefill {sc['prefill']:.2f}x; log-probs max abs diff {cp['max_abs_diff']:.2e}, top-1 "
+                         f"agreement {cp['top1_agreement']:.4f}")
     return "\n".join(lines + [""] + notes)
 
 
@@ -84,6 +106,8 @@ def plot(report: dict, path, force: bool):
     series = {}
     for res in report["results"]:
         for s in res["sides"].values():
+            if s["decode_ms"] is None:  # prefill-only side
+                continue
             series.setdefault(s["backend"], []).append((res["mem_len"], res["batch"], s["decode_ms"]["p50"]))
     fig, (ax_m, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     for backend, points in series.items():
@@ -103,3 +127,34 @@ def plot(report: dict, path, force: bool):
     with atomic_path(path, force=force) as tmp:
         fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
     plt.close(fig)
+
+
+# -- results files that benchmarks/run_all.py assembles into RESULTS.md ------------------------------------------
+GENERATED_BY = "Generated by `"
+
+
+def command_line(script: str, argv) -> str:
+    """How a benchmark script was run, for the header of the file it writes."""
+    import shlex
+
+    return shlex.join(["python", script, *argv])
+
+
+def results_markdown(title: str, body: str, command: str) -> str:
+    """A benchmark's results file (benchmarks/results_NAME.md): a title, the command that wrote it, the body.
+
+    run_all.py includes such a file in RESULTS.md only when its header names the command, so every figure there
+    can be reproduced; nothing in it is written by hand."""
+    import datetime
+
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"# {title}\n\n{GENERATED_BY}{command}` on {when}; do not edit by hand (run the command again).\n\n"
+            f"{body.strip()}\n")
+
+
+def generating_command(text: str) -> str | None:
+    """The command a results file says wrote it (on its first lines), or None."""
+    for line in text.splitlines()[:6]:
+        if line.startswith(GENERATED_BY) and "`" in line[len(GENERATED_BY):]:
+            return line[len(GENERATED_BY):].split("`", 1)[0]
+    return None

@@ -3,7 +3,10 @@
 MODEL is an exported graph (.onnx), a TensorRT engine (.engine/.plan/.trt), a checkpoint (any format
 `load_model` reads), or a published shape name (`enwik8-base`, `wt103-base`, ...: a random-weight stand-in).
 A checkpoint or shape is exported on the fly for the ONNX Runtime backend, once per memory length.
-The eager baseline needs the checkpoint: for an .onnx or .engine MODEL pass it as `reference`.
+The eager baseline needs the checkpoint: for an .onnx or .engine MODEL pass it as `reference`. Besides the
+runtime backends, `opener` knows the two eager baselines: "eager" (the model body, then the output layer at the
+requested positions only: `eager.EagerAtPositions`) and "eager-as-written" (the output layer at every position of
+the segment, as `MemTransformerLM.forward` and the `torch` backend do).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
     """A zero-argument function that opens a `TxlRuntime` of `backend` for `source` at `mem_len`."""
     from txl_deploy.runtimes import TxlRuntime
 
-    if backend in ("torch", "torch-fast"):
+    if backend in ("torch", "torch-fast", "eager", "eager-as-written"):
         if source.checkpoint is None:
             raise InputError(f"{source.path}: the {backend} backend needs the checkpoint; pass --reference CKPT")
 
@@ -82,7 +85,10 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
             _torch_threads(threads)
             from txl_deploy.runtimes.pytorch import TorchCachedBackend, TorchEagerBackend
 
-            klass = TorchEagerBackend if backend == "torch" else TorchCachedBackend
+            from .eager import EagerAtPositions
+
+            klass = {"torch": TorchEagerBackend, "eager-as-written": TorchEagerBackend, "eager": EagerAtPositions,
+                     "torch-fast": TorchCachedBackend}[backend]
             return TxlRuntime(klass.from_checkpoint(source.checkpoint, device=device, mem_len=mem_len,
                                                     max_segment=max_segment))
         return open_torch

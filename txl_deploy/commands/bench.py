@@ -25,7 +25,15 @@ def _int_list(ctx, param, value):
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="Backend under test [default: onnxruntime, or tensorrt for an engine].")
 @click.option("--baseline", type=click.Choice(["eager", "none"]), default="eager", show_default=True,
-              help="Also measure the PyTorch eager reference in the same run, interleaved, and report speedups.")
+              help="Also measure the PyTorch eager reference in the same run, interleaved, and report speedups. "
+                   "Eager runs the model body, then its output layer only at the positions a caller needs (the "
+                   "last one of a prompt), as text generation does.")
+@click.option("--eager-as-written", is_flag=True,
+              help="Also time the prefill of eager as MemTransformerLM.forward computes it: the output layer at "
+                   "every prompt position (V log-probs per position), then the last one kept.")
+@click.option("--compare", type=click.Path(exists=True, dir_okay=False),
+              help="Also measure this .onnx file (e.g. the fp32 graph a reduced-precision MODEL was converted from) "
+                   "in the same run, interleaved, on the same backend settings; reports the speedup against it.")
 @click.option("--reference", type=click.Path(exists=True),
               help="Checkpoint an .onnx/.engine MODEL was exported from (needed for the eager baseline).")
 @click.option("--batch", default="1", callback=_int_list, show_default=True,
@@ -56,10 +64,11 @@ def _int_list(ctx, param, value):
               help="Plot latency against memory length and batch size (needs matplotlib).")
 @click.option("--force", is_flag=True, help="Overwrite existing --json / --plot files.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def bench_cmd(model, backend, baseline, reference, batch, mem_len, prompt_len, gen_len, warmup, repeat, device,
-              providers, threads, state, cache_dir, seed, profile, json_out, plot, force, quiet):
+def bench_cmd(model, backend, baseline, eager_as_written, compare, reference, batch, mem_len, prompt_len, gen_len,
+              warmup, repeat, device, providers, threads, state, cache_dir, seed, profile, json_out, plot, force, quiet):
     """Measure MODEL: per-token decode latency (p50/p90/p99) with a full memory, generated tokens/s, prefill
     tokens/s and peak memory, for the chosen backend and for the PyTorch eager reference in the same run.
+    Nothing else runs while a call is timed: peak memory comes from a separate, untimed pass.
 
     MODEL is an .onnx file, a TensorRT .engine, a checkpoint, or a published shape name (enwik8-base, wt103-base,
     ...) which runs a random-weight stand-in of that shape. Both sides see the same token stream; their
@@ -88,7 +97,8 @@ def bench_cmd(model, backend, baseline, reference, batch, mem_len, prompt_len, g
     report = run_benchmark(model, backend=backend, baseline=baseline, reference=reference, batches=batch,
                            mem_lens=mem_len, prompt_len=prompt_len, gen_len=gen_len, warmup=warmup, repeat=repeat,
                            device=device, threads=threads, providers=provs, state=state, cache_dir=cache_dir,
-                           seed=seed, profile=profile, progress=not quiet, log=lambda m: click.echo(m, err=True))
+                           seed=seed, profile=profile, as_written_batches=batch if eager_as_written else (),
+                           compare=compare, progress=not quiet, log=lambda m: click.echo(m, err=True))
     if json_out:  # first: a long run's results are never lost to a later step
         write_json(report, json_out, force)
         click.echo(f"wrote {json_out}", err=True)
