@@ -138,6 +138,7 @@ def _resident(mb: float) -> str:
 
 def main():
     from txl_deploy.bench.benchmark import machine_info, versions
+    from txl_deploy.bench.report import GENERATED_BY
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of both sides (default 1)")
@@ -174,8 +175,8 @@ def main():
     lines = [
         "# int4 weight-only graphs (MatMulNBits)",
         "",
-        f"Written by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not edit "
-        "by hand.",
+        f"{GENERATED_BY}{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not "
+        "edit by hand (run the command again).",
         "",
         f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs), {m['platform']}",
         f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
