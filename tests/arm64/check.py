@@ -83,8 +83,8 @@ def reference(work: Path, eval_chars: int):
     np.savez(work / "reference.npz", tokens=tokens, log_probs=log_probs, segments=np.array(segments),
              greedy=np.array(ids))
     cli = Path(sys.executable).with_name("txl-deploy")
-    done = subprocess.run([str(cli), "eval", str(model), "--text", str(work / "heldout.txt"), "--json",
-                           str(work / "eval-x86_64.json")], check=False, capture_output=True, text=True)
+    done = subprocess.run([str(cli), "eval", str(model), "--threads", "1", "--text", str(work / "heldout.txt"),
+                           "--json", str(work / "eval-x86_64.json")], check=False, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"error: txl-deploy eval failed on this machine:\n{done.stdout}{done.stderr}")
     meta = {"machine": platform.machine(), "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,

@@ -218,7 +218,7 @@ for cpu in "${CPU_LIST[@]}"; do
     say "$cpu: log-probs and greedy generation"
     guest "$cpu" "$REPO/tests/arm64/check.py" guest "$WORK" "$cpu" || die "the aarch64 runtime failed on $cpu"
     say "$cpu: txl-deploy eval"
-    guest "$cpu" "$WORK/own/bin/txl-deploy" eval "$WORK/model.onnx" --text "$WORK/heldout.txt" \
+    guest "$cpu" "$WORK/own/bin/txl-deploy" eval "$WORK/model.onnx" --threads 1 --text "$WORK/heldout.txt" \
         --json "$WORK/eval-$cpu.json" 2>"$WORK/eval-$cpu.log" | sed "s/^/  [$cpu] /" \
         || { cat "$WORK/eval-$cpu.log" >&2; die "txl-deploy eval failed on $cpu"; }
 done
