@@ -187,16 +187,17 @@ def _server_stats(client, model: str) -> dict:
 
 
 def _counting_requests(client, counter: list, lock):
-    """Count every request `client` completes (Conversation calls client.infer once per request)."""
-    real = client.infer
+    """Count every request `client` completes (every request of a conversation, its END included, goes through
+    client._request once)."""
+    real = client._request
 
-    def infer(*args, **kwargs):
+    def request(*args, **kwargs):
         out = real(*args, **kwargs)
         with lock:
             counter[0] += 1
         return out
 
-    client.infer = infer
+    client._request = request
     return client
 
 
