@@ -50,3 +50,11 @@ def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
     export_onnx(tiny_ckpt, out, state="full", max_segment=16, log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_onnx):
+    """A fresh in-process TxlRuntime on the tiny graph each call: what a conversation gives alone."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    return lambda: TxlRuntime.load(tiny_onnx)

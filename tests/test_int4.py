@@ -19,6 +19,8 @@ from txl_deploy.exporters.precision import STREAM_TOLERANCE, check_int4_graph, r
 from txl_deploy.metadata import read_onnx_info
 from txl_deploy.runtimes import TxlRuntime
 
+from test_precision import _stream
+
 QUIET = dict(log=lambda *a: None)
 
 
@@ -32,11 +34,6 @@ def int4(tiny_onnx, tmp_path_factory):
     return out
 
 
-def _stream(rt, segments):
-    rt.reset()
-    out = np.concatenate([rt.step(s) for s in segments], axis=1)
-    rt.reset()
-    return out
 
 
 def test_int4_matches_fp32_across_the_ring_wrap(int4, tiny_onnx):

@@ -193,13 +193,6 @@ def server(served_repo):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_onnx):
-    from txl_deploy.runtimes import TxlRuntime
-
-    return lambda: TxlRuntime.load(tiny_onnx)
-
-
 def alone(make_rt, prompt, n):
     """Greedy tokens and the log-probs behind each, for one conversation alone in an in-process TxlRuntime."""
     rt = make_rt()

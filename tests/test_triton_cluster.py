@@ -19,6 +19,8 @@ pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'
 
 from txl_deploy.exporters.triton import write_repository  # noqa: E402
 
+from test_triton import alone  # noqa: E402
+
 QUIET = dict(log=lambda *a: None)
 
 
@@ -62,23 +64,6 @@ def servers(tiny_onnx, other_onnx, tmp_path_factory):
             srv.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_onnx):
-    from txl_deploy.runtimes import TxlRuntime
-
-    return lambda: TxlRuntime.load(tiny_onnx)
-
-
-def alone(make_rt, prompt, n):
-    """Greedy tokens and the log-probs behind each, for one conversation alone in an in-process TxlRuntime."""
-    rt = make_rt()
-    lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    return toks, lps
 
 
 def greedy(conv, n, prompt=None):
