@@ -24,14 +24,13 @@ The vocabulary: `vocab=` (`--vocab FILE`), else the one the checkpoint carries (
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..config import TxlConfig
 from ..errors import CheckpointError
 from ..vocab import Vocab
 from . import cmu, huggingface, nvidia, ours, tensorflow
-from .ours import LoadedModel
+from .ours import LoadedModel, read_json_object
 from .safe_pickle import torch_load
 from .weights import stored_inv_freq_note
 
@@ -141,16 +140,7 @@ def find_config(path: Path, config):
                 break
         else:
             return None
-    config = Path(config)
-    try:
-        data = json.loads(config.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(config, "config file not found") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(config, f"not a readable JSON config ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(config, "config must be a JSON object")
-    return {**data, "_path": str(config)}
+    return {**read_json_object(config), "_path": str(config)}
 
 
 def _attach_vocab(loaded: LoadedModel, vocab, vocab_kind, folder: Path):

@@ -16,6 +16,20 @@ FORMAT_VERSION = 1
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 
 
+
+def read_json_object(path, what: str = "a JSON object"):
+    """A JSON config file's top-level object; a one-line CheckpointError naming the file otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path, "config file not found") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"not a readable JSON config ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(path, f"config must be {what}")
+    return data
+
 @dataclass
 class LoadedModel:
     config: TxlConfig

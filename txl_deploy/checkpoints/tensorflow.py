@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import TxlConfig
 from ..errors import CheckpointError, TxlError
-from .ours import LoadedModel
+from .ours import LoadedModel, read_json_object
 
 FORMAT = "tensorflow"
 TF_LAYER_NORM_EPSILON = 1e-12
@@ -42,17 +42,14 @@ TF_SAME_LENGTH_EXTRA = 1
 
 # The four published models (tf/sota/{enwik8,text8,wt103,lm1b}.sh): training shapes and evaluation settings.
 # n_token/cutoffs are not listed: they come from the checkpoint (and corpus-info.json).
+_ENWIK8_LARGE = dict(
+    n_layer=24, d_model=1024, d_embed=1024, n_head=8, d_head=128, d_inner=3072, div_val=1, untie_r=False,
+    proj_share_all_but_first=False, proj_same_dim=True,
+    tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True,
+)
 PRESETS: dict[str, dict] = {
-    "enwik8-large": dict(
-        n_layer=24, d_model=1024, d_embed=1024, n_head=8, d_head=128, d_inner=3072, div_val=1, untie_r=False,
-        proj_share_all_but_first=False, proj_same_dim=True,
-        tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True,
-    ),
-    "text8-large": dict(
-        n_layer=24, d_model=1024, d_embed=1024, n_head=8, d_head=128, d_inner=3072, div_val=1, untie_r=False,
-        proj_share_all_but_first=False, proj_same_dim=True,
-        tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True,
-    ),
+    "enwik8-large": _ENWIK8_LARGE,
+    "text8-large": dict(_ENWIK8_LARGE),  # text8.sh trains and evaluates enwik8's shape with enwik8's settings
     "wt103-large": dict(
         n_layer=18, d_model=1024, d_embed=1024, n_head=16, d_head=64, d_inner=4096, div_val=4, untie_r=True,
         proj_share_all_but_first=True, proj_same_dim=True,
@@ -346,14 +343,7 @@ def read_flags(config, path) -> tuple[dict, str]:
         where = str(data.pop("_path", "<config>"))
     else:
         where = str(config)
-        try:
-            data = json.loads(Path(config).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(config, "config file not found") from None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(config, f"not a readable JSON config ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(where, "config must be a JSON object of tf/train_gpu.py flags")
+        data = read_json_object(config, "a JSON object of tf/train_gpu.py flags")
     # absl writes flags with leading dashes in flag files; accept both spellings.
     data = {str(k).lstrip("-"): val for k, val in data.items()}
     unknown = sorted(set(data) - set(SHAPE_FLAGS) - set(EVAL_FLAGS) - OTHER_FLAGS)
