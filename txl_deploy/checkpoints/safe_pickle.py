@@ -202,7 +202,7 @@ def torch_load(path):
             # stand-ins have none, and the comparison is moot since that code never runs.
             warnings.filterwarnings("ignore", message="Couldn't retrieve source code")
             return torch.load(path, map_location="cpu", pickle_module=sys.modules[__name__], weights_only=False,
-                              mmap=False)
+                              mmap=is_zip)  # zip archives map their tensors from the file: no copy in memory
     except RefusedGlobal as e:
         raise CheckpointError(
             path, f"refused to unpickle {e.module}.{e.name}: only tensors, plain containers and Transformer-XL "

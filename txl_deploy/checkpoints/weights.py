@@ -10,11 +10,18 @@ RECOMPUTABLE = {"pos_emb.inv_freq"}
 
 
 def build_model(config, state_dict, path="<memory>"):
+    """The reference model holding `state_dict`'s tensors themselves (no copy when the dtype already matches).
+
+    The module is built on the meta device and the loaded tensors are assigned into it: a 1.1 GB checkpoint then
+    costs 1.1 GB, not twice that (random initial weights plus a copy), and tensors memory-mapped from the file
+    stay file-backed. The model and the LoadedModel share those tensors, so neither may be modified in place.
+    """
     import torch
 
-    from ..model import MemTransformerLM
+    from ..model import MemTransformerLM, default_inv_freq
 
-    model = MemTransformerLM(config)
+    with torch.device("meta"):
+        model = MemTransformerLM(config)
     expected = model.state_dict()
     tied = model.tied_keys()
     unexpected = sorted(k for k in state_dict if k not in expected)
@@ -29,13 +36,17 @@ def build_model(config, state_dict, path="<memory>"):
         if tuple(v.shape) != tuple(expected[k].shape):
             raise CheckpointError(path, f"tensor {k!r} has shape {tuple(v.shape)} but the config implies "
                                         f"{tuple(expected[k].shape)}")
+    own = {k: v.detach().to(expected[k].dtype).contiguous() for k, v in state_dict.items() if k not in tied}
+    if "pos_emb.inv_freq" not in own:
+        own["pos_emb.inv_freq"] = default_inv_freq(config.d_model)
+    model.load_state_dict(own, strict=False, assign=True)
+    model._tie()  # assignment replaced the aliased Parameters: tie them again so aliases follow
+    left = [k for k, v in model.state_dict().items() if v.is_meta]
+    if left:  # a config whose module holds a tensor that neither the checkpoint nor the formula provides
+        raise CheckpointError(path, f"tensor {left[0]!r} is missing")
     with torch.no_grad():
-        # Tied parameters alias one tensor; load the ones present, then re-tie so aliases follow.
-        for k, v in state_dict.items():
-            if k not in tied:
-                expected[k].copy_(v.to(expected[k].dtype))
         for k in tied:
-            if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), expected[k]):
+            if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), model.state_dict()[k]):
                 raise CheckpointError(path, f"tensor {k!r} should be tied to its embedding but differs from it")
     return model.eval()
 
