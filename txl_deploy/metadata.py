@@ -83,19 +83,22 @@ class ExportInfo:
 
 
 def read_onnx_info(path) -> ExportInfo:
-    """ExportInfo of an ONNX file, with clear errors for files that are not ONNX or not ours."""
-    import onnx
+    """ExportInfo of an ONNX file, with clear errors for files that are not ONNX or not ours.
+
+    Reads the metadata without parsing the weights (`onnx_file.read_metadata`): a single-file 1.1 GB model
+    costs milliseconds and no memory here."""
+    from .onnx_file import read_metadata
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(path, "file not found")
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # onnx raises DecodeError and friends from protobuf
+        props, has_node = read_metadata(path)
+    except Exception as e:  # ValueError from the wire reader, DecodeError from protobuf, OSError
         raise CheckpointError(path, f"not a readable ONNX model ({type(e).__name__})") from None
-    if not model.graph.node:
+    if not has_node:
         raise CheckpointError(path, "not a readable ONNX model (empty graph)")
-    return ExportInfo.from_props({p.key: p.value for p in model.metadata_props}, path)
+    return ExportInfo.from_props(props, path)
 
 
 def set_onnx_props(model, info: ExportInfo):
