@@ -57,6 +57,11 @@ class Backend(abc.ABC):
 
         Advances `state` by Q tokens, only once the computation has succeeded."""
 
+    def run_fixed(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+        """`run` that leaves `state` as it was, so the same call can be repeated (other positions' log-probs).
+        Backends that cannot raise NotImplementedError."""
+        raise NotImplementedError(f"the {self.name} backend always advances its memory")
+
     @abc.abstractmethod
     def reset_rows(self, state, rows: np.ndarray):
         """Empty the memory of these rows only."""
@@ -251,13 +256,49 @@ class TxlRuntime:
             self._state = self.backend.new_state(batch)
 
     # -- the calls -----------------------------------------------------------------------------------------
-    def step(self, tokens) -> np.ndarray:
+    def step(self, tokens, positions=None, advance: bool = True) -> np.ndarray:
         """Feed tokens [B, Q]; return log-probabilities [B, Q, V] (float32) of the next token at each position.
 
-        Longer segments than the model's max_segment are fed in pieces: the result is the same."""
+        Longer segments than the model's max_segment are fed in pieces: the result is the same.
+        positions: only these segment positions' log-probabilities, [B, P] (a list of ints is the same for every
+        row); the graph then applies its output layer there alone. Needs Q <= max_segment.
+        advance=False (with positions): leave the memory as it was, so that the same segment can be asked for other
+        positions (the ONNX Runtime CPU backend; others raise InputError)."""
         with self._lock:
             tokens = self._check_tokens(tokens)
-            return self._feed(tokens, want="all")
+            if positions is None:
+                if not advance:
+                    raise InputError("advance=False needs positions")
+                return self._feed(tokens, want="all")
+            return self._feed_positions(tokens, self._check_positions(positions, tokens.shape), advance)
+
+    def _check_positions(self, positions, shape) -> np.ndarray:
+        B, Q = shape
+        arr = np.asarray(positions)
+        if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"positions must be integers, got dtype {arr.dtype}")
+        if arr.ndim == 1:
+            arr = np.broadcast_to(arr, (B, arr.shape[0]))
+        if arr.ndim != 2 or arr.shape[0] != B or arr.shape[1] < 1:
+            raise InputError(f"positions must have shape [P] or [{B}, P] with P >= 1, got {np.shape(positions)}")
+        if Q > self.backend.max_segment:
+            raise InputError(f"positions need a segment of at most max_segment ({self.backend.max_segment}) "
+                             f"tokens, got {Q}")
+        if int(arr.min()) < 0 or int(arr.max()) >= Q:
+            raise InputError(f"positions must lie in [0, {Q}) for a segment of {Q} tokens")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _feed_positions(self, tokens, positions, advance: bool = True) -> np.ndarray:
+        self._ensure_state(tokens.shape[0])
+        if not advance:
+            try:
+                return self.backend.run_fixed(self._state, tokens, positions)
+            except NotImplementedError as e:
+                raise InputError(f"{e}: advance=False is not available here; use save_state()/load_state()") from None
+        lp = self.backend.run(self._state, tokens, positions)
+        ends_at_last = bool((positions[:, -1] == tokens.shape[1] - 1).all())
+        self._last_log_probs = lp[:, -1].copy() if ends_at_last else None  # what generate() would continue from
+        return lp
 
     def prefill(self, tokens) -> np.ndarray:
         """Feed tokens [B, Q]; return only the last position's log-probabilities [B, V].
@@ -282,7 +323,8 @@ class TxlRuntime:
             lp = self.backend.run(self._state, seg, np.ascontiguousarray(positions))
             if want == "all":
                 pieces.append(lp)
-            self._last_log_probs = lp[:, -1]
+            # a copy, not a view: a view would keep the whole [B, Q, V] block alive (548 MB for 512 words)
+            self._last_log_probs = lp[:, -1].copy()
         if want == "all":
             return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
         return self._last_log_probs
@@ -342,7 +384,6 @@ class TxlRuntime:
                 q = seg.shape[1]
                 positions = np.ascontiguousarray(np.broadcast_to(np.arange(q, dtype=np.int64), (B, q)))
                 lp = self.backend.run(self._state, seg, positions)
-                self._last_log_probs = lp[:, -1]
                 targets = tokens[:, start + 1:start + 1 + q]
                 nll[:, start:start + targets.shape[1]] = -lp[rows, np.arange(targets.shape[1])[None], targets]
             # the last token is fed too, so the memory covers the whole input
