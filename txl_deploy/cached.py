@@ -23,14 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import io_spec
+from .io_spec import r_table_size
 from .model import MemTransformerLM
 from .ring import write_ring
-
-
-def r_table_size(clamp_len: int, mem_len: int, max_segment: int) -> int:
-    """Distances the graph can see: up to mem_len + max_segment - 1, or clamp_len when that is smaller."""
-    longest = mem_len + max_segment  # distances 0 .. mem_len + max_segment - 1
-    return min(clamp_len + 1, longest) if clamp_len > 0 else longest
 
 
 class CachedTxl(nn.Module):

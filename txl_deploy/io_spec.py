@@ -126,3 +126,9 @@ class GraphSpec:
 
     def output_names(self) -> list[str]:
         return [s.name for s in self.outputs()]
+
+
+def r_table_size(clamp_len: int, mem_len: int, max_segment: int) -> int:
+    """Distances the graph can see: up to mem_len + max_segment - 1, or clamp_len when that is smaller."""
+    longest = mem_len + max_segment  # distances 0 .. mem_len + max_segment - 1
+    return min(clamp_len + 1, longest) if clamp_len > 0 else longest
