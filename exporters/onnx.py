@@ -9,6 +9,7 @@ Config, vocabulary and export settings go into `metadata_props`, so the file alo
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import warnings
@@ -18,6 +19,7 @@ from pathlib import Path
 from txl_deploy import __version__
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.memory import return_free_memory
 from txl_deploy.metadata import ExportInfo
 
 from .strict import check_strict
@@ -75,7 +77,7 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
 def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int | None = None,
                 same_length: bool | None = None, opset: int = DEFAULT_OPSET, state: str = "incremental",
                 max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True, force: bool = False,
-                log=print, threads: int | None = None) -> ExportResult:
+                log=print, threads: int | None = None, consume: bool = False) -> ExportResult:
     """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
 
     mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
@@ -86,10 +88,18 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     the whole next state, for Triton's implicit state and ping-pong buffers).
     verify: run ONNX Runtime against the PyTorch reference on a multi-segment stream and refuse a mismatch.
     threads: ONNX Runtime's CPU threads in that check (TxlRuntime.load); torch's are the caller's to set.
+    consume: `source` is a LoadedModel the caller no longer needs; its tensors are released as soon as the export
+    is done with them (a path is always consumed). Keeping them costs one more copy of the weights at the peak.
+
+    Memory: the model holds the checkpoint's own tensors (memory-mapped where the format allows), the weights are
+    streamed into an external data file while the graph is written, and the verification runs the reference body
+    over the stream before ONNX Runtime loads, keeping only its hidden states and output layer (ReferenceStream).
+    Graphs under 2 GB are then rewritten into one file, one tensor at a time (`onnx_file.write_inline`).
     """
     import torch
 
-    from txl_deploy.cached import CachedTxl, r_table_size
+    from txl_deploy.cached import CachedTxl
+    from txl_deploy.io_spec import r_table_size
     from txl_deploy.checkpoints import LoadedModel, load_model
     from txl_deploy.checkpoints.weights import build_model, weights_sha256
 
@@ -98,6 +108,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         lo, hi = SUPPORTED_OPSETS[0], SUPPORTED_OPSETS[-1]
         why = "LayerNormalization needs 17" if opset < lo else f"TensorRT 10.x parses opsets up to {hi}"
         raise ExportError(f"opset {opset} is not supported: choose {lo} to {hi} ({why})")
+    consume = consume or not isinstance(source, LoadedModel)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     config = loaded.config
     mem_len = int(mem_len if mem_len is not None else config.mem_len)
@@ -112,6 +123,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     overrides = {k: v for k, v in (("clamp_len", clamp_len), ("same_length", same_length)) if v is not None}
     # Evaluation-time settings change no weight shapes.
     model = build_model(config.replace(**overrides), loaded.state_dict, loaded.path).reset_length(mem_len)
+    if consume:
+        loaded.state_dict = {}  # the model holds the tensors now; nothing else should keep them alive
     config = model.cfg
     cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
     export_meta = {
@@ -142,8 +155,16 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     with atomic_path(out_path, force=force) as tmp:
         for key, value in info.to_props().items():
             program.model.metadata_props[key] = value
-        external = n_bytes >= EXTERNAL_DATA_BYTES
-        program.save(str(tmp), external_data=external)
+        # Always written with external data: the weights stream to `<name>.data` tensor by tensor instead of
+        # becoming a ModelProto and then its serialised bytes (three copies of the weights at once). Every check
+        # below reads the graph without the weights; graphs under protobuf's limit become one file at the end.
+        program.save(str(tmp), external_data=True)
+        del program
+        for buf in cached.buffers(recurse=False):  # its own folded copies (qkv, positional tables), not the model's
+            buf.data = torch.empty(0, dtype=buf.dtype)
+        del cached
+        _forget_matched_graphs()
+        gc.collect()
         # Every export must stay inside what TensorRT 10.x/11.x parse (no control flow, no zero-size tensors, ...):
         # the same graph serves ONNX Runtime, TensorRT and Triton.
         from .trt_compat import check_tensorrt_compat
@@ -152,10 +173,14 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         log("  graph checked: opset, operators and shapes fit TensorRT 10.x and 11.x")
         verification = None
         if verify:
-            from .verify import verify_export
+            from .verify import ReferenceStream, verification_segments, verify_export
 
             log("verifying with ONNX Runtime against the PyTorch reference ...")
-            verification = verify_export(tmp, model, log=log, threads=threads)
+            reference = ReferenceStream(model, verification_segments(mem_len, max_segment))
+            _release(model)  # the reference keeps a copy of the output layer: the weights can go before ORT loads
+            del model
+            verification = verify_export(tmp, reference, log=log, threads=threads)
+            del reference
             info.verification = verification
             _write_verification(tmp, info)
             if not verification["passed"]:
@@ -163,10 +188,58 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
                     f"verification failed: max abs difference {verification['max_abs_diff']:.3g} outside "
                     f"{verification['criterion']} (top-1 agreement {verification['top1_agreement']:.4f}); "
                     "nothing was written")
+        else:
+            _release(model)
+            del model
         check_strict(tmp, "the exported graph")  # last: nothing is written that a strict consumer refuses
+        if n_bytes < EXTERNAL_DATA_BYTES:
+            _inline(tmp)
         place_external_data(tmp, out_path, force)
     log(f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
+
+
+def _release(module) -> None:
+    """Free the memory of `module`'s parameters and buffers even while other objects still refer to them.
+
+    Deleting the module and the exported program is not enough: onnxscript's rewrite rules are module-level objects
+    whose pattern matchers keep the last graph they matched, and that graph refers to the very Parameter objects
+    it was traced from. Swapping each tensor's data for an empty one frees the storage; a caller's own tensors (a
+    LoadedModel that was not consumed) are other tensor objects and keep theirs."""
+    import torch
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        t.data = torch.empty(0, dtype=t.dtype)
+    _forget_matched_graphs()
+    gc.collect()  # the exported program's graph modules hold reference cycles
+    return_free_memory()
+
+
+def _forget_matched_graphs() -> None:
+    """Drop the graph and the match each of onnxscript's module-level pattern matchers keeps from its last match.
+
+    They hold numpy views of the weights that were folded (the Linear weights' Transposes), which pin those
+    tensors' storage, and with it a memory-mapped checkpoint file as a whole. The attributes are private; if
+    onnxscript renames them, nothing is dropped and the export only needs more memory."""
+    try:
+        from onnxscript.rewriter._matcher import SimplePatternMatcher
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, SimplePatternMatcher):
+            for name in ("_graph", "_current_node", "_tracer", "_match"):
+                if name in obj.__dict__:
+                    setattr(obj, name, None)
+
+
+def _inline(path: Path) -> None:
+    """Replace the model at `path` and its `<name>.data` by one self-contained file, streaming the weights."""
+    from txl_deploy.onnx_file import write_inline
+
+    one = path.with_name(path.name + ".inline")
+    write_inline(path, one)
+    os.replace(one, path)
+    Path(str(path) + ".data").unlink()
 
 
 def save_checked(model, tmp, what: str) -> None:

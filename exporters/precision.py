@@ -881,9 +881,10 @@ def _method(precision, keep_fp32_ops, calib_ids, max_calib_tokens, seg, per_chan
 
 def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=None, mem_len=None, opset: int = 18,
                    state: str = "incremental", max_segment: int = 512, verify: bool = True, force: bool = False,
-                   log=print, clamp_len=None, same_length=None, **options):
+                   log=print, clamp_len=None, same_length=None, consume: bool = False, **options):
     """`txl-deploy export --precision fp16|int8|int8-dynamic`: export fp32 (verified against PyTorch if `verify`),
-    convert, check against fp32, write `out_path` atomically. `source`: a checkpoint path or a LoadedModel."""
+    convert, check against fp32, write `out_path` atomically. `source`: a checkpoint path or a LoadedModel
+    (`consume`: as in export_onnx)."""
     from txl_deploy.checkpoints import LoadedModel, load_model
 
     from .onnx import export_onnx
@@ -907,7 +908,7 @@ def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=No
         fp32 = Path(work) / "fp32.onnx"
         export_onnx(loaded, fp32, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset,
                     state=state, max_segment=max_segment, verify=verify, force=True, log=log,
-                    threads=options.get("threads"))
+                    threads=options.get("threads"), consume=consume or not isinstance(source, LoadedModel))
         return reduce_onnx(fp32, out_path, precision=precision, calib=calib, eval_data=eval_text, verify=verify,
                            force=force, log=log, **options)
 

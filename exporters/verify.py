@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from txl_deploy.errors import InputError
+from txl_deploy.memory import return_free_memory
+
 # fp32 passes when every log-prob satisfies |got - ref| <= FP32_ATOL + FP32_RTOL * |ref| (numpy.allclose's rule):
 # float32 rounding grows with the magnitude, and random or badly calibrated weights give log-probs of -100 and
 # below whose last-bit differences exceed 1e-4 while the distribution is the same. Trained models sit far inside.
 FP32_ATOL, FP32_RTOL = 1e-4, 1e-5
 # Reduced precision is judged by the mean KL(reference || exported) per position, in nats (see precision.py).
 REDUCED_KL = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1, "int4": 0.1}
-COMPARE_CHUNK_FLOATS = 4 * 1024 * 1024  # log-probs compared at once in float64 (32 MB)
+COMPARE_CHUNK_FLOATS = 4 * 1024 * 1024  # log-probs compared at once (16 MB in float32)
+LOG_PROB_BUDGET_MIN = 256 * 1024 * 1024  # see log_prob_budget (txl_deploy.memory estimates with the same value)
 
 
 def verification_segments(mem_len: int, max_segment: int) -> list[int]:
@@ -27,50 +31,209 @@ def verification_segments(mem_len: int, max_segment: int) -> list[int]:
     return segs
 
 
+def stream_tokens(n_token: int, segments, batch: int = 2, seed: int = 0) -> np.ndarray:
+    """The random stream [batch, sum(segments)] every comparison feeds."""
+    return np.random.default_rng(seed).integers(0, n_token, size=(batch, sum(segments)), dtype=np.int64)
+
+
 def compare_steps(step, reference_step, n_token: int, segments, batch: int = 2, seed: int = 0) -> dict:
     """Feed one random stream, segment by segment, to two stateful callables `tokens [B, Q] -> log_probs [B, Q, V]`
-    (each threading its own memory) and measure how far `step` is from `reference_step`."""
-    tokens = np.random.default_rng(seed).integers(0, n_token, size=(batch, sum(segments)), dtype=np.int64)
+    (each threading its own memory) and measure how far `step` is from `reference_step`.
+
+    Either side may return a lazy result instead of the whole [B, Q, V] block, so that neither is ever held at once:
+    `reference_step` a callable `(row, lo, hi) -> log_probs [hi - lo, V]` (`ReferenceStream`), `step` a callable
+    `(lo, hi) -> log_probs [B, hi - lo, V]` with a `block` attribute, asked for its blocks in order
+    (`PositionBlocks`)."""
+    tokens = stream_tokens(n_token, segments, batch, seed)
     pos, worst, ratio, kl, agree, total = 0, 0.0, 0.0, 0.0, 0, 0
     for q in segments:
         seg = tokens[:, pos:pos + q]
-        ref_all, got_all = np.asarray(reference_step(seg)), np.asarray(step(seg))
-        # float64 metrics a few positions at a time: a whole 512-token segment over a 267,735-word vocabulary
-        # would be 1.1 GB per row in float64, several times over in temporaries
-        chunk = max(1, COMPARE_CHUNK_FLOATS // max(1, ref_all.shape[-1]))
-        for b in range(ref_all.shape[0]):
-            for c in range(0, ref_all.shape[1], chunk):
-                ref = ref_all[b, c:c + chunk].astype(np.float64)
-                got = got_all[b, c:c + chunk].astype(np.float64)
-                if not np.isfinite(got).all():  # overflow in reduced precision: no distance is meaningful any more
-                    worst = ratio = kl = float("inf")
-                elif np.isfinite(kl):
-                    diff = np.abs(got - ref)
-                    worst = max(worst, float(diff.max()))
-                    ratio = max(ratio, float((diff / (FP32_ATOL + FP32_RTOL * np.abs(ref))).max()))
-                    kl += float((np.exp(ref) * (ref - got)).sum())
-                agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        total += got_all.shape[0] * got_all.shape[1]
+        ref_all = reference_step(seg)
+        if not callable(ref_all):
+            ref_all = _rows_of(np.asarray(ref_all))
+        got_all = step(seg)
+        if not callable(got_all):
+            got_all = _blocks_of(np.asarray(got_all))
+        for start in range(0, q, got_all.block):
+            block = got_all(start, min(q, start + got_all.block))
+            # Metrics a few positions at a time, in float32 with float64 sums: a whole 512-token segment over a
+            # 267,735-word vocabulary is 1.1 GB per row in float32. The difference of two nearby float32 values is
+            # exact (Sterbenz), so |got - ref| and the allclose ratio are what float64 would give.
+            chunk = max(1, COMPARE_CHUNK_FLOATS // max(1, block.shape[-1]))
+            for b in range(block.shape[0]):
+                for c in range(0, block.shape[1], chunk):
+                    got = np.asarray(block[b, c:c + chunk], dtype=np.float32)
+                    ref = np.asarray(ref_all(b, start + c, start + c + got.shape[0]), dtype=np.float32)
+                    if not np.isfinite(got).all():  # overflow in reduced precision: no distance means anything
+                        worst = ratio = kl = float("inf")
+                    elif np.isfinite(kl):
+                        delta = ref - got
+                        diff = np.abs(delta)
+                        worst = max(worst, float(diff.max()))
+                        ratio = max(ratio, float((diff / (FP32_ATOL + FP32_RTOL * np.abs(ref))).max()))
+                        kl += float(np.sum(np.exp(ref) * delta, dtype=np.float64))
+                    agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            total += block.shape[0] * block.shape[1]
+            del block
+            return_free_memory()  # each call's temporaries, or the heap fragments over the stream (memory.py)
         pos += q
+        del got_all, ref_all
     return {"max_abs_diff": worst, "allclose_ratio": ratio, "kl_divergence": kl / total,
             "top1_agreement": agree / total, "tokens": total, "batch": batch, "segments": list(segments)}
 
 
-def compare_stream(runtime, reference_model, batch: int = 2, seed: int = 0, segments=None) -> dict:
-    """Feed the same random stream to `runtime` (a TxlRuntime) and `reference_model` (MemTransformerLM)."""
+def _blocks_of(log_probs: np.ndarray):
+    def get(lo, hi):
+        return log_probs[:, lo:hi]
+
+    get.block = max(1, log_probs.shape[1])
+    return get
+
+
+class PositionBlocks:
+    """A runtime's log-probs for one segment, computed a block of positions per call: `(lo, hi) -> [B, hi - lo, V]`.
+
+    Every call runs the whole segment from the same memory and asks the graph's output layer for one block of
+    `out_positions`; only the last block's call advances the memory, so the stream goes on exactly as after one
+    call. Costs one more pass of the body per extra block, saves [B, Q, V] log-probs and the graph's temporaries
+    for them (2.3 GB for a 512-token batch-2 segment of WikiText-103 large). The calls before the last leave the
+    memory alone (`step(advance=False)`); a backend that cannot do that gets its memory back from a snapshot."""
+
+    def __init__(self, runtime, seg, block: int):
+        self.runtime, self.seg, self.block = runtime, seg, block
+        self.snapshot = None
+
+    def __call__(self, lo, hi):
+        positions = np.arange(lo, hi)
+        if hi >= self.seg.shape[1]:
+            if self.snapshot is not None:
+                self.runtime.load_state(self.snapshot)
+            return self.runtime.step(self.seg, positions=positions)
+        try:
+            return self.runtime.step(self.seg, positions=positions, advance=False)
+        except InputError:
+            pass
+        if self.runtime.batch_size is None:  # nothing fed yet: an empty memory is the snapshot
+            out = self.runtime.step(self.seg, positions=positions)
+            self.runtime.reset()
+            return out
+        if self.snapshot is None:
+            self.snapshot = self.runtime.save_state()
+        # a copy for every call: the incremental backends write the ring in place
+        self.runtime.load_state({k: np.copy(v) for k, v in self.snapshot.items()})
+        return self.runtime.step(self.seg, positions=positions)
+
+
+def runtime_step(runtime, log_prob_bytes: int | None = None):
+    """`runtime.step` for compare_steps, in PositionBlocks when a segment's [B, Q, V] log-probs exceed
+    `log_prob_bytes` (None: never)."""
+    def step(seg):
+        B, Q = seg.shape
+        per_call = Q if log_prob_bytes is None else max(1, int(log_prob_bytes) // (4 * B * runtime.n_token))
+        if per_call >= Q or Q > runtime.backend.max_segment:
+            return runtime.step(seg)
+        blocks = -(-Q // per_call)
+        return PositionBlocks(runtime, seg, -(-Q // blocks))  # equal blocks: 3 x 171, not 177 + 177 + 158
+
+    return step
+
+
+def _rows_of(log_probs: np.ndarray):
+    return lambda b, lo, hi: log_probs[b, lo:hi]
+
+
+class ReferenceStream:
+    """The PyTorch reference's side of a stream comparison, computed in two phases so that the reference and the
+    runtime under test never need their weights and full log-probabilities in memory at once.
+
+    Phase one (here, at construction): the reference body runs over the whole stream with its memory threaded,
+    keeping only each segment's last hidden states (4 bytes x d_model per position). Afterwards only the output
+    layer (`crit`) is needed, so a caller that drops its own references to the model frees the body's weights
+    before the runtime loads. Phase two (`step`): the output layer is applied to those hidden states a block of
+    positions at a time, as the comparison asks for them. The numbers are the reference's own: the same body and
+    the same output layer, applied to fewer positions per call.
+    """
+
+    BLOCK = 64  # positions per output-layer call: [64, 267735] log-probs are 69 MB, its temporaries a few times that
+
+    def __init__(self, model, segments, batch: int = 2, seed: int = 0):
+        import torch
+
+        self.n_token, self.segments, self.batch, self.seed = model.cfg.n_token, list(segments), batch, seed
+        tokens = stream_tokens(self.n_token, self.segments, batch, seed)
+        self.hidden, mems, pos = [], None, 0
+        with torch.no_grad():
+            for q in self.segments:
+                h, mems = model.body(torch.from_numpy(tokens[:, pos:pos + q]), mems)
+                self.hidden.append(h)
+                pos += q
+        self.crit = _detached_copy(model.crit)
+        self._next = 0
+
+    def step(self, seg):
+        h = self.hidden[self._next]
+        if tuple(seg.shape) != tuple(h.shape[:2]):
+            raise ValueError(f"segment {self._next} of the stream is {tuple(h.shape[:2])}, got {tuple(seg.shape)}")
+        self._next += 1
+        return _OutputBlocks(self.crit, h, self.BLOCK)
+
+    def compare(self, step) -> dict:
+        """Feed the stream to `step` (a runtime's step or `runtime_step`, its memory reset) and compare."""
+        self._next = 0
+        return compare_steps(step, self.step, self.n_token, self.segments, self.batch, self.seed)
+
+
+def _detached_copy(crit):
+    """The output layer with tensors of its own. Loaded tensors are often views of one mapping of the checkpoint
+    file (safetensors, torch.load(mmap=True)); keeping any of them keeps the whole file resident."""
     import torch
 
-    segments = segments or verification_segments(runtime.mem_len, runtime.backend.max_segment)
-    state = {"mems": None}
+    from txl_deploy.model import ProjectedAdaptiveLogSoftmax
 
-    @torch.no_grad()
-    def reference_step(seg):
-        log_probs, state["mems"] = reference_model(torch.from_numpy(seg), state["mems"])
-        return log_probs.numpy()
+    with torch.device("meta"):
+        copy = ProjectedAdaptiveLogSoftmax(crit.cfg)
+    copy.load_state_dict({k: v.detach().clone() for k, v in crit.state_dict().items()}, assign=True)
+    return copy.eval()
 
+
+class _OutputBlocks:
+    """`(row, lo, hi) -> reference log-probs`, computing the output layer one block of positions at a time."""
+
+    def __init__(self, crit, hidden, block: int):
+        self.crit, self.hidden, self.block = crit, hidden, block
+        self.key, self.values = None, None
+
+    def __call__(self, b, lo, hi):
+        hi = min(hi, self.hidden.shape[1])
+        parts = []
+        while lo < hi:  # compare_steps asks for chunks that may span blocks
+            start = lo - lo % self.block
+            end = min(hi, start + self.block)
+            parts.append(self._block(b, start)[lo - start:end - start])
+            lo = end
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _block(self, b, start):
+        import torch
+
+        if self.key != (b, start):
+            with torch.no_grad():
+                self.values = self.crit(self.hidden[b, start:start + self.block]).numpy()
+            self.key = (b, start)
+        return self.values
+
+
+def compare_stream(runtime, reference, batch: int = 2, seed: int = 0, segments=None,
+                   log_prob_bytes: int | None = None) -> dict:
+    """Feed the same random stream to `runtime` (a TxlRuntime) and `reference` (a MemTransformerLM, or a
+    ReferenceStream already computed for this runtime's stream). `log_prob_bytes`: the most log-probs one runtime
+    call may return (see runtime_step)."""
+    if not isinstance(reference, ReferenceStream):
+        segments = segments or verification_segments(runtime.mem_len, runtime.backend.max_segment)
+        reference = ReferenceStream(reference, segments, batch, seed)
     runtime.reset()
     try:
-        return compare_steps(runtime.step, reference_step, runtime.config.n_token, segments, batch, seed)
+        return reference.compare(runtime_step(runtime, log_prob_bytes))
     finally:
         runtime.reset()
 
@@ -100,12 +263,25 @@ def describe(report: dict) -> str:
             f"{'OK' if report['passed'] else 'MISMATCH'}")
 
 
-def verify_export(onnx_path, reference_model, tolerance: float | None = None, providers=None, log=print,
+def log_prob_budget(onnx_path) -> int:
+    """The most log-prob bytes one runtime call of a verification returns: a third of the weights, at least
+    256 MB. Bigger segments are computed in PositionBlocks (WikiText-103 large: 3 blocks of 171 positions), which
+    keeps a verification's peak under 4x the weights."""
+    from pathlib import Path
+
+    path = Path(onnx_path)
+    size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))  # the file and its .data
+    return max(LOG_PROB_BUDGET_MIN, size // 3)
+
+
+def verify_export(onnx_path, reference, tolerance: float | None = None, providers=None, log=print,
                   threads: int | None = None) -> dict:
-    """Run the exported file in ONNX Runtime against the reference; returns the report (passed or not)."""
+    """Run the exported file in ONNX Runtime against the reference (a MemTransformerLM or a ReferenceStream of this
+    file's stream, `verification_segments`); returns the report (passed or not)."""
     from txl_deploy.runtimes import TxlRuntime
 
     with TxlRuntime.load(onnx_path, providers=providers, threads=threads) as rt:
-        report = judge(compare_stream(rt, reference_model), rt.backend.precision, tolerance)
+        budget = log_prob_budget(onnx_path)
+        report = judge(compare_stream(rt, reference, log_prob_bytes=budget), rt.backend.precision, tolerance)
     log("  " + describe(report))
     return report
