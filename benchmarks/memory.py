@@ -1,0 +1,257 @@
+"""Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
+
+    python benchmarks/memory.py                      # WikiText-103 large, our format and an original model.pt
+    python benchmarks/memory.py --shape enwik8-large --formats ours
+
+Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
+`peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
+`base` its resident set after the imports and before the model is read. Ratios are peak over the checkpoint's bytes
+(export) or over weight bytes + recurrent state bytes (runtime), the process included. Each row also shows the
+estimate `txl-deploy info --memory` prints for it. Writes benchmarks/results_memory.md (and .json).
+
+Targets: export with its verification <= 4x the checkpoint's size, without <= 2.5x, verified export <= 90 s on the
+2-core reference machine; runtime (fp32, mem_len 1600, prefill then decode) <= 2x (weights + state) with decode
+within 10% of ONNX Runtime's defaults (the CPU arena on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+COMMAND = "python benchmarks/memory.py"
+
+
+def _status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> dict:
+    import onnxruntime  # noqa: F401  (imported before the base is taken, as export imports it)
+    import torch  # noqa: F401
+
+    from txl_deploy.checkpoints import load_model
+    from txl_deploy.exporters.onnx import export_onnx
+
+    base = _status()["VmRSS"]
+    start = time.perf_counter()
+    loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
+    export_onnx(loaded, out, verify=verify, force=True, log=lambda *a: None, consume=True)
+    return {"seconds": time.perf_counter() - start, "peak": _status()["VmHWM"], "base": base}
+
+
+def child_runtime(model: str, prefill: int, decode: int, arena: bool) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    from txl_deploy.runtimes import TxlRuntime
+
+    if arena:  # ONNX Runtime's default, for the decode-speed comparison: keep the CPU arena the backend turns off
+        class WithArena(ort.SessionOptions):
+            def __setattr__(self, name, value):
+                super().__setattr__(name, True if name == "enable_cpu_mem_arena" else value)
+
+        ort.SessionOptions = WithArena
+    base = _status()["VmRSS"]
+    rt = TxlRuntime.load(model, threads=os.cpu_count())
+    tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
+    start = time.perf_counter()
+    rt.prefill(tokens[:, :prefill])
+    prefill_s = time.perf_counter() - start
+    times = []
+    for i in range(decode):
+        t = time.perf_counter()
+        rt.step(tokens[:, prefill + i:prefill + i + 1])
+        times.append(time.perf_counter() - t)
+    return {"peak": _status()["VmHWM"], "base": base, "prefill_s": prefill_s,
+            "decode_ms": 1e3 * float(np.median(times)),
+            "state_bytes": sum(a.nbytes for k, a in rt.save_state().items() if not k.startswith("__"))}
+
+
+def run_child(*args) -> dict:
+    """This file's --child mode in a fresh interpreter; its last stdout line is the JSON result."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
+                          env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def original_model_pt(ours: Path, out: Path) -> Path:
+    """The stand-in written as the original code's `torch.save(model)` (tests/original_checkpoints.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import original_checkpoints as oc
+    from test_checkpoints import kwargs_of
+
+    from txl_deploy.checkpoints import load_model
+
+    model = load_model(ours).build()
+    oc.save_original_model_pt(out, model.state_dict(), kwargs_of(model.cfg))
+    return out
+
+
+def estimates(checkpoint: Path, mem_len: int, max_segment: int = 512):
+    from txl_deploy.checkpoints import load_model
+    from txl_deploy.memory import export_peaks, loaded_weight_bytes, runtime_peak
+
+    loaded = load_model(checkpoint)
+    w = loaded_weight_bytes(loaded)
+    return export_peaks(loaded.config, w, mem_len, max_segment), runtime_peak(loaded.config, w, mem_len, max_segment)
+
+
+def measure(args) -> dict:
+    from txl_deploy.bench.benchmark import machine_info
+    from txl_deploy.bench.standin import standin_checkpoint
+    from txl_deploy.checkpoints import load_model
+
+    ours = standin_checkpoint(args.shape, args.cache)
+    mem_len = load_model(ours).config.mem_len
+    export_est, runtime_est = estimates(ours, mem_len)
+    raw = {"shape": args.shape, "mem_len": mem_len, "decode_steps": args.decode, "machine": machine_info(),
+           "runtime_estimate": runtime_est.total, "export": [], "runtime": []}
+    formats = args.formats.split(",")
+    with tempfile.TemporaryDirectory(prefix="txl-memory-") as work:
+        work = Path(work)
+        sources = {"ours": ours}
+        if "model.pt" in formats:
+            sources["model.pt"] = original_model_pt(ours, work / "model.pt")
+            (work / "vocab.json").write_bytes((ours / "vocab.json").read_bytes())
+        onnx_path = work / "model.onnx"
+        for fmt, src in sources.items():
+            if fmt not in formats:
+                continue
+            for verify in (True, False):
+                print(f"export {fmt} verify={verify} ...", flush=True)
+                r = run_child("export", src, onnx_path, int(verify), work / "vocab.json" if fmt == "model.pt" else "")
+                r.update(format=fmt, verify=verify, checkpoint_bytes=checkpoint_bytes(src),
+                         estimate=export_est["verify" if verify else "no_verify"].total)
+                raw["export"].append(r)
+        for arena in (False, True):
+            print(f"runtime arena={arena} ...", flush=True)
+            r = run_child("runtime", onnx_path, mem_len, args.decode, int(arena))
+            r.update(arena=arena, weight_bytes=checkpoint_bytes(onnx_path))
+            raw["runtime"].append(r)
+    return raw
+
+
+def render(raw: dict) -> str:
+    from txl_deploy.memory import format_bytes as fb
+
+    m = raw["machine"]
+    ours_rt, default_rt = raw["runtime"]
+    budget = ours_rt["weight_bytes"] + ours_rt["state_bytes"]
+    verified = [r for r in raw["export"] if r["verify"]]
+    plain = [r for r in raw["export"] if not r["verify"]]
+    speed = default_rt["decode_ms"] / ours_rt["decode_ms"]
+
+    def met(ok):
+        return "yes" if ok else "NO"
+
+    worst_v = max(r["peak"] / r["checkpoint_bytes"] for r in verified)
+    worst_p = max(r["peak"] / r["checkpoint_bytes"] for r in plain)
+    slowest = max(r["seconds"] for r in verified)
+    lines = [
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}",
+        f"- shape: {raw['shape']} (random-weight stand-in), mem_len {raw['mem_len']}, export segments up to 512; "
+        "every row is a fresh process; peak = VmHWM (memory-mapped weight pages included), the process included",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        f"| export with verification <= 4x the checkpoint | {worst_v:.2f}x | {met(worst_v <= 4)} |",
+        f"| export with --no-verify <= 2.5x the checkpoint | {worst_p:.2f}x | {met(worst_p <= 2.5)} |",
+        f"| verified export <= 90 s | {slowest:.0f} s | {met(slowest <= 90)} |",
+        f"| runtime <= 2x (weights + state) | {ours_rt['peak'] / budget:.2f}x | {met(ours_rt['peak'] <= 2 * budget)} |",
+        f"| runtime decode within 10% of ONNX Runtime's defaults | {speed:.2f}x their speed | {met(speed >= 0.9)} |",
+        "",
+        "Why the time target is missed: the verification feeds the same stream as before (2,062 tokens, batch 2, four "
+        "512-token segments, the ring wrapping) to the paper's formulation, which re-projects the whole memory in "
+        "every segment (about 1.1 TFLOP per 512-token segment once the memory is full), and to the exported graph, "
+        "whose 512-token segments are asked for their positions in three blocks to bound the log-probs in memory "
+        "(two more passes of the body per segment). On 2 cores that is about two and a half minutes of arithmetic; the export "
+        "itself (tracing, writing, checks) takes about 30 s.",
+        "",
+        "## Export",
+        "",
+        "| job | checkpoint | peak | x checkpoint | time | estimate (`info --memory`) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in raw["export"]:
+        lines.append(f"| {r['format']}, {'verified' if r['verify'] else '--no-verify'} | {fb(r['checkpoint_bytes'])} "
+                     f"| {fb(r['peak'])} | {r['peak'] / r['checkpoint_bytes']:.2f}x | {r['seconds']:.0f} s | "
+                     f"{fb(r['estimate'])} |")
+    lines += [
+        "",
+        "`ours` is the txl-deploy folder (safetensors, memory-mapped), `model.pt` the same weights written as the "
+        "original code's `torch.save(model)` (zip format, memory-mapped by `torch.load(mmap=True)`).",
+        "",
+        "## Runtime (ONNX Runtime, fp32, CPU)",
+        "",
+        f"Load, prefill of {raw['mem_len']} tokens (the last position's log-probs), then {raw['decode_steps']} decode "
+        f"steps with a full memory, all cores. Weights {fb(ours_rt['weight_bytes'])}, state "
+        f"{fb(ours_rt['state_bytes'])}.",
+        "",
+        "| session | peak | x (weights + state) | decode p50 | estimate (`info --memory`) |",
+        "|---|---|---|---|---|",
+        f"| txl-deploy (no CPU arena) | {fb(ours_rt['peak'])} | {ours_rt['peak'] / budget:.2f}x | "
+        f"{ours_rt['decode_ms']:.1f} ms | {fb(raw['runtime_estimate'])} |",
+        f"| ONNX Runtime defaults (CPU arena) | {fb(default_rt['peak'])} | {default_rt['peak'] / budget:.2f}x | "
+        f"{default_rt['decode_ms']:.1f} ms | |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="wt103-large")
+    ap.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")
+    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/txl-deploy/bench"))
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    args = ap.parse_args(argv)
+
+    from txl_deploy.bench.report import results_markdown
+
+    json_path = HERE / "results_memory.json"
+    if args.report_only:
+        raw = json.loads(json_path.read_text())
+    else:
+        raw = measure(args)
+        json_path.write_text(json.dumps(raw, indent=2))
+    body = render(raw)
+    (HERE / "results_memory.md").write_text(results_markdown(
+        "Memory and time of export and runtime on the large shapes", body, COMMAND))
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        kind, rest = sys.argv[2], sys.argv[3:]
+        if kind == "export":
+            result = child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
+        else:
+            result = child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1")
+        print(json.dumps(result))
+        sys.exit(0)
+    sys.exit(main())
