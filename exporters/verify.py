@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from txl_deploy.errors import InputError
-from txl_deploy.memory import return_free_memory
+from txl_deploy.memory import LOG_PROB_BUDGET_MIN, return_free_memory
 
 # fp32 passes when every log-prob satisfies |got - ref| <= FP32_ATOL + FP32_RTOL * |ref| (numpy.allclose's rule):
 # float32 rounding grows with the magnitude, and random or badly calibrated weights give log-probs of -100 and
@@ -19,7 +19,6 @@ FP32_ATOL, FP32_RTOL = 1e-4, 1e-5
 # Reduced precision is judged by the mean KL(reference || exported) per position, in nats (see precision.py).
 REDUCED_KL = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.1, "int4": 0.1}
 COMPARE_CHUNK_FLOATS = 4 * 1024 * 1024  # log-probs compared at once (16 MB in float32)
-LOG_PROB_BUDGET_MIN = 256 * 1024 * 1024  # see log_prob_budget (txl_deploy.memory estimates with the same value)
 
 
 def verification_segments(mem_len: int, max_segment: int) -> list[int]:

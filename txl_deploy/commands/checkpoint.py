@@ -145,7 +145,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         return
     click.echo(f"path:        {d['path']}")
     click.echo(f"format:      {d['format']}")
-    click.echo(f"parameters:  {d['parameters']:,}")
+    click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
+               "parameters:  not known from the file (quantized weights)")
     if d["vocab_size"] is not None:
         click.echo(f"vocabulary:  {d['vocab_size']:,} symbols ({d['vocab_kind']}, from {d['vocab_source']})")
     else:
