@@ -128,13 +128,19 @@ def verify_cmd(model, checkpoint, tolerance, batch, seed, providers, threads):
         torch.set_num_threads(threads)  # the PyTorch reference
     # The reference pass runs before the runtime loads, and only its output layer is kept for the comparison:
     # the two models' weights are never in memory together (see exporters.verify.ReferenceStream).
-    info = read_onnx_info(model)
-    reference = load_model(checkpoint).build().reset_length(info.mem_len)
-    if reference.cfg.replace(mem_len=0) != info.config.replace(mem_len=0):
+    load = dict(providers=providers.split(",") if providers else None, threads=threads)
+    if Path(model).suffix == ".onnx":
+        info = read_onnx_info(model)
+        config, mem_len, max_segment = info.config, info.mem_len, info.max_segment
+    else:  # an engine describes itself once loaded
+        with TxlRuntime.load(model, **load) as rt:
+            config, mem_len, max_segment = rt.config, rt.mem_len, rt.backend.max_segment
+    reference = load_model(checkpoint).build().reset_length(mem_len)
+    if reference.cfg.replace(mem_len=0) != config.replace(mem_len=0):
         raise InputError(f"{model} was not exported from {checkpoint}: their configs differ")
-    stream = ReferenceStream(reference, verification_segments(info.mem_len, info.max_segment), batch, seed)
+    stream = ReferenceStream(reference, verification_segments(mem_len, max_segment), batch, seed)
     del reference
-    with TxlRuntime.load(model, providers=providers.split(",") if providers else None, threads=threads) as rt:
+    with TxlRuntime.load(model, **load) as rt:
         report = judge(compare_stream(rt, stream, log_prob_bytes=log_prob_budget(model)), rt.backend.precision,
                        tolerance)
     click.echo(f"precision           {report['precision']}")
