@@ -109,23 +109,22 @@ def original_model_pt(ours: Path, out: Path) -> Path:
     return out
 
 
-def estimates(checkpoint: Path, mem_len: int, max_segment: int = 512):
+def estimates(checkpoint: Path, max_segment: int = 512):
+    """(mem_len, export estimates, runtime estimate) of the checkpoint, as `txl-deploy info --memory` gives them."""
     from txl_deploy.checkpoints import load_model
     from txl_deploy.memory import export_peaks, loaded_weight_bytes, runtime_peak
 
     loaded = load_model(checkpoint)
-    w = loaded_weight_bytes(loaded)
-    return export_peaks(loaded.config, w, mem_len, max_segment), runtime_peak(loaded.config, w, mem_len, max_segment)
+    cfg, w = loaded.config, loaded_weight_bytes(loaded)
+    return cfg.mem_len, export_peaks(cfg, w, cfg.mem_len, max_segment), runtime_peak(cfg, w, cfg.mem_len, max_segment)
 
 
 def measure(args) -> dict:
     from txl_deploy.bench.benchmark import machine_info
     from txl_deploy.bench.standin import standin_checkpoint
-    from txl_deploy.checkpoints import load_model
 
     ours = standin_checkpoint(args.shape, args.cache)
-    mem_len = load_model(ours).config.mem_len
-    export_est, runtime_est = estimates(ours, mem_len)
+    mem_len, export_est, runtime_est = estimates(ours)
     raw = {"shape": args.shape, "mem_len": mem_len, "decode_steps": args.decode, "machine": machine_info(),
            "runtime_estimate": runtime_est.total, "export": [], "runtime": []}
     formats = args.formats.split(",")
@@ -188,8 +187,8 @@ def render(raw: dict) -> str:
         "512-token segments, the ring wrapping) to the paper's formulation, which re-projects the whole memory in "
         "every segment (about 1.1 TFLOP per 512-token segment once the memory is full), and to the exported graph, "
         "whose 512-token segments are asked for their positions in three blocks to bound the log-probs in memory "
-        "(two more passes of the body per segment). On 2 cores that is about two and a half minutes of arithmetic; the export "
-        "itself (tracing, writing, checks) takes about 30 s.",
+        "(two more passes of the body per segment). On 2 cores that is about two and a half minutes of arithmetic; "
+        "the export itself (tracing, writing, checks) takes about 30 s.",
         "",
         "## Export",
         "",

@@ -202,15 +202,14 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
 def _release(module) -> None:
     """Free the memory of `module`'s parameters and buffers even while other objects still refer to them.
 
-    Deleting the module and the exported program is not enough: onnxscript's rewrite rules are module-level objects
-    whose pattern matchers keep the last graph they matched, and that graph refers to the very Parameter objects
-    it was traced from. Swapping each tensor's data for an empty one frees the storage; a caller's own tensors (a
-    LoadedModel that was not consumed) are other tensor objects and keep theirs."""
+    Deleting the module and the exported program is not enough: the traced graph and its copies refer to the very
+    Parameter objects the model has (see _forget_matched_graphs, which runs once after the graph is saved).
+    Swapping each tensor's data for an empty one frees the storage; a caller's own tensors (a LoadedModel that was
+    not consumed) are other tensor objects and keep theirs."""
     import torch
 
     for t in list(module.parameters()) + list(module.buffers()):
         t.data = torch.empty(0, dtype=t.dtype)
-    _forget_matched_graphs()
     gc.collect()  # the exported program's graph modules hold reference cycles
     return_free_memory()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from txl_deploy.errors import InputError
-from txl_deploy.memory import LOG_PROB_BUDGET_MIN, return_free_memory
+from txl_deploy.memory import log_prob_budget, return_free_memory, weight_file_bytes
 
 # fp32 passes when every log-prob satisfies |got - ref| <= FP32_ATOL + FP32_RTOL * |ref| (numpy.allclose's rule):
 # float32 rounding grows with the magnitude, and random or badly calibrated weights give log-probs of -100 and
@@ -262,17 +262,6 @@ def describe(report: dict) -> str:
             f"{'OK' if report['passed'] else 'MISMATCH'}")
 
 
-def log_prob_budget(onnx_path) -> int:
-    """The most log-prob bytes one runtime call of a verification returns: a third of the weights, at least
-    256 MB. Bigger segments are computed in PositionBlocks (WikiText-103 large: 3 blocks of 171 positions), which
-    keeps a verification's peak under 4x the weights."""
-    from pathlib import Path
-
-    path = Path(onnx_path)
-    size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))  # the file and its .data
-    return max(LOG_PROB_BUDGET_MIN, size // 3)
-
-
 def verify_export(onnx_path, reference, tolerance: float | None = None, providers=None, log=print,
                   threads: int | None = None) -> dict:
     """Run the exported file in ONNX Runtime against the reference (a MemTransformerLM or a ReferenceStream of this
@@ -280,7 +269,7 @@ def verify_export(onnx_path, reference, tolerance: float | None = None, provider
     from txl_deploy.runtimes import TxlRuntime
 
     with TxlRuntime.load(onnx_path, providers=providers, threads=threads) as rt:
-        budget = log_prob_budget(onnx_path)
+        budget = log_prob_budget(weight_file_bytes(onnx_path))
         report = judge(compare_stream(rt, reference, log_prob_bytes=budget), rt.backend.precision, tolerance)
     log("  " + describe(report))
     return report

@@ -9,6 +9,7 @@ measurement side by side on every run. No torch here: the ONNX Runtime side uses
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .errors import InputError
@@ -24,7 +25,7 @@ SCORE_TENSORS = 10
 # An output layer over P positions holds its log-probs twice (the cluster pieces and their concatenation), and the
 # heap keeps some of what earlier calls freed: the large shape's verification measured 4.54 GB, estimated 4.57 GB.
 LOG_PROB_COPIES = 2.6
-# The least log-prob bytes one runtime call of a verification may return (exporters.verify.log_prob_budget).
+# The least log-prob bytes one runtime call of a verification may return (log_prob_budget).
 LOG_PROB_BUDGET_MIN = 256 * 1024 * 1024
 # State dtype bytes of each precision's graph (README, "Exported graph").
 STATE_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int8-dynamic": 4, "int4": 4}
@@ -73,6 +74,13 @@ def weight_file_bytes(onnx_path) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
 
 
+def log_prob_budget(weight_bytes: int) -> int:
+    """The most log-prob bytes one runtime call of a verification returns: a third of the weights, at least
+    256 MB. Bigger segments are computed in position blocks (exporters.verify.PositionBlocks; WikiText-103 large:
+    3 blocks of 171 positions), which keeps a verification's peak under 4x the weights."""
+    return max(LOG_PROB_BUDGET_MIN, int(weight_bytes) // 3)
+
+
 def loaded_weight_bytes(loaded) -> int:
     """fp32 bytes of a LoadedModel's weights (fp16 checkpoints become fp32 when they are built)."""
     return 4 * sum(int(t.numel()) for t in loaded.state_dict.values() if t.is_floating_point())
@@ -110,10 +118,10 @@ def export_peaks(cfg, weight_bytes: int, mem_len: int, max_segment: int) -> dict
     reference = Estimate("reference pass", {
         "weights": weight_bytes, "memory": batch * cfg.memory_bytes_per_stream(mem_len)["hidden"],
         "temporaries": _activations(cfg, batch, q, q + mem_len), "process": BASE_EXPORT})
-    # One runtime call returns at most exporters.verify.log_prob_budget's bytes; bigger segments run in blocks of
+    # One runtime call returns at most log_prob_budget's bytes; bigger segments run in blocks of
     # positions, the same call repeated without advancing the memory (exporters.verify.PositionBlocks).
     log_probs = batch * q * cfg.n_token * 4
-    per_call = min(log_probs, max(LOG_PROB_BUDGET_MIN, weight_bytes // 3))
+    per_call = min(log_probs, log_prob_budget(weight_bytes))
     session = Estimate("ONNX Runtime pass", {
         "weights": weight_bytes, "output layer copy": output_layer_bytes(cfg),
         "state": state_bytes(cfg, mem_len, batch), "temporaries": _activations(cfg, batch, q, mem_len),
@@ -160,9 +168,16 @@ def return_free_memory() -> None:
     glibc keeps freed blocks below its mmap threshold (which it raises up to 32 MiB as large blocks are freed) for
     reuse, and a stream of differently sized calls fragments them: over a verification of the WikiText-103-large
     shape the resident set grew by gigabytes that nothing was using."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None

@@ -41,12 +41,13 @@ def build_model(config, state_dict, path="<memory>"):
         own["pos_emb.inv_freq"] = default_inv_freq(config.d_model)
     model.load_state_dict(own, strict=False, assign=True)
     model._tie()  # assignment replaced the aliased Parameters: tie them again so aliases follow
-    left = [k for k, v in model.state_dict().items() if v.is_meta]
+    built = model.state_dict()
+    left = [k for k, v in built.items() if v.is_meta]
     if left:  # a config whose module holds a tensor that neither the checkpoint nor the formula provides
         raise CheckpointError(path, f"tensor {left[0]!r} is missing")
     with torch.no_grad():
         for k in tied:
-            if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), model.state_dict()[k]):
+            if k in state_dict and not torch.equal(state_dict[k].to(expected[k].dtype), built[k]):
                 raise CheckpointError(path, f"tensor {k!r} should be tied to its embedding but differs from it")
     return model.eval()
 

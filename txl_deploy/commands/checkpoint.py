@@ -79,13 +79,6 @@ def convert(src, out, config, preset, vocab, vocab_kind, no_vocab, tf_semantics,
     click.echo(f"wrote {out} ({loaded.source_format} -> txl-deploy, {n_params:,} parameters, {vocab_text})")
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n} B"
-
-
 def describe(loaded, model) -> dict:
     cfg = loaded.config
     return {
@@ -151,10 +144,12 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         click.echo(f"vocabulary:  {d['vocab_size']:,} symbols ({d['vocab_kind']}, from {d['vocab_source']})")
     else:
         click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.txt / vocab.json beside the checkpoint)")
+    from ..memory import format_bytes as fb
+
     mem = d["memory_bytes_per_stream"]
-    click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {_size(mem['fp32']['hidden'])} fp32 / "
-               f"{_size(mem['fp16']['hidden'])} fp16; key/value cache {_size(mem['fp32']['kv_cache'])} fp32 / "
-               f"{_size(mem['fp16']['kv_cache'])} fp16")
+    click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {fb(mem['fp32']['hidden'])} fp32 / "
+               f"{fb(mem['fp16']['hidden'])} fp16; key/value cache {fb(mem['fp32']['kv_cache'])} fp32 / "
+               f"{fb(mem['fp16']['kv_cache'])} fp16")
     click.echo("config:")
     for key, value in d["config"].items():
         click.echo(f"  {key}: {value}")

@@ -118,7 +118,8 @@ def verify_cmd(model, checkpoint, tolerance, batch, seed, providers, threads):
     """Check an exported MODEL against the PyTorch reference built from CHECKPOINT on a multi-segment stream
     (partly empty memory, batch > 1, Q = 1 and Q > 1, ring wrap-around). Exit code 1 on a mismatch."""
     from ..checkpoints import load_model
-    from ..exporters.verify import ReferenceStream, compare_stream, judge, log_prob_budget, verification_segments
+    from ..exporters.verify import ReferenceStream, compare_stream, judge, verification_segments
+    from ..memory import log_prob_budget, weight_file_bytes
     from ..metadata import read_onnx_info
     from ..runtimes import TxlRuntime
 
@@ -141,8 +142,8 @@ def verify_cmd(model, checkpoint, tolerance, batch, seed, providers, threads):
     stream = ReferenceStream(reference, verification_segments(mem_len, max_segment), batch, seed)
     del reference
     with TxlRuntime.load(model, **load) as rt:
-        report = judge(compare_stream(rt, stream, log_prob_bytes=log_prob_budget(model)), rt.backend.precision,
-                       tolerance)
+        budget = log_prob_budget(weight_file_bytes(model))
+        report = judge(compare_stream(rt, stream, log_prob_bytes=budget), rt.backend.precision, tolerance)
     click.echo(f"precision           {report['precision']}")
     click.echo(f"max abs difference  {report['max_abs_diff']:.3g}")
     click.echo(f"KL divergence       {report['kl_divergence']:.3g} nats per position")
