@@ -34,7 +34,7 @@ echo "== torch-fast (CUDA graphs) vs eager, on CUDA"
 # The checkpoint behind MODEL, for the exports below (a shape name is built into the cache by the run above).
 CKPT=$("$PY" - "$MODEL" "$CACHE" <<'PYEOF'
 import sys
-from txl_deploy.bench.standin import is_shape_name, standin_checkpoint
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint
 m, cache = sys.argv[1:]
 print(standin_checkpoint(m, cache, log=lambda *a: None) if is_shape_name(m) else m)
 PYEOF

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -28,34 +29,31 @@ HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 
 
-def _quiet(*args, **kwargs):
-    pass
-
 
 def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
     import hashlib
 
-    from txl_deploy.exporters import precision
-    from txl_deploy.metadata import read_onnx_info
+    from txl_deploy.contract.metadata import read_onnx_info
+    from txl_deploy.exporters.precision import convert as precision
+    from txl_deploy.exporters.precision import folding, int4
 
-    code = hashlib.sha256(Path(precision.__file__).read_bytes()).hexdigest()[:8]
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (precision, folding, int4))).hexdigest()[:8]
     out = fp32.with_name(fp32.stem + f"-int4-b{block}-{code}.onnx")
     if not out.exists():
         t0 = time.perf_counter()
-        precision.reduce_onnx(fp32, out, precision="int4", int4_block_size=block, force=True,
-                              log=lambda m: print(m, file=sys.stderr), **kw)
+        precision.reduce_onnx(fp32, out, precision="int4", int4_block_size=block, force=True, **kw)
         print(f"int4 conversion of {fp32.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return out, read_onnx_info(out).export["precision_report"]
 
 
 def accuracy(block: int, work: Path) -> dict:
-    from txl_deploy.demo_assets import DEMO_DIR
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.assets import DEMO_DIR
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     fp32 = work / "kjv-char.onnx"
     if not fp32.exists():
-        export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=128, force=True, log=_quiet)
+        export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=128, force=True)
     int4, report = _int4(fp32, block, eval_data=DEMO_DIR / "heldout.txt")
     return {"fp32_path": fp32, "int4_path": int4, "report": report}
 
@@ -63,9 +61,9 @@ def accuracy(block: int, work: Path) -> dict:
 _RESIDENT = """
 import json, sys
 import numpy as np
-from txl_deploy.bench.memory import rss_bytes
+from txl_deploy.bench.peak_usage import rss_bytes
 from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.runtimes.onnxruntime import OrtBackend
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 before = rss_bytes()
 rt = TxlRuntime(OrtBackend(sys.argv[1], providers=["cpu"], intra_op_threads=int(sys.argv[2])))
 rt.step(np.zeros((1, 1), dtype=np.int64))
@@ -86,7 +84,7 @@ def resident_bytes(path, threads: int) -> int:
 def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: bool = False) -> dict:
     """Median ms per decode token of each graph, with a full memory, interleaved token by token."""
     from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.onnxruntime import OrtBackend
+    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
     runtimes = {}
     for name, path in paths.items():
@@ -109,7 +107,7 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
             times[name].append(time.perf_counter() - t0)
     profiles = {}
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
-        from txl_deploy.bench.profile import profile_decode
+        from txl_deploy.bench.op_profile import profile_decode
 
         for name, rt in ((k, r) for k, r in runtimes.items() if k in ("fp32", "int4")):
             state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
@@ -123,10 +121,10 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
 
 
 def wt103_paths(block: int) -> dict:
-    from txl_deploy.bench.standin import standin_checkpoint, standin_onnx
+    from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 
-    ckpt = standin_checkpoint("wt103-base", CACHE, log=lambda m: print(m, file=sys.stderr))
-    fp32 = standin_onnx(ckpt, CACHE, 640, max_segment=64, log=lambda m: print(m, file=sys.stderr))
+    ckpt = standin_checkpoint("wt103-base", CACHE)
+    fp32 = standin_onnx(ckpt, CACHE, 640, max_segment=64)
     # random weights: the stream comparison is recorded, not enforced (the gate is for trained models)
     int4, report = _int4(fp32, block, verify=False)
     return {"fp32": fp32, "int4": int4, "report": report}
@@ -137,6 +135,7 @@ def _resident(mb: float) -> str:
 
 
 def main():
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     from txl_deploy.bench.benchmark import machine_info, versions
     from txl_deploy.bench.report import GENERATED_BY
 
@@ -226,7 +225,7 @@ def main():
               f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
               "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
               "that matters is the trained demo model's above)."]
-    from txl_deploy.bench.profile import profile_table
+    from txl_deploy.bench.op_profile import profile_table
 
     lines += ["", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
               "MatMulNBits are the 4-bit weight products, MatMul in the int4 graph the fp32 attention over the fp32 "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,12 +46,12 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     import torch  # noqa: F401
 
     from txl_deploy.checkpoints import load_model
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     base = _status()["VmRSS"]
     start = time.perf_counter()
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
-    export_onnx(loaded, out, verify=verify, force=True, log=lambda *a: None, consume=True)
+    export_onnx(loaded, out, verify=verify, force=True, consume=True)
     return {"seconds": time.perf_counter() - start, "peak": _status()["VmHWM"], "base": base}
 
 
@@ -112,7 +113,7 @@ def original_model_pt(ours: Path, out: Path) -> Path:
 def estimates(checkpoint: Path, max_segment: int = 512):
     """(mem_len, export estimates, runtime estimate) of the checkpoint, as `txl-deploy info --memory` gives them."""
     from txl_deploy.checkpoints import load_model
-    from txl_deploy.memory import export_peaks, loaded_weight_bytes, runtime_peak
+    from txl_deploy.exporters.onnx.ram import export_peaks, loaded_weight_bytes, runtime_peak
 
     loaded = load_model(checkpoint)
     cfg, w = loaded.config, loaded_weight_bytes(loaded)
@@ -121,7 +122,7 @@ def estimates(checkpoint: Path, max_segment: int = 512):
 
 def measure(args) -> dict:
     from txl_deploy.bench.benchmark import machine_info
-    from txl_deploy.bench.standin import standin_checkpoint
+    from txl_deploy.bench.random_weights import standin_checkpoint
 
     ours = standin_checkpoint(args.shape, args.cache)
     mem_len, export_est, runtime_est = estimates(ours)
@@ -153,7 +154,7 @@ def measure(args) -> dict:
 
 
 def render(raw: dict) -> str:
-    from txl_deploy.memory import format_bytes as fb
+    from txl_deploy.exporters.onnx.ram import format_bytes as fb
 
     m = raw["machine"]
     ours_rt, default_rt = raw["runtime"]
@@ -221,6 +222,7 @@ def render(raw: dict) -> str:
 
 
 def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="wt103-large")
     ap.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")

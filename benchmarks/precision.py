@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -24,15 +25,13 @@ from pathlib import Path
 TARGETS = {"fp16": 0.002, "int8": 0.02, "int8-dynamic": 0.01}
 
 
-def _quiet(*args, **kwargs):
-    pass
-
 
 def accuracy(args):
+    from txl_deploy.assets import DEMO_DIR
     from txl_deploy.checkpoints import load_model
-    from txl_deploy.demo_assets import DEMO_DIR
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.exporters.precision import read_token_ids, reduce_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.exporters.precision.convert import reduce_onnx
+    from txl_deploy.exporters.precision.token_data import read_token_ids
 
     model = Path(args.model or DEMO_DIR / "kjv-char")
     text = Path(args.text or DEMO_DIR / "heldout.txt")
@@ -43,12 +42,12 @@ def accuracy(args):
     half = ids.size // 2
     calib, heldout = ids[:half], ids[half:]
     fp32 = out / "fp32.onnx"
-    export_onnx(loaded, fp32, max_segment=args.max_segment, force=True, log=print)
+    export_onnx(loaded, fp32, max_segment=args.max_segment, force=True)
     rows = []
     for precision in ("fp16", "int8", "int8-dynamic"):
         t0 = time.perf_counter()
         res = reduce_onnx(fp32, out / f"{precision}.onnx", precision=precision, calib=calib, eval_data=heldout,
-                          force=True, log=print)
+                          force=True)
         rep = res.info.export["precision_report"]
         acc = rep["accuracy"]
         rows.append({"precision": precision, "metric": acc["metric"], "fp32": acc["fp32"], "reduced": acc["reduced"],
@@ -100,6 +99,7 @@ def _write(path, text: str, force: bool):
 
 
 def main():
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("accuracy", help="fp16/int8/int8-dynamic vs fp32 on held-out text")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -46,17 +47,17 @@ def reduced(fp32_path: Path, precision: str) -> Path:
     """The stand-in's export converted to `precision` by txl-deploy's own converter (exporters/precision.py), cached.
 
     Not verified here: the benchmark itself compares its log-probs with the eager fp32 reference."""
-    from txl_deploy.exporters.precision import reduce_onnx
+    from txl_deploy.exporters.precision.convert import reduce_onnx
 
     out = fp32_path.with_name(fp32_path.stem + f"-{precision}.onnx")
     if not out.exists():
-        reduce_onnx(fp32_path, out, precision=precision, verify=False, log=lambda m: print(m, file=sys.stderr))
+        reduce_onnx(fp32_path, out, precision=precision, verify=False)
     return out
 
 
 def run_config(cfg: dict, threads) -> dict | None:
     from txl_deploy.bench import run_benchmark
-    from txl_deploy.bench.standin import is_shape_name, standin_checkpoint, standin_onnx
+    from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
 
     model, reference, compare = cfg["model"], None, None
     if not is_shape_name(model):
@@ -78,7 +79,7 @@ def run_config(cfg: dict, threads) -> dict | None:
         mem_lens=None if cfg.get("precision") else cfg.get("mem_len"), prompt_len=cfg["prompt_len"],
         gen_len=cfg["gen_len"], repeat=cfg["repeat"], warmup=cfg["warmup"], threads=threads, cache_dir=CACHE,
         profile=cfg.get("backend", "onnxruntime") == "onnxruntime", as_written_batches=cfg.get("eager_as_written", ()),
-        compare=compare, log=lambda m: print(m, file=sys.stderr))
+        compare=compare)
     report["name"] = cfg["name"]
     return report
 
@@ -149,7 +150,7 @@ def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
 
 
 def results_md(reports, bandwidth_note: str, command: str) -> str:
-    from txl_deploy.bench.profile import profile_table
+    from txl_deploy.bench.op_profile import profile_table
     from txl_deploy.bench.report import table
 
     first = reports[0]
@@ -240,6 +241,7 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
 
 
 def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     from txl_deploy.bench.report import command_line
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.config import TxlConfig
-from txl_deploy.evaluate import streaming_eval
-from txl_deploy.model import MemTransformerLM
+from txl_deploy.model.mem_transformer import MemTransformerLM
+from txl_deploy.runtimes.evaluation import streaming_eval
 from txl_deploy.vocab import Vocab
 
 LN2 = math.log(2.0)

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 # Triton's server binary (with its Python backend) for the serving tests. It goes beside the venv, not into it:
-# nvidia-pytriton pins numpy < 2, and only its bundled tritonserver is needed (see txl_deploy/triton_local.py).
+# nvidia-pytriton pins numpy < 2, and only its bundled tritonserver is needed (see txl_deploy/serving/triton/local_server.py).
 [ -d .venv/triton/pytriton ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
     --target .venv/triton nvidia-pytriton==0.7.0
 # The browser tests (tests/test_web.py): Debian's chromium, node/npm, and an npm install of onnxruntime-web kept
@@ -18,7 +18,7 @@ if ! command -v chromium >/dev/null || ! command -v npm >/dev/null; then
             chromium fonts-dejavu-core $(command -v npm >/dev/null || echo nodejs npm) >/dev/null
     fi
 fi
-ORT_WEB=$(.venv/bin/python -c "from txl_deploy.exporters.web import ORT_WEB_VERSION; print(ORT_WEB_VERSION)")
+ORT_WEB=$(.venv/bin/python -c "from txl_deploy.exporters.web.site import ORT_WEB_VERSION; print(ORT_WEB_VERSION)")
 export TXL_NPM_CACHE=${TXL_NPM_CACHE:-$HOME/.cache/txl-deploy/npm}
 if command -v npm >/dev/null && ! grep -qs "\"version\": \"$ORT_WEB\"" \
         "$TXL_NPM_CACHE/node_modules/onnxruntime-web/package.json"; then

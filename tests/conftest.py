@@ -13,7 +13,7 @@ def make_tiny_model(seed=0, **overrides):
     import torch
 
     from txl_deploy.config import TxlConfig
-    from txl_deploy.model import MemTransformerLM
+    from txl_deploy.model.mem_transformer import MemTransformerLM
 
     torch.manual_seed(seed)
     model = MemTransformerLM(TxlConfig(**{**TINY, **overrides})).eval()
@@ -36,19 +36,19 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_ckpt, tmp_path_factory):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
-    export_onnx(tiny_ckpt, out, max_segment=16, log=lambda *a: None)
+    export_onnx(tiny_ckpt, out, max_segment=16)
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
-    export_onnx(tiny_ckpt, out, state="full", max_segment=16, log=lambda *a: None)
+    export_onnx(tiny_ckpt, out, state="full", max_segment=16)
     return out
 
 

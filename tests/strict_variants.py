@@ -23,11 +23,10 @@ import numpy as np
 PRECISIONS = ("fp32", "fp16", "int8", "int8-dynamic")
 STATES = ("incremental", "full")
 DEFAULT_OPSET = 18
-QUIET = dict(log=lambda *a: None)
 
 
 def opsets():
-    from txl_deploy.exporters.onnx import SUPPORTED_OPSETS
+    from txl_deploy.exporters.onnx.export import SUPPORTED_OPSETS
 
     return list(SUPPORTED_OPSETS)
 
@@ -46,7 +45,7 @@ def variant_name(key) -> str:
 @contextlib.contextmanager
 def external_data_threshold(n_bytes: int):
     """Lower the size from which exports keep their weights in an external data file."""
-    from txl_deploy.exporters import onnx as onnx_export
+    from txl_deploy.exporters.onnx import export as onnx_export
 
     old = onnx_export.EXTERNAL_DATA_BYTES
     onnx_export.EXTERNAL_DATA_BYTES = n_bytes
@@ -70,8 +69,8 @@ class Variants:
         return self.paths[key]
 
     def _build(self, key) -> Path:
-        from txl_deploy.exporters.onnx import export_onnx
-        from txl_deploy.exporters.precision import reduce_onnx
+        from txl_deploy.exporters.onnx.export import export_onnx
+        from txl_deploy.exporters.precision.convert import reduce_onnx
 
         precision, state, opset, external = key
         folder = self.root / variant_name(key)
@@ -81,11 +80,10 @@ class Variants:
             return out
         with external_data_threshold(1) if external else contextlib.nullcontext():
             if precision == "fp32":
-                export_onnx(self.ckpt, out, state=state, opset=opset, max_segment=16, **QUIET)
+                export_onnx(self.ckpt, out, state=state, opset=opset, max_segment=16)
             else:
                 fp32 = self[("fp32", state, opset, external)]
-                reduce_onnx(fp32, out, precision=precision, calib=self.calib if precision == "int8" else None,
-                            **QUIET)
+                reduce_onnx(fp32, out, precision=precision, calib=self.calib if precision == "int8" else None)
         return out
 
 
@@ -93,7 +91,7 @@ def check_file(path) -> dict:
     """full_check (onnx.checker on the path) and topological order, as independent of our own check as possible."""
     import onnx
 
-    from txl_deploy.exporters.strict import toposort
+    from txl_deploy.exporters.graph_checks import toposort
 
     result = {}
     try:
@@ -149,7 +147,7 @@ def table(variants: Variants, work: Path) -> str:
     keys = variant_keys()
     paths = [variants[k] for k in keys]
     lint = polygraphy_lint(paths, work / "lint")
-    from txl_deploy.exporters.trt_compat import check_tensorrt_compat
+    from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 
     rows = ["| variant | precision | state | opset | external data | full_check | toposort | polygraphy lint "
             "| TensorRT 10.x/11.x table |", "|---|---|---|---|---|---|---|---|---|"]

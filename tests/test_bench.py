@@ -83,7 +83,7 @@ def test_without_baseline(tiny_onnx, tmp_path):
 
 def test_parity_reports_a_difference():
     """The comparison is real: sides that disagree show it (a shifted log-prob, a different argmax)."""
-    from txl_deploy.bench.measure import Side, parity
+    from txl_deploy.bench.timing import Side, parity
 
     a, b = Side("a", None), Side("b", None)
     a.log_probs = [np.log(np.full((2, 4), 0.25, np.float32))]
@@ -130,7 +130,7 @@ def test_plot(tiny_onnx, tmp_path):
 def test_decode_bytes_count_the_output_layer_and_memory():
     from conftest import make_tiny_model
 
-    from txl_deploy.bench.floor import decode_bytes
+    from txl_deploy.bench.bandwidth_floor import decode_bytes
 
     model = make_tiny_model()
     cfg = model.cfg
@@ -145,7 +145,7 @@ def test_decode_bytes_count_the_output_layer_and_memory():
 
 
 def test_profile_summarises_a_decode_step(tiny_onnx):
-    from txl_deploy.bench.profile import profile_decode
+    from txl_deploy.bench.op_profile import profile_decode
     from txl_deploy.runtimes import TxlRuntime
 
     rt = TxlRuntime.load(tiny_onnx)
@@ -165,7 +165,7 @@ def test_cached_exports_follow_the_checkpoint(tiny_ckpt, tmp_path):
     import os
     import shutil
 
-    from txl_deploy.bench.standin import _content_key
+    from txl_deploy.bench.random_weights import _content_key
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, ckpt)
@@ -180,9 +180,9 @@ def test_cached_exports_follow_the_checkpoint(tiny_ckpt, tmp_path):
 def test_eager_baseline_applies_the_output_layer_at_the_requested_positions_only(tiny_ckpt):
     """The fair baseline is the same model: at the positions asked for it gives eager-as-written's log-probs, on a
     multi-segment stream, batched and with rows of different memory lengths; it just never computes the others."""
-    from txl_deploy.bench.eager import EagerAtPositions
+    from txl_deploy.bench.eager_baseline import EagerAtPositions
     from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.pytorch import TorchEagerBackend
+    from txl_deploy.runtimes.backends.pytorch import TorchEagerBackend
 
     fair = TxlRuntime(EagerAtPositions.from_checkpoint(tiny_ckpt))
     as_written = TxlRuntime(TorchEagerBackend.from_checkpoint(tiny_ckpt))
@@ -224,7 +224,9 @@ def test_eager_as_written_column_and_compared_graph(tiny_onnx, tiny_ckpt, tmp_pa
 def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monkeypatch):
     """The resident-set sampler's thread wakes every 2 ms: it must not run inside the timed loops, and the peak
     memory must still be measured (in its own pass)."""
-    from txl_deploy.bench import measure, memory, run_benchmark
+    from txl_deploy.bench import peak_usage as memory
+    from txl_deploy.bench import run_benchmark
+    from txl_deploy.bench import timing as measure
 
     active = []
     timed_while_sampling = []
@@ -250,7 +252,7 @@ def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monk
     monkeypatch.setattr(memory, "RssSampler", Watched)
     monkeypatch.setattr(measure, "time", Clock)
     rep = run_benchmark(str(tiny_onnx), reference=str(tiny_ckpt), prompt_len=6, gen_len=4, repeat=2, warmup=1,
-                        floor=False, progress=False, log=lambda *a: None)
+                        floor=False, progress=False)
     assert timed_while_sampling == []
     for side in rep["results"][0]["sides"].values():
         assert side["decode_ms"]["n"] == 8 and side["peak_memory_bytes"] >= side["loaded_memory_bytes"]
@@ -281,7 +283,7 @@ def test_results_md_is_generated_whole_and_takes_in_every_generated_results_file
     (tmp_path / "results_by_hand.md").write_text("# Notes\n\nTyped in.\n")
     assert generating_command((tmp_path / "results_zz_new.md").read_text()) == "python benchmarks/zz.py --fast"
     rep = run_benchmark(str(tiny_onnx), reference=str(tiny_ckpt), prompt_len=6, gen_len=4, repeat=2, warmup=1,
-                        as_written_batches=(1,), progress=False, log=lambda *a: None)
+                        as_written_batches=(1,), progress=False)
     rep["name"] = "tiny"
     text = run_all.results_md([rep], "memory bandwidth: not measured", "python benchmarks/run_all.py")
     assert text.startswith("# Benchmark results\n\nWritten by `python benchmarks/run_all.py`")

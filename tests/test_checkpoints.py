@@ -33,9 +33,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import original_checkpoints as oc  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
-import original_checkpoints as oc  # noqa: E402
 from txl_deploy.checkpoints import load_model  # noqa: E402
 from txl_deploy.cli import main  # noqa: E402
 from txl_deploy.errors import CheckpointError  # noqa: E402
@@ -447,7 +447,7 @@ def test_fp16_saved_checkpoint_uses_the_stored_inv_freq(hf, fmt, tmp_path):
 
 def test_checkpoint_without_inv_freq_gets_the_formula(tmp_path):
     """HF folders and bare state_dicts may lack the buffer: it is a function of d_model, recomputed then."""
-    from txl_deploy.model import default_inv_freq
+    from txl_deploy.model.mem_transformer import default_inv_freq
 
     model = make_our_model(cutoffs=[10, 25], div_val=2, tie_projs=[False, True, True])
     state = {k: v for k, v in model.state_dict().items() if k != "pos_emb.inv_freq"}
@@ -512,7 +512,7 @@ def test_huggingface_zero_memory_semantics(hf, tmp_path):
 # -- checkpoints of our own model written in the original layouts (no reference needed) ----------------------
 def make_our_model(seed=1, **changes):
     from txl_deploy.config import TxlConfig
-    from txl_deploy.model import MemTransformerLM
+    from txl_deploy.model.mem_transformer import MemTransformerLM
 
     cfg = dict(n_token=V, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, d_head=D_HEAD, d_inner=D_INNER,
                tgt_len=Q, mem_len=MEM_LEN, clamp_len=CLAMP_LEN)

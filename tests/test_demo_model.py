@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from txl_deploy.demo_assets import demo_heldout_path, demo_model_path, demo_training_record
+from txl_deploy.assets import demo_heldout_path, demo_model_path, demo_training_record
 from txl_deploy.errors import InputError
-from txl_deploy.evaluate import streaming_eval
+from txl_deploy.runtimes.evaluation import streaming_eval
 
 torch = pytest.importorskip("torch")
 

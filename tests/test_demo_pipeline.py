@@ -8,30 +8,30 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from txl_deploy.assets import demo_heldout_path, demo_model_path, demo_training_record
 from txl_deploy.cli import main
-from txl_deploy.demo_assets import demo_heldout_path, demo_model_path, demo_training_record
 
 pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def demo_onnx(tmp_path_factory):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     out = tmp_path_factory.mktemp("demo") / "kjv-char.onnx"
-    result = export_onnx(demo_model_path(), out, log=lambda *a: None)
+    result = export_onnx(demo_model_path(), out)
     assert result.verification["passed"]
     return out
 
 
 def test_onnxruntime_reproduces_the_recorded_slice_bpc(demo_onnx):
-    from txl_deploy.commands.evaluate import evaluate_runtime
     from txl_deploy.runtimes import TxlRuntime
+    from txl_deploy.runtimes.evaluation import evaluate_text
 
     record = demo_training_record()
     text = demo_heldout_path().read_text(encoding="utf-8")[: record["heldout_slice"]["characters"]]
     with TxlRuntime.load(demo_onnx) as rt:
-        result = evaluate_runtime(rt, text, rt.config.tgt_len, progress=False)
+        result = evaluate_text(rt, text, rt.config.tgt_len, progress=False)
     assert result["unit"] == "bpc"
     assert result["bits_per_token"] == pytest.approx(record["heldout_slice"]["bpc"], abs=0.01)
 

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 import original_checkpoints as oc  # noqa: E402
 import test_checkpoints as tc  # noqa: E402
 
+from txl_deploy.contract.metadata import read_onnx_info  # noqa: E402
 from txl_deploy.errors import InputError  # noqa: E402
-from txl_deploy.exporters.onnx import export_onnx  # noqa: E402
-from txl_deploy.metadata import read_onnx_info  # noqa: E402
+from txl_deploy.exporters.onnx.export import export_onnx  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 
 TOL = 1e-4
@@ -27,7 +27,7 @@ hf = tc.hf
 
 def _onnx_vs_reference(src, tmp_path, reference, ids, **export):
     out = tmp_path / "model.onnx"
-    result = export_onnx(src, out, max_segment=16, log=lambda *a: None, **export)
+    result = export_onnx(src, out, max_segment=16, **export)
     assert result.verification["passed"]
     _run_vs_reference(out, reference, ids)
     return result
@@ -91,7 +91,7 @@ def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):
     model.float()
     reference, _ = tc.run_hf(model, ids, tc.empty_mems())
     out = tmp_path / "model.onnx"
-    export_onnx(tmp_path / "model.pt", out, max_segment=16, log=lambda *a: None)
+    export_onnx(tmp_path / "model.pt", out, max_segment=16)
     # The ONNX tolerance is looser than the checkpoint tests', so compare against the stored-inv_freq reference
     # tightly here: the recomputed one is ~9e-5 away (see test_checkpoints).
     rt = TxlRuntime.load(out)

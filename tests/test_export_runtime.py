@@ -52,8 +52,8 @@ def _split_pass(rt, tokens, cuts):
 def test_graph_is_static_and_self_describing(tiny_onnx):
     import onnx
 
-    from txl_deploy.exporters.trt_compat import check_tensorrt_compat
-    from txl_deploy.metadata import read_onnx_info
+    from txl_deploy.contract.metadata import read_onnx_info
+    from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 
     model = onnx.load(str(tiny_onnx))
     assert check_tensorrt_compat(model).ok
@@ -106,9 +106,9 @@ def test_prompt_into_an_empty_memory_uses_one_slot_and_matches(ort_rt, ref_rt):
 
 
 def test_export_longer_memory_than_training(tiny_ckpt, tmp_path):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
-    res = export_onnx(tiny_ckpt, tmp_path / "long.onnx", mem_len=40, max_segment=16, log=lambda *a: None)
+    res = export_onnx(tiny_ckpt, tmp_path / "long.onnx", mem_len=40, max_segment=16)
     assert res.info.mem_len == 40 and res.verification["passed"]
 
 
@@ -245,10 +245,10 @@ def test_save_and_load_state_resumes_a_conversation(ort_rt, tmp_path):
 
 
 def test_state_from_another_model_is_refused(ort_rt, ref_rt, tmp_path):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     other = export_onnx(_other_ckpt(tmp_path), tmp_path / "other.onnx", max_segment=16,
-                        verify=False, log=lambda *a: None).path
+                        verify=False).path
     rt2 = TxlRuntime.load(other)
     rt2.step([[1, 2, 3]])
     foreign = rt2.save_state()
@@ -344,28 +344,28 @@ def test_concurrent_use_from_threads_does_not_corrupt_the_memory(tiny_onnx):
 
 # -- files ----------------------------------------------------------------------------------------------------
 def test_export_never_overwrites_without_force(tiny_ckpt, tmp_path):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     out = tmp_path / "m.onnx"
     out.write_bytes(b"precious")
     with pytest.raises(OutputExistsError):
-        export_onnx(tiny_ckpt, out, log=lambda *a: None)
+        export_onnx(tiny_ckpt, out)
     assert out.read_bytes() == b"precious"
     result = CliRunner().invoke(main, ["export", str(tiny_ckpt), "--onnx", "-o", str(out), "--no-verify"])
     assert result.exit_code == 2 and "already exists" in result.output and out.read_bytes() == b"precious"
 
 
 def test_interrupted_export_leaves_no_file(tiny_ckpt, tmp_path, monkeypatch):
-    from txl_deploy.exporters import verify
+    from txl_deploy.exporters.onnx import verify
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(verify, "verify_export", interrupted)
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     with pytest.raises(KeyboardInterrupt):
-        export_onnx(tiny_ckpt, tmp_path / "m.onnx", max_segment=16, log=lambda *a: None)
+        export_onnx(tiny_ckpt, tmp_path / "m.onnx", max_segment=16)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -408,11 +408,11 @@ def test_onnxruntime_backend_runs_without_torch(tiny_onnx):
 
 def test_large_models_write_external_data_beside_the_model(tiny_ckpt, tmp_path, monkeypatch):
     """Weights over protobuf's 2 GB limit go to a data file next to the .onnx; both land together, atomically."""
-    from txl_deploy.exporters import onnx as onnx_exporter
+    from txl_deploy.exporters.onnx import export as onnx_exporter
 
     monkeypatch.setattr(onnx_exporter, "EXTERNAL_DATA_BYTES", 0)  # treat the tiny model as a large one
     out = tmp_path / "big.onnx"
-    result = onnx_exporter.export_onnx(tiny_ckpt, out, max_segment=16, log=lambda *a: None)
+    result = onnx_exporter.export_onnx(tiny_ckpt, out, max_segment=16)
     assert result.verification["passed"]
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written[0] == "big.onnx" and len(written) == 2 and written[1].startswith("big.onnx")

@@ -13,15 +13,13 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
-
-from txl_deploy.errors import ExportError, InputError
-from txl_deploy.exporters.precision import STREAM_TOLERANCE, check_int4_graph, reduce_onnx
-from txl_deploy.metadata import read_onnx_info
-from txl_deploy.runtimes import TxlRuntime
-
 from test_precision import _stream
 
-QUIET = dict(log=lambda *a: None)
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.errors import ExportError, InputError
+from txl_deploy.exporters.precision.convert import STREAM_TOLERANCE, reduce_onnx
+from txl_deploy.exporters.precision.int4 import check_int4_graph
+from txl_deploy.runtimes import TxlRuntime
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +28,7 @@ def int4(tiny_onnx, tmp_path_factory):
     root = tmp_path_factory.mktemp("int4")
     for block in (32, 64):
         out[block] = root / f"int4-b{block}.onnx"
-        reduce_onnx(tiny_onnx, out[block], precision="int4", int4_block_size=block, **QUIET)
+        reduce_onnx(tiny_onnx, out[block], precision="int4", int4_block_size=block)
     return out
 
 
@@ -114,7 +112,7 @@ def test_block_size_is_selectable(int4):
 
 def test_bad_block_size(tiny_onnx, tmp_path):
     with pytest.raises(InputError, match="int4 block size 48"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int4", int4_block_size=48, **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int4", int4_block_size=48)
     assert not (tmp_path / "x.onnx").exists()
 
 
@@ -130,12 +128,12 @@ def test_checker_blind_spot_is_covered(int4):
 
 
 def test_demo_model_bits_per_character_within_2_percent(tmp_path):
-    from txl_deploy.demo_assets import DEMO_DIR
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.assets import DEMO_DIR
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     fp32, out = tmp_path / "fp32.onnx", tmp_path / "int4.onnx"
-    export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=64, verify=False, **QUIET)
-    res = reduce_onnx(fp32, out, precision="int4", eval_data=DEMO_DIR / "heldout.txt", max_eval_tokens=4096, **QUIET)
+    export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=64, verify=False)
+    res = reduce_onnx(fp32, out, precision="int4", eval_data=DEMO_DIR / "heldout.txt", max_eval_tokens=4096)
     acc = res.info.export["precision_report"]["accuracy"]
     assert acc["metric"] == "bits_per_character" and acc["tokens"] == 4095
     assert abs(acc["relative_change"]) <= 0.02, acc
@@ -181,7 +179,7 @@ def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
     pytest.importorskip("polygraphy")
     from strict_variants import polygraphy_lint
 
-    from txl_deploy.exporters.strict import check_strict
+    from txl_deploy.exporters.graph_checks import check_strict
 
     for path in int4.values():
         check_strict(path, "int4 graph")
@@ -195,14 +193,14 @@ def test_untied_embedding_gets_its_own_4bit_table(tmp_path):
     from conftest import TINY_VOCAB, make_tiny_model
 
     from txl_deploy.checkpoints import save_checkpoint
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
     from txl_deploy.vocab import Vocab
 
     ckpt, fp32, out = tmp_path / "ckpt", tmp_path / "fp32.onnx", tmp_path / "int4.onnx"
     save_checkpoint(ckpt, make_tiny_model(seed=1, tie_weight=False, tie_projs=[False, False, False]),
                     Vocab(TINY_VOCAB))
-    export_onnx(ckpt, fp32, max_segment=16, **QUIET)
-    res = reduce_onnx(fp32, out, precision="int4", **QUIET)
+    export_onnx(ckpt, fp32, max_segment=16)
+    res = reduce_onnx(fp32, out, precision="int4")
     method = res.info.export["precision_report"]["method"]
     assert method["embedding_tables"] >= 1 and method["embedding_tied_to_output"] == 0
     model = onnx.load(str(out))
@@ -218,7 +216,7 @@ def test_untied_embedding_gets_its_own_4bit_table(tmp_path):
 
 def test_full_state_layout(tiny_onnx_full, tmp_path):
     out = tmp_path / "int4-full.onnx"
-    reduce_onnx(tiny_onnx_full, out, precision="int4", **QUIET)
+    reduce_onnx(tiny_onnx_full, out, precision="int4")
     rng = np.random.default_rng(4)
     segs = [rng.integers(0, 60, size=(2, q)) for q in (8, 1, 5, 1, 8, 3)]
     with TxlRuntime.load(out) as rt, TxlRuntime.load(tiny_onnx_full) as ref:

@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 IMPORTS = textwrap.dedent("""
     import json, sys
-    import txl_deploy.runtimes, txl_deploy.exporters.onnx, txl_deploy.runtimes.onnxruntime
+    import txl_deploy.runtimes, txl_deploy.exporters.onnx.export, txl_deploy.runtimes.backends.onnxruntime
     from txl_deploy import TxlRuntime
     assert TxlRuntime is txl_deploy.runtimes.TxlRuntime
     assert "torch" not in sys.modules
     print(json.dumps({m: sys.modules[m].__file__ for m in
-                      ("txl_deploy", "txl_deploy.runtimes", "txl_deploy.exporters.onnx")}))
+                      ("txl_deploy", "txl_deploy.runtimes", "txl_deploy.exporters.onnx.export")}))
 """)
 
 
@@ -82,7 +82,7 @@ def test_checkout_root_imports_like_the_install(installed_clone):
     # From the checkout root the checkout's own sources are used, subpackages included (not a mix of both).
     assert files["txl_deploy"] == clone / "txl_deploy" / "__init__.py"
     assert files["txl_deploy.runtimes"] == clone / "runtimes" / "__init__.py"
-    assert files["txl_deploy.exporters.onnx"] == clone / "exporters" / "onnx.py"
+    assert files["txl_deploy.exporters.onnx.export"] == clone / "exporters" / "onnx.py"
 
 
 def test_install_imports_from_any_other_folder(installed_clone, tmp_path):
@@ -137,7 +137,7 @@ def test_runtimes_never_import_the_exporters():
 
 def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path):
     """The scan above must be able to fail: each spelling of an exporters import is caught."""
-    for line in ("from txl_deploy.exporters.tensorrt import load_engine", "import txl_deploy.exporters.onnx",
+    for line in ("from txl_deploy.exporters.tensorrt.build import load_engine", "import txl_deploy.exporters.onnx.export",
                  "from ..exporters import tensorrt", "from txl_deploy import exporters"):
         f = tmp_path / "m.py"
         f.write_text(f"def f():\n    {line}\n")

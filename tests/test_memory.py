@@ -22,12 +22,12 @@ def test_write_inline_streams_the_same_model_as_onnx_load(tiny_ckpt, tmp_path):
     import onnx
     import onnx.numpy_helper
 
-    from txl_deploy.onnx_file import read_metadata, write_inline
+    from txl_deploy.contract.onnx_file import read_metadata, write_inline
 
     single = tmp_path / "single.onnx"
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
-    export_onnx(tiny_ckpt, single, max_segment=16, verify=False, log=lambda *a: None)
+    export_onnx(tiny_ckpt, single, max_segment=16, verify=False)
     model = onnx.load(str(single))
     ext = tmp_path / "ext.onnx"
     onnx.save_model(onnx.load(str(single)), str(ext), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -46,8 +46,8 @@ def test_write_inline_streams_the_same_model_as_onnx_load(tiny_ckpt, tmp_path):
 
 
 def test_metadata_reader_refuses_what_is_not_onnx(tmp_path):
+    from txl_deploy.contract.metadata import read_onnx_info
     from txl_deploy.errors import CheckpointError
-    from txl_deploy.metadata import read_onnx_info
 
     bad = tmp_path / "notes.onnx"
     bad.write_text("this is a text file, not a protobuf\n" * 20)
@@ -95,7 +95,7 @@ def test_verification_in_position_blocks_says_what_one_call_says(tiny_ckpt, tiny
     """A log-prob budget smaller than one segment's [B, Q, V] splits the runtime's calls: same report. ONNX Runtime
     repeats a call without advancing its memory; the torch backend cannot and gets it back from a snapshot."""
     from txl_deploy.checkpoints import load_model
-    from txl_deploy.exporters.verify import ReferenceStream, compare_stream, verification_segments
+    from txl_deploy.exporters.onnx.verify import ReferenceStream, compare_stream, verification_segments
     from txl_deploy.runtimes import TxlRuntime
 
     reference = load_model(tiny_ckpt).build()
@@ -128,7 +128,7 @@ def test_a_step_that_does_not_advance_leaves_the_memory_as_it_was(tiny_onnx):
 
 def test_estimates_name_their_terms_and_grow_with_the_memory():
     from txl_deploy.config import published_config
-    from txl_deploy.memory import export_peaks, runtime_peak, state_bytes
+    from txl_deploy.exporters.onnx.ram import export_peaks, runtime_peak, state_bytes
 
     cfg = published_config("wt103-large")
     w = 1_140_000_000
@@ -141,7 +141,7 @@ def test_estimates_name_their_terms_and_grow_with_the_memory():
 
 
 def test_an_export_that_would_not_fit_says_so_before_it_starts(tiny_ckpt, tmp_path, monkeypatch):
-    import txl_deploy.memory as memory
+    import txl_deploy.exporters.onnx.ram as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 1)  # 1 byte: nothing fits
     out = tmp_path / "m.onnx"
@@ -188,7 +188,7 @@ GUARD_RATIO = {True: 6.0, False: 3.0}
 
 @pytest.mark.parametrize("verify", [False, True], ids=["no-verify", "verify"])
 def test_export_peak_memory_ratio_on_a_small_shape(tmp_path, verify):
-    from txl_deploy.bench.standin import char_vocab, random_model
+    from txl_deploy.bench.random_weights import char_vocab, random_model
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.config import TxlConfig
 

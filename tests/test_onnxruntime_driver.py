@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from txl_deploy.demo_assets import demo_model_path
+from txl_deploy.assets import demo_model_path
 from txl_deploy.runtimes import TxlRuntime
 
 DRIVER = Path(__file__).resolve().parents[1] / "examples" / "onnxruntime_driver.py"
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3}
-QUIET = dict(log=lambda *a: None)
 
 
 def _load_driver():
@@ -36,16 +35,16 @@ def _load_driver():
 
 @pytest.fixture(scope="module")
 def demo_graphs(tmp_path_factory):
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.exporters.precision import reduce_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.exporters.precision.convert import reduce_onnx
 
     root = tmp_path_factory.mktemp("driver")
     out = {}
     for state in ("incremental", "full"):
         out[("fp32", state)] = root / f"demo-{state}.onnx"
-        export_onnx(demo_model_path(), out[("fp32", state)], state=state, **QUIET)
+        export_onnx(demo_model_path(), out[("fp32", state)], state=state)
         out[("fp16", state)] = root / f"demo-{state}-fp16.onnx"
-        reduce_onnx(out[("fp32", state)], out[("fp16", state)], precision="fp16", **QUIET)
+        reduce_onnx(out[("fp32", state)], out[("fp16", state)], precision="fp16")
     return out
 
 

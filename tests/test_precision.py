@@ -13,13 +13,13 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import ExportError, InputError, OutputExistsError
-from txl_deploy.exporters.precision import STREAM_TOLERANCE, StreamingCalibration, reduce_onnx
-from txl_deploy.exporters.trt_compat import check_tensorrt_compat
-from txl_deploy.metadata import read_onnx_info
+from txl_deploy.exporters.precision.convert import STREAM_TOLERANCE, reduce_onnx
+from txl_deploy.exporters.precision.int8 import StreamingCalibration
+from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.runtimes import TxlRuntime
 
-QUIET = dict(log=lambda *a: None)
 TOP1 = {"fp16": 0.98, "int8": 0.9, "int8-dynamic": 0.9}
 MAX_ABS = {"fp16": 5e-2, "int8": 0.5, "int8-dynamic": 0.5}
 
@@ -46,7 +46,7 @@ def reduced(tiny_onnx, calib_file, tmp_path_factory):
     out = {}
     for precision in ("fp16", "int8", "int8-dynamic"):
         out[precision] = root / f"{precision}.onnx"
-        reduce_onnx(tiny_onnx, out[precision], precision=precision, calib=calib_file, **QUIET)
+        reduce_onnx(tiny_onnx, out[precision], precision=precision, calib=calib_file)
     return out
 
 
@@ -136,7 +136,7 @@ def test_int8_dynamic_is_flagged_not_for_tensorrt(reduced):
 
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int8-dynamic"])
 def test_metadata_records_precision_and_a_true_accuracy_change(reduced, tiny_onnx, calib_file, precision):
-    from txl_deploy.evaluate import streaming_eval
+    from txl_deploy.runtimes.evaluation import streaming_eval
 
     info = read_onnx_info(reduced[precision])
     assert info.precision == precision and info.mem_len == 12 and info.vocab is not None
@@ -177,7 +177,7 @@ def test_full_state_layout(tiny_onnx_full, tmp_path):
     segs = _segments()
     for precision in ("fp16", "int8"):
         out = tmp_path / f"{precision}.onnx"
-        reduce_onnx(tiny_onnx_full, out, precision=precision, calib=ids, **QUIET)
+        reduce_onnx(tiny_onnx_full, out, precision=precision, calib=ids)
         with TxlRuntime.load(out) as rt, TxlRuntime.load(tiny_onnx_full) as ref:
             assert rt.backend.spec.state == "full"
             assert np.abs(_stream(rt, segs) - _stream(ref, segs)).max() <= MAX_ABS[precision]
@@ -186,7 +186,7 @@ def test_full_state_layout(tiny_onnx_full, tmp_path):
 # -- errors ----------------------------------------------------------------------------------------------------
 def test_int8_needs_calibration_data(tiny_onnx, tmp_path):
     with pytest.raises(InputError, match="needs calibration data"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8")
     assert not (tmp_path / "x.onnx").exists()
 
 
@@ -194,9 +194,9 @@ def test_calibration_shorter_than_a_segment(tiny_onnx, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("w1 w2 w3\n")  # 4 tokens with <eos>; a segment is tgt_len = 8
     with pytest.raises(InputError, match=r"short\.txt.*shorter than one segment of 8 tokens"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=short, **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=short)
     with pytest.raises(InputError, match="shorter than one segment"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="fp16", eval_data=short, **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="fp16", eval_data=short)
     assert not (tmp_path / "x.onnx").exists()
 
 
@@ -204,23 +204,23 @@ def test_bad_calibration_files(tiny_onnx, tmp_path):
     floats = tmp_path / "f.npy"
     np.save(floats, np.zeros(50, dtype=np.float32))
     with pytest.raises(InputError, match="integer token ids"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=floats, **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=floats)
     big = tmp_path / "big.npy"
     np.save(big, np.full(50, 60))
     with pytest.raises(InputError, match="outside the vocabulary"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=big, **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int8", calib=big)
     with pytest.raises(InputError, match="precision 'int2'"):
-        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int2", **QUIET)
+        reduce_onnx(tiny_onnx, tmp_path / "x.onnx", precision="int2")
 
 
 def test_never_overwrites_and_needs_an_fp32_source(reduced, tiny_onnx, tmp_path):
     out = tmp_path / "exists.onnx"
     out.write_bytes(b"mine")
     with pytest.raises(OutputExistsError):
-        reduce_onnx(tiny_onnx, out, precision="fp16", **QUIET)
+        reduce_onnx(tiny_onnx, out, precision="fp16")
     assert out.read_bytes() == b"mine"
     with pytest.raises(ExportError, match="is a fp16 graph"):
-        reduce_onnx(reduced["fp16"], tmp_path / "again.onnx", precision="int8-dynamic", **QUIET)
+        reduce_onnx(reduced["fp16"], tmp_path / "again.onnx", precision="int8-dynamic")
 
 
 def test_cli_export_precision(tiny_ckpt, calib_file, tmp_path):

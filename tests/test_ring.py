@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from txl_deploy.ring import write_ring, write_segment
+from txl_deploy.contract.ring import write_ring, write_segment
 
 H, DH = 2, 3
 
@@ -90,7 +90,7 @@ def test_ring_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nimport txl_deploy.ring, txl_deploy.runtimes.onnxruntime\n"
+    code = ("import sys\nimport txl_deploy.contract.ring, txl_deploy.runtimes.backends.onnxruntime\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -10,10 +10,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
 from strict_variants import Variants, check_file, polygraphy_lint, variant_keys, variant_name
+
 from txl_deploy.errors import ExportError
-from txl_deploy.exporters.strict import check_strict, first_unsorted, toposort
+from txl_deploy.exporters.graph_checks import check_strict, first_unsorted, toposort
 
 KEYS = variant_keys()
 IDS = [variant_name(k) for k in KEYS]
@@ -62,7 +62,7 @@ def test_variant_passes_polygraphy_lint(variants, lint_results, key):
 def test_tensorrt_table_and_polygraphy_on_each_variant(variants, lint_results, key):
     """Polygraphy lints every variant clean: it checks ONNX validity through ONNX Runtime, not TensorRT. The table
     refuses int8-dynamic for what TensorRT's operator matrix marks unsupported, and nothing else."""
-    from txl_deploy.exporters.trt_compat import check_tensorrt_compat
+    from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 
     report = check_tensorrt_compat(variants[key])
     assert lint_results[str(variants[key])]["errors"] == []
@@ -185,7 +185,7 @@ def test_check_strict_of_a_path_with_external_data_and_of_a_large_proto(tmp_path
     with pytest.raises(ExportError, match="fails onnx.checker"):
         check_strict(path, "external without its data")
     # a proto over protobuf's limit is checked through a file (the limit is lowered to reach that path)
-    from txl_deploy.exporters import strict
+    from txl_deploy.exporters import graph_checks as strict
 
     monkeypatch.setattr(strict, "_PROTOBUF_LIMIT", 10)
     model = model_with_weight()
@@ -194,7 +194,7 @@ def test_check_strict_of_a_path_with_external_data_and_of_a_large_proto(tmp_path
 
 
 def test_exporter_refuses_to_write_a_graph_that_fails(tiny_ckpt, tmp_path, monkeypatch):
-    from txl_deploy.exporters import onnx as onnx_export
+    from txl_deploy.exporters.onnx import export as onnx_export
 
     def shuffle(path, what):
         raise ExportError(f"{what}: node node_log_softmax (LogSoftmax) reads 'x' before the node that produces it")
@@ -202,13 +202,13 @@ def test_exporter_refuses_to_write_a_graph_that_fails(tiny_ckpt, tmp_path, monke
     monkeypatch.setattr(onnx_export, "check_strict", shuffle)
     out = tmp_path / "refused.onnx"
     with pytest.raises(ExportError, match=r"the exported graph: node node_log_softmax \(LogSoftmax\)"):
-        onnx_export.export_onnx(tiny_ckpt, out, max_segment=16, verify=False, log=lambda *a: None)
+        onnx_export.export_onnx(tiny_ckpt, out, max_segment=16, verify=False)
     assert list(tmp_path.iterdir()) == []  # nothing written, no partial file left
 
 
 @pytest.mark.parametrize("opset", [16, 21])
 def test_unsupported_opsets_are_refused_up_front(tiny_ckpt, tmp_path, opset):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     with pytest.raises(ExportError, match=f"opset {opset} is not supported: choose 17 to 20"):
-        export_onnx(tiny_ckpt, tmp_path / "x.onnx", opset=opset, log=lambda *a: None)
+        export_onnx(tiny_ckpt, tmp_path / "x.onnx", opset=opset)

@@ -26,8 +26,10 @@ tf = pytest.importorskip("tensorflow")
 from click.testing import CliRunner  # noqa: E402
 
 from txl_deploy.checkpoints import load_model  # noqa: E402
-from txl_deploy.checkpoints import tensorflow as tfc  # noqa: E402
-from txl_deploy.checkpoints.tf_bundle import TFCheckpoint, crc32c  # noqa: E402
+from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture  # noqa: E402
+from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint, crc32c  # noqa: E402
+from txl_deploy.checkpoints.tensorflow.corpus import read_cache_vocab  # noqa: E402
+from txl_deploy.checkpoints.tensorflow.presets import PRESETS, eval_settings, matching_presets  # noqa: E402
 from txl_deploy.cli import main  # noqa: E402
 from txl_deploy.errors import CheckpointError  # noqa: E402
 
@@ -424,7 +426,7 @@ def test_crc32c_known_value():
     # the check value of CRC-32C (Castagnoli) for "123456789"; the lane-parallel path agrees with the bytewise one
     assert crc32c(b"123456789") == 0xE3069283
     data = np.random.default_rng(0).integers(0, 256, (1 << 17) + 11, dtype=np.uint8).tobytes()
-    from txl_deploy.checkpoints.tf_bundle import _crc_register
+    from txl_deploy.checkpoints.tensorflow.bundle import _crc_register
 
     assert crc32c(data) == _crc_register(data, 0xFFFFFFFF) ^ 0xFFFFFFFF
 
@@ -464,7 +466,7 @@ def onnx_zero_memory_log_probs(onnx_path, cfg, mem_len, tokens, tgt_len):
     (every slot valid, i.e. mem_count = mem_len; a zero hidden state projects to zero keys and values)."""
     import onnxruntime as ort
 
-    from txl_deploy.io_spec import GraphSpec
+    from txl_deploy.contract.io_spec import GraphSpec
 
     spec = GraphSpec(cfg.n_layer, cfg.n_head, cfg.d_head, mem_len, cfg.n_token, "full")
     opts = ort.SessionOptions()
@@ -487,7 +489,7 @@ def onnx_zero_memory_log_probs(onnx_path, cfg, mem_len, tokens, tgt_len):
 
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_convert_export_matches_tensorflow_equations(published, tmp_path, name):
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     root, weights, spec = published[name]
     out = tmp_path / "converted"
@@ -509,7 +511,7 @@ def test_convert_export_matches_tensorflow_equations(published, tmp_path, name):
 
     loaded = load_model(out)
     onnx_path = tmp_path / "model.onnx"
-    export_onnx(loaded, onnx_path, state="full", max_segment=8, log=lambda *a: None)  # verified vs PyTorch
+    export_onnx(loaded, onnx_path, state="full", max_segment=8)  # verified vs PyTorch
     tokens = stream_for(spec, n_segments=6)
     reference = tf_reference_log_probs(weights, spec, tokens)
     got = onnx_zero_memory_log_probs(onnx_path, loaded.config, spec["mem_len"], tokens, spec["tgt_len"])
@@ -557,25 +559,25 @@ PUBLISHED_FLAGS = {
 
 @pytest.mark.parametrize("preset", list(PUBLISHED_FLAGS))
 def test_published_shapes_pick_their_preset(preset):
-    spec = {**tfc.PRESETS[preset], **PUBLISHED_FLAGS[preset]}
+    spec = {**PRESETS[preset], **PUBLISHED_FLAGS[preset]}
     shapes = tf_variable_shapes(spec)
     if preset == "lm1b-large":  # proj_same_dim False: the first cluster has no projection on either side
         assert "transformer/adaptive_embed/cutoff_0/proj_W" not in shapes
         assert "transformer/adaptive_softmax/cutoff_0/proj" not in shapes
-    arch = tfc.infer_architecture(shapes)
+    arch = infer_architecture(shapes)
     for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val", "untie_r", "n_token", "cutoffs"):
         assert arch[key] == spec[key], key
-    candidates = tfc.matching_presets(arch)
+    candidates = matching_presets(arch)
     if preset in ("enwik8-large", "text8-large"):
         assert candidates == ["enwik8-large", "text8-large"]  # same shapes; corpus-info.json's dataset decides
-        settings, sources = tfc._settings(arch, None, None, None, preset.split("-")[0], "x")
+        settings, sources = eval_settings(arch, None, None, None, preset.split("-")[0], "x")
         assert sources["_preset"] == preset
         with pytest.raises(CheckpointError, match=r"several presets \(enwik8-large, text8-large\); pass --preset"):
-            tfc._settings(arch, None, None, None, None, "x")
+            eval_settings(arch, None, None, None, None, "x")
     else:
         assert candidates == [preset]
-        settings, sources = tfc._settings(arch, None, None, None, None, "x")
-    assert settings == {k: tfc.PRESETS[preset][k] for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
+        settings, sources = eval_settings(arch, None, None, None, None, "x")
+    assert settings == {k: PRESETS[preset][k] for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
     assert "paper's evaluation script" in sources["mem_len"]
 
 
@@ -608,16 +610,16 @@ def test_unsupported_names_and_shapes_name_the_variable():
     spec = FIXTURES["adaptive-shared"]
     shapes = tf_variable_shapes(spec)
     with pytest.raises(CheckpointError, match="'transformer/layer_1/rel_attn/qkv/bias' is not part of"):
-        tfc.infer_architecture({**shapes, "transformer/layer_1/rel_attn/qkv/bias": [48]})
+        infer_architecture({**shapes, "transformer/layer_1/rel_attn/qkv/bias": [48]})
     with pytest.raises(CheckpointError, match=r"'transformer/layer_1/ff/layer_2/kernel' has shape \[24, 15\]"):
-        tfc.infer_architecture({**shapes, "transformer/layer_1/ff/layer_2/kernel": [24, 15]})
+        infer_architecture({**shapes, "transformer/layer_1/ff/layer_2/kernel": [24, 15]})
     missing = dict(shapes)
     del missing["transformer/adaptive_embed/cutoff_1/proj_W"]
     with pytest.raises(CheckpointError, match="'transformer/adaptive_embed/cutoff_1/proj_W' is missing"):
-        tfc.infer_architecture(missing)
+        infer_architecture(missing)
     # global_step and Adam slots are not weights and are ignored
     extra = {**shapes, "global_step": [], "transformer/r_w_bias/Adam": [2, 2, 8], "beta2_power": []}
-    assert tfc.infer_architecture(extra)["n_layer"] == 2
+    assert infer_architecture(extra)["n_layer"] == 2
 
 
 def test_corpus_info_is_cross_checked(published, tmp_path):
@@ -647,7 +649,7 @@ def test_malicious_cache_pkl_is_refused_and_nothing_runs(published, tmp_path):
     evil = py2_cache_pickle(["a", "b"], "x").replace(b"ccollections\nCounter\n", b"cbuiltins\neval\n")
     (root / "data" / "cache.pkl").write_bytes(evil)
     with pytest.raises(CheckpointError, match="refused to unpickle builtins.eval"):
-        tfc.read_cache_vocab(root / "data" / "cache.pkl")
+        read_cache_vocab(root / "data" / "cache.pkl")
 
 
 def test_info_and_tf_semantics_for_other_formats(published, tmp_path):
@@ -674,14 +676,14 @@ def test_info_and_tf_semantics_for_other_formats(published, tmp_path):
 def test_zero_first_memory_reproduces_tensorflow_on_every_backend(published, tmp_path):
     """`start_from_zero_memory` / `eval --zero-memory`: TensorFlow's evaluation from the first segment on, on the
     eager reference, the cached PyTorch path and ONNX Runtime (incremental state, the runtimes' ring buffer)."""
-    from txl_deploy.exporters.onnx import export_onnx
+    from txl_deploy.exporters.onnx.export import export_onnx
     from txl_deploy.runtimes import TxlRuntime
 
     root, weights, spec = published["adaptive-shared"]
     out = tmp_path / "converted"
     assert run_cli("convert", root, "-o", out, "--config", root / "flags.json").exit_code == 0
     onnx_path = tmp_path / "model.onnx"
-    export_onnx(out, onnx_path, max_segment=8, log=lambda *a: None)
+    export_onnx(out, onnx_path, max_segment=8)
     tokens = stream_for(spec, n_segments=5, seed=2)
     reference = tf_reference_log_probs(weights, spec, tokens)
     T = spec["tgt_len"]

@@ -8,12 +8,12 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from txl_deploy import engine_file
 from txl_deploy.cli import main
 from txl_deploy.config import TxlConfig
+from txl_deploy.contract import engine_file
+from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
 from txl_deploy.errors import CheckpointError, TxlError
-from txl_deploy.exporters import tensorrt as trt_build
-from txl_deploy.metadata import ExportInfo, set_onnx_props
+from txl_deploy.exporters.tensorrt import build as trt_build
 
 
 def _onnx(path, precision="fp32", state="full", ours=True, qdq=False):

@@ -19,7 +19,7 @@ def _gpu_reason():
     except Exception as e:
         return f"TensorRT is not importable ({type(e).__name__}: {e})"
     try:
-        from txl_deploy.engine_file import gpu_info
+        from txl_deploy.contract.engine_file import gpu_info
 
         gpu_info()
     except Exception as e:
@@ -39,38 +39,38 @@ def exported(tmp_path_factory):
     """A tiny random model exported with the full state layout (what TensorRT engines are built from)."""
     import torch
 
-    from txl_deploy.checkpoints.ours import save_checkpoint
+    from txl_deploy.checkpoints.native import save_checkpoint
     from txl_deploy.config import TxlConfig
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.model import MemTransformerLM
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.model.mem_transformer import MemTransformerLM
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("trt")
     cfg = TxlConfig(n_token=50, n_layer=2, n_head=2, d_model=16, d_head=8, d_inner=32, mem_len=12, tgt_len=4)
     save_checkpoint(root / "ckpt", MemTransformerLM(cfg).eval(), None)
-    export_onnx(root / "ckpt", root / "fp32.onnx", state="full", max_segment=MAX_SEGMENT, log=lambda *a: None)
+    export_onnx(root / "ckpt", root / "fp32.onnx", state="full", max_segment=MAX_SEGMENT)
     return root
 
 
 def _onnx_for(exported, precision):
     if precision == "fp32":
         return exported / "fp32.onnx"
-    from txl_deploy.exporters import precision as reduced
+    from txl_deploy.exporters.precision import convert as reduced
 
     path = exported / f"{precision}.onnx"
     if not path.exists():
         calib = np.random.default_rng(1).integers(0, 50, size=400)
-        reduced.reduce_onnx(exported / "fp32.onnx", path, precision=precision, calib=calib, log=lambda *a: None)
+        reduced.reduce_onnx(exported / "fp32.onnx", path, precision=precision, calib=calib)
     return path
 
 
 def _engine_for(exported, precision):
-    from txl_deploy.exporters.tensorrt import build_engine
+    from txl_deploy.exporters.tensorrt.build import build_engine
 
     path = exported / f"{precision}.engine"
     if not path.exists():
         build_engine(_onnx_for(exported, precision), path, precision=precision, batch=(1, 2, 2),
-                     segment=(1, 1, MAX_SEGMENT), progress=False, log=lambda *a: None)
+                     segment=(1, 1, MAX_SEGMENT), progress=False)
     return path
 
 

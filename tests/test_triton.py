@@ -17,16 +17,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from txl_deploy import io_spec
+from txl_deploy.contract import io_spec
 from txl_deploy.errors import ExportError, OutputExistsError
 
 tc_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
 from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
 
-from txl_deploy.exporters.triton import pbtxt_string, write_repository  # noqa: E402
-
-QUIET = dict(log=lambda *a: None)
+from txl_deploy.serving.triton.repository import pbtxt_string, write_repository  # noqa: E402
 
 
 def parse(path):
@@ -36,10 +34,10 @@ def parse(path):
 
 # -- repositories ------------------------------------------------------------------------------------------------
 def test_onnxruntime_repository_uses_implicit_state_for_the_whole_memory(tiny_onnx_full, tmp_path):
-    from txl_deploy.metadata import read_onnx_info
+    from txl_deploy.contract.metadata import read_onnx_info
 
     repo = write_repository(tiny_onnx_full, tmp_path / "repo", max_batch=4, instances=3, max_sequences=10,
-                            idle_timeout=90, **QUIET)
+                            idle_timeout=90)
     cfg = parse(repo / "txl" / "config.pbtxt")
     info = read_onnx_info(tiny_onnx_full)
     spec = info.spec()
@@ -75,28 +73,28 @@ def test_onnxruntime_repository_uses_implicit_state_for_the_whole_memory(tiny_on
 
 def test_incremental_graph_is_refused_for_implicit_state(tiny_onnx, tmp_path):
     with pytest.raises(ExportError, match="--state full"):
-        write_repository(tiny_onnx, tmp_path / "repo", **QUIET)
+        write_repository(tiny_onnx, tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
 
 
 def test_options_that_triton_or_the_model_cannot_honour_are_refused(tiny_onnx_full, tmp_path):
     with pytest.raises(ExportError, match="below --max-batch"):
-        write_repository(tiny_onnx_full, tmp_path / "r", max_batch=8, max_sequences=4, **QUIET)
+        write_repository(tiny_onnx_full, tmp_path / "r", max_batch=8, max_sequences=4)
     with pytest.raises(ExportError, match="--instances must be"):
-        write_repository(tiny_onnx_full, tmp_path / "r", instances=0, **QUIET)
+        write_repository(tiny_onnx_full, tmp_path / "r", instances=0)
     with pytest.raises(ExportError, match="tensorrt backend serves engines"):
-        write_repository(tiny_onnx_full, tmp_path / "r", backend="tensorrt", **QUIET)
-    write_repository(tiny_onnx_full, tmp_path / "r", **QUIET)
+        write_repository(tiny_onnx_full, tmp_path / "r", backend="tensorrt")
+    write_repository(tiny_onnx_full, tmp_path / "r")
     with pytest.raises(OutputExistsError):
-        write_repository(tiny_onnx_full, tmp_path / "r", **QUIET)
-    write_repository(tiny_onnx_full, tmp_path / "r", force=True, max_batch=2, **QUIET)
+        write_repository(tiny_onnx_full, tmp_path / "r")
+    write_repository(tiny_onnx_full, tmp_path / "r", force=True, max_batch=2)
     assert parse(tmp_path / "r" / "txl" / "config.pbtxt").max_batch_size == 2
 
 
 def fake_engine(onnx_path, folder, batch_max=8):
     """An engine file + sidecar as build-engine writes them (TensorRT itself is not needed to write a repository)."""
-    from txl_deploy.engine_file import SIDECAR_FORMAT, SIDECAR_VERSION
-    from txl_deploy.metadata import read_onnx_info
+    from txl_deploy.contract.engine_file import SIDECAR_FORMAT, SIDECAR_VERSION
+    from txl_deploy.contract.metadata import read_onnx_info
 
     info = read_onnx_info(onnx_path)
     engine = folder / "tiny.engine"
@@ -111,18 +109,18 @@ def fake_engine(onnx_path, folder, batch_max=8):
 
 def test_tensorrt_repository(tiny_onnx_full, tmp_path):
     engine = fake_engine(tiny_onnx_full, tmp_path)
-    repo = write_repository(engine, tmp_path / "repo", max_batch=8, **QUIET)
+    repo = write_repository(engine, tmp_path / "repo", max_batch=8)
     cfg = parse(repo / "txl" / "config.pbtxt")
     assert cfg.platform == "tensorrt_plan" and cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert (repo / "txl" / "1" / "model.plan").read_bytes() == engine.read_bytes()
     assert (repo / "txl" / "1" / "model.plan.json").is_file()
     assert len(cfg.sequence_batching.state) == len(io_spec.GraphSpec(2, 2, 8, 12, 60, "full").state_inputs())
     with pytest.raises(ExportError, match="exceeds the engine's profile"):
-        write_repository(engine, tmp_path / "repo2", max_batch=16, **QUIET)
+        write_repository(engine, tmp_path / "repo2", max_batch=16)
 
 
 def test_python_repository_has_sequence_controls_and_the_model(tiny_onnx, tmp_path):
-    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", name="chat", max_batch=2, **QUIET)
+    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", name="chat", max_batch=2)
     cfg = parse(repo / "chat" / "config.pbtxt")
     assert cfg.backend == "python" and cfg.name == "chat"
     kinds = {ci.name: ci.control[0] for ci in cfg.sequence_batching.control_input}
@@ -162,7 +160,7 @@ def test_triton_repo_command(tiny_onnx, tiny_onnx_full, tmp_path):
 
 # -- a real server -------------------------------------------------------------------------------------------------
 def _find_server():
-    from txl_deploy.triton_local import TritonLaunchError, find_tritonserver
+    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
 
     try:
         return find_tritonserver()
@@ -178,16 +176,16 @@ def served_repo(tiny_onnx, tmp_path_factory):
         pytest.skip(found)
     base = tmp_path_factory.mktemp("triton")
     repo = write_repository(tiny_onnx, base / "repo", backend="python", max_batch=4, max_sequences=16,
-                            idle_timeout=120, **QUIET)
+                            idle_timeout=120)
     single = write_repository(tiny_onnx, base / "single", backend="python", name="one", max_batch=1,
-                              max_sequences=1, idle_timeout=120, **QUIET)
+                              max_sequences=1, idle_timeout=120)
     shutil.move(str(single / "one"), str(repo / "one"))
     return repo
 
 
 @pytest.fixture(scope="module")
 def server(served_repo):
-    from txl_deploy.triton_local import TritonServer
+    from txl_deploy.serving.triton.local_server import TritonServer
 
     with TritonServer(served_repo) as srv:
         yield srv
@@ -206,7 +204,7 @@ def alone(make_rt, prompt, n):
 
 
 def through_server(url, prompt, n, barrier=None):
-    from txl_deploy.serve_client import TxlTritonClient
+    from txl_deploy.serving.triton.client import TxlTritonClient
 
     client = TxlTritonClient(url, timeout=120)
     toks, lps = [], []
@@ -237,7 +235,7 @@ def test_concurrent_conversations_each_get_exactly_their_own_tokens(server, refe
 
 
 def test_an_ended_conversation_frees_its_slot(server):
-    from txl_deploy.serve_client import TxlTritonClient
+    from txl_deploy.serving.triton.client import TxlTritonClient
 
     a, b = TxlTritonClient(server.http_url, model="one"), TxlTritonClient(server.grpc_url, model="one")
     conv_a = a.conversation()
@@ -257,7 +255,7 @@ def test_an_ended_conversation_frees_its_slot(server):
 
 
 def test_unknown_or_ended_conversation_gets_an_error(server):
-    from txl_deploy.serve_client import ServingError, TxlTritonClient
+    from txl_deploy.serving.triton.client import ServingError, TxlTritonClient
 
     client = TxlTritonClient(server.http_url)
     with pytest.raises(ServingError, match="does not know conversation 12345"):
@@ -273,7 +271,7 @@ def test_bad_input_over_the_wire_is_refused_and_other_conversations_are_undistur
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
-    from txl_deploy.serve_client import ServingError, TxlTritonClient
+    from txl_deploy.serving.triton.client import ServingError, TxlTritonClient
 
     client = TxlTritonClient(server.http_url)
     prompt, n = [5, 17, 42, 3], 6
@@ -323,8 +321,8 @@ def test_bad_input_over_the_wire_is_refused_and_other_conversations_are_undistur
 
 
 def test_a_server_restart_gives_the_client_a_clear_error(served_repo):
-    from txl_deploy.serve_client import ServingError, TxlTritonClient
-    from txl_deploy.triton_local import TritonServer
+    from txl_deploy.serving.triton.client import ServingError, TxlTritonClient
+    from txl_deploy.serving.triton.local_server import TritonServer
 
     with TritonServer(served_repo) as srv:
         client = TxlTritonClient(srv.grpc_url, timeout=30)
@@ -364,12 +362,12 @@ def test_serve_client_command_streams_the_greedy_continuation(server, reference)
 def test_triton_core_loads_the_implicit_state_section(tiny_onnx_full, tmp_path):
     """The bundled server has no ONNX Runtime backend, but Triton core validates the sequence batcher and its state
     section for any backend: load the onnxruntime config with the python backend in the platform's place."""
-    from txl_deploy.triton_local import TritonServer
+    from txl_deploy.serving.triton.local_server import TritonServer
 
     found = _find_server()
     if isinstance(found, str):
         pytest.skip(found)
-    repo = write_repository(tiny_onnx_full, tmp_path / "repo", **QUIET)
+    repo = write_repository(tiny_onnx_full, tmp_path / "repo")
     config = repo / "txl" / "config.pbtxt"
     text = config.read_text().replace('platform: "onnxruntime_onnx"', 'backend: "python"')
     config.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("default_model_filename")))

@@ -17,32 +17,29 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
-from txl_deploy.exporters.triton import write_repository  # noqa: E402
-
 from test_triton import alone  # noqa: E402
 
-QUIET = dict(log=lambda *a: None)
+from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def other_onnx(tmp_path_factory):
     """A second model of the same shape with other weights: its saved states must not load into the first."""
-    from conftest import make_tiny_model
-    from txl_deploy.checkpoints import save_checkpoint
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.vocab import Vocab
+    from conftest import TINY_VOCAB, make_tiny_model
 
-    from conftest import TINY_VOCAB
+    from txl_deploy.checkpoints import save_checkpoint
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.vocab import Vocab
 
     base = tmp_path_factory.mktemp("other")
     save_checkpoint(base / "ckpt", make_tiny_model(seed=1), Vocab(TINY_VOCAB))
-    export_onnx(base / "ckpt", base / "other.onnx", max_segment=16, log=lambda *a: None)
+    export_onnx(base / "ckpt", base / "other.onnx", max_segment=16)
     return base / "other.onnx"
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_onnx, other_onnx, tmp_path_factory):
-    from txl_deploy.triton_local import TritonLaunchError, TritonServer, find_tritonserver
+    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
 
     try:
         find_tritonserver()
@@ -50,9 +47,9 @@ def servers(tiny_onnx, other_onnx, tmp_path_factory):
         pytest.skip(str(e))
     base = tmp_path_factory.mktemp("cluster")
     repo = write_repository(tiny_onnx, base / "repo", backend="python", max_batch=4, max_sequences=16,
-                            idle_timeout=120, threads=1, **QUIET)
+                            idle_timeout=120, threads=1)
     other = write_repository(other_onnx, base / "other", backend="python", name="other", max_batch=2,
-                             max_sequences=4, idle_timeout=120, threads=1, **QUIET)
+                             max_sequences=4, idle_timeout=120, threads=1)
     shutil.move(str(other / "other"), str(repo / "other"))
     started = [TritonServer(repo) for _ in range(3)]
     try:
@@ -81,7 +78,7 @@ def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onn
 
     from txl_deploy.errors import ExportError
 
-    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", threads=2, **QUIET)
+    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", threads=2)
     cfg = text_format.Parse((repo / "txl" / "config.pbtxt").read_text(), mc.ModelConfig())
     inputs = {i.name: i for i in cfg.input}
     assert inputs["resume_state"].optional and inputs["resume_state"].data_type == mc.TYPE_UINT8
@@ -90,7 +87,7 @@ def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onn
     assert cfg.parameters["txl_deploy.threads"].string_value == "2"
     assert "client.drain(url)" in (repo / "README.md").read_text()
     with pytest.raises(ExportError, match="--threads must be an integer >= 1"):
-        write_repository(tiny_onnx, tmp_path / "r2", backend="python", threads=0, **QUIET)
+        write_repository(tiny_onnx, tmp_path / "r2", backend="python", threads=0)
     from click.testing import CliRunner
 
     from txl_deploy.cli import main
@@ -107,7 +104,7 @@ def test_python_repository_declares_park_and_resume_tensors_and_threads(tiny_onn
 
 # -- routing ---------------------------------------------------------------------------------------------------
 def test_rendezvous_routing_is_balanced_and_moves_only_a_removed_servers_conversations():
-    from txl_deploy.serve_client import rendezvous_order
+    from txl_deploy.serving.triton.client import rendezvous_order
 
     urls = [f"grpc://10.0.0.{i}:8001" for i in range(4)]
     ids = range(1, 4001)
@@ -125,7 +122,7 @@ def test_rendezvous_routing_is_balanced_and_moves_only_a_removed_servers_convers
 
 # -- park, resume, move ----------------------------------------------------------------------------------------
 def test_a_conversation_moved_to_another_server_continues_exactly(servers, reference):
-    from txl_deploy.serve_client import TxlTritonClient, parked_info
+    from txl_deploy.serving.triton.client import TxlTritonClient, parked_info
 
     a, b = TxlTritonClient(servers[0].grpc_url), TxlTritonClient(servers[1].http_url)
     prompt, n, k = [5, 17, 42, 3, 9, 11, 30, 2, 8, 1, 4, 44, 13, 50, 7, 6, 22, 19], 10, 4  # prompt: 2 pieces
@@ -148,7 +145,7 @@ def test_a_conversation_moved_to_another_server_continues_exactly(servers, refer
     assert want_toks == ref_toks
     np.testing.assert_allclose(np.stack(want_lps), np.stack(ref_lps), rtol=0, atol=1e-5)
     # A moved conversation's old id is free on the first server: it ended there.
-    from txl_deploy.serve_client import ServingError
+    from txl_deploy.serving.triton.client import ServingError
 
     with pytest.raises(ServingError, match=f"does not know conversation {moving.id}"):
         a.infer(moving.id, [1], [0])
@@ -157,7 +154,7 @@ def test_a_conversation_moved_to_another_server_continues_exactly(servers, refer
 
 
 def test_a_parked_conversation_resumes_in_process_too(servers, reference):
-    from txl_deploy.serve_client import TxlTritonClient
+    from txl_deploy.serving.triton.client import TxlTritonClient
 
     client = TxlTritonClient(servers[2].grpc_url)
     prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 6
@@ -173,7 +170,7 @@ def test_a_parked_conversation_resumes_in_process_too(servers, reference):
 
 
 def test_a_state_from_another_model_or_garbage_is_refused(servers):
-    from txl_deploy.serve_client import ServingError, TxlTritonClient
+    from txl_deploy.serving.triton.client import ServingError, TxlTritonClient
 
     txl, other = TxlTritonClient(servers[0].grpc_url), TxlTritonClient(servers[1].grpc_url, model="other")
     conv = txl.conversation()
@@ -197,7 +194,7 @@ def test_a_state_from_another_model_or_garbage_is_refused(servers):
 def _ids_spread(urls, per_server, start):
     """Sequence ids whose rendezvous choice puts `per_server` conversations on each server (random ids could leave
     a server empty and the test without its subject)."""
-    from txl_deploy.serve_client import rendezvous_order
+    from txl_deploy.serving.triton.client import rendezvous_order
 
     picked, counts, i = [], {u: 0 for u in urls}, start
     while len(picked) < per_server * len(urls):
@@ -215,7 +212,7 @@ def _prompts(count, seed):
 
 
 def test_draining_a_server_mid_run_moves_its_conversations_and_every_one_continues(servers, reference):
-    from txl_deploy.serve_client import TxlTritonClient
+    from txl_deploy.serving.triton.client import TxlTritonClient
 
     urls = [s.grpc_url for s in servers]
     client = TxlTritonClient(urls)  # one client shared by the threads (gRPC)
@@ -257,7 +254,7 @@ def test_draining_a_server_mid_run_moves_its_conversations_and_every_one_continu
 
 def test_a_killed_server_fails_only_its_conversations_each_with_a_clear_error(servers, reference):
     """Runs last: it kills the third server (the module's teardown stops the rest)."""
-    from txl_deploy.serve_client import ServingError, TxlTritonClient
+    from txl_deploy.serving.triton.client import ServingError, TxlTritonClient
 
     urls = [s.grpc_url for s in servers]
     client = TxlTritonClient(urls, timeout=20)

@@ -19,7 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_load.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    from txl_deploy.triton_local import TritonLaunchError, find_tritonserver
+    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
 
     try:
         find_tritonserver()
@@ -32,8 +32,7 @@ def bench():
 
 
 def test_load_benchmark_reports_every_field_and_server_tokens_equal_in_process(bench, tiny_onnx):
-    result = bench.run_benchmark(tiny_onnx, concurrency=[2], tokens=3, instances=[1], prompt_len=20, repeat=1,
-                                 log=lambda *a: None)
+    result = bench.run_benchmark(tiny_onnx, concurrency=[2], tokens=3, instances=[1], prompt_len=20, repeat=1)
     json.dumps(result)  # --json writes it as is
     for key in ("date", "machine", "versions", "model", "tokens", "concurrency", "instances", "server",
                 "in_process", "in_process_batched", "tokens_match", "prompt_kind"):
@@ -66,7 +65,7 @@ def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, tin
     from txl_deploy.errors import InputError
 
     with pytest.raises(InputError, match="--tokens must be at least 2"):
-        bench.run_benchmark(tiny_onnx, concurrency=[1], tokens=1, log=lambda *a: None)
+        bench.run_benchmark(tiny_onnx, concurrency=[1], tokens=1)
     existing = tmp_path / "out.json"
     existing.write_text("{}")
     assert bench.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2

@@ -136,11 +136,10 @@ def test_one_execute_serves_mixed_segment_lengths_positions_and_a_bad_request(mo
     out_positions (padded), a conversation starting from a parked state, and a bad request that gets its own error."""
     import json
 
-    from txl_deploy.exporters.triton import write_repository
     from txl_deploy.runtimes import TxlRuntime
+    from txl_deploy.serving.triton.repository import write_repository
 
-    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", max_batch=8, max_sequences=8,
-                            log=lambda *a: None)
+    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", max_batch=8, max_sequences=8)
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2 as mc
 

@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from txl_deploy.errors import ExportError
-from txl_deploy.exporters.trt_compat import SUPPORTED_OPS, check_tensorrt_compat
+from txl_deploy.exporters.tensorrt.compat import SUPPORTED_OPS, check_tensorrt_compat
 
 
 def _model(nodes, inputs=None, outputs=None, initializers=(), opset=17, value_info=()):

@@ -34,10 +34,9 @@ import pytest
 from click.testing import CliRunner
 
 from txl_deploy.errors import InputError, OutputExistsError
-from txl_deploy.exporters.web import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRITY, ORT_WEB_VERSION, sri, write_site
+from txl_deploy.exporters.web.site import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRITY, ORT_WEB_VERSION, sri, write_site
 from txl_deploy.runtimes import TxlRuntime
 
-QUIET = dict(log=lambda *a: None)
 NPM_DIR = Path(os.environ.get("TXL_NPM_CACHE", Path.home() / ".cache" / "txl-deploy" / "npm"))
 ORT_WEB_DIR = NPM_DIR / "node_modules" / "onnxruntime-web"
 REQUIRED = os.environ.get("TXL_WEB_TESTS") == "required"
@@ -57,23 +56,23 @@ def _need(condition: bool, why: str):
 @pytest.fixture(scope="module")
 def demo_exports(tmp_path_factory):
     """The demo model in fp32, fp16 and int4 (segments up to 64, so a 128-slot ring wraps inside a short stream)."""
-    from txl_deploy.demo_assets import DEMO_DIR
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.exporters.precision import reduce_onnx
+    from txl_deploy.assets import DEMO_DIR
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.exporters.precision.convert import reduce_onnx
 
     root = tmp_path_factory.mktemp("web-models")
     out = {"fp32": root / "kjv.onnx"}
-    export_onnx(DEMO_DIR / "kjv-char", out["fp32"], max_segment=64, **QUIET)
+    export_onnx(DEMO_DIR / "kjv-char", out["fp32"], max_segment=64)
     for precision in ("fp16", "int4"):
         out[precision] = root / f"kjv-{precision}.onnx"
-        reduce_onnx(out["fp32"], out[precision], precision=precision, **QUIET)
+        reduce_onnx(out["fp32"], out[precision], precision=precision)
     out["fp32-full"] = root / "kjv-full.onnx"  # the other state layout: the driver swaps in the whole next state
-    export_onnx(DEMO_DIR / "kjv-char", out["fp32-full"], max_segment=64, state="full", **QUIET)
+    export_onnx(DEMO_DIR / "kjv-char", out["fp32-full"], max_segment=64, state="full")
     return out
 
 
 def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
-    site = write_site(demo_exports["fp32"], tmp_path / "site", **QUIET)
+    site = write_site(demo_exports["fp32"], tmp_path / "site")
     names = sorted(p.name for p in site.iterdir())
     assert names == ["app.js", "index.html", "model.json", "model.onnx", "txl.js", "vocab.json"]
     assert (site / "model.onnx").read_bytes() == demo_exports["fp32"].read_bytes()
@@ -106,7 +105,7 @@ def test_pinned_hashes_are_those_of_the_npm_release():
 
 def test_site_with_local_runtime_and_refusals(demo_exports, tmp_path):
     _need(ORT_WEB_DIR.is_dir(), f"no npm install of onnxruntime-web in {NPM_DIR}")
-    site = write_site(demo_exports["int4"], tmp_path / "site", ort_web=NPM_DIR, **QUIET)
+    site = write_site(demo_exports["int4"], tmp_path / "site", ort_web=NPM_DIR)
     assert sorted(p.name for p in (site / "ort").iterdir()) == sorted([ORT_MODULE, ORT_WASM])
     page = (site / "index.html").read_text()
     assert "cdn.jsdelivr" not in page and f"./ort/{ORT_MODULE}" in page
@@ -114,12 +113,12 @@ def test_site_with_local_runtime_and_refusals(demo_exports, tmp_path):
     assert json.loads((site / "model.json").read_text())["precision"] == "int4"
     # no overwrite without --force; nothing half-written on a refusal
     with pytest.raises(OutputExistsError):
-        write_site(demo_exports["fp32"], site, **QUIET)
+        write_site(demo_exports["fp32"], site)
     assert json.loads((site / "model.json").read_text())["precision"] == "int4"
-    write_site(demo_exports["fp32"], site, force=True, **QUIET)
+    write_site(demo_exports["fp32"], site, force=True)
     assert json.loads((site / "model.json").read_text())["precision"] == "fp32" and not (site / "ort").exists()
     with pytest.raises(InputError, match="no onnxruntime-web here"):
-        write_site(demo_exports["fp32"], tmp_path / "other", ort_web=tmp_path, **QUIET)
+        write_site(demo_exports["fp32"], tmp_path / "other", ort_web=tmp_path)
     assert not (tmp_path / "other").exists()
 
 
@@ -281,7 +280,7 @@ def served(demo_exports, browser, tmp_path_factory):
     """Each precision's site (local onnxruntime-web) behind one server on 127.0.0.1."""
     root = tmp_path_factory.mktemp("sites")
     for precision, path in demo_exports.items():
-        write_site(path, root / precision, ort_web=ORT_WEB_DIR, **QUIET)
+        write_site(path, root / precision, ort_web=ORT_WEB_DIR)
     server = Server(root)
     yield server.url
     server.stop()

@@ -1,13 +1,14 @@
 """txl-deploy: ship a trained Transformer-XL (ONNX with explicit memory I/O, TensorRT, fast incremental runtime).
 
 `import txl_deploy` imports neither torch nor tensorrt: edge devices run the ONNX Runtime and TensorRT backends
-with numpy alone. The heavy modules are imported when first used.
+with numpy alone. torch, onnxruntime and tensorrt are imported by the code that uses them, when it runs.
 """
 
-from .config import PUBLISHED_SHAPES, TxlConfig, published_config
-from .errors import CheckpointError, ExportError, InputError, TxlError
+import os
+import sys
+from importlib.util import spec_from_file_location
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # before anything is imported: modules below read it while this package initialises
 
 
 def _map_checkout_folders():
@@ -22,9 +23,6 @@ def _map_checkout_folders():
     The test looks only at where this file lies, never at the working directory: an installed copy has its
     subpackages beside this file and maps nothing, whatever folder Python runs in.
     """
-    import os
-    import sys
-
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     folders = {f"{__name__}.{name}": os.path.join(root, name) for name in ("exporters", "runtimes")}
@@ -33,7 +31,6 @@ def _map_checkout_folders():
         return
     if any(getattr(finder, "folders", None) == folders for finder in sys.meta_path):
         return  # imported again (importlib.reload): one finder is enough
-    from importlib.util import spec_from_file_location
 
     class CheckoutFinder:
         @staticmethod
@@ -50,20 +47,13 @@ def _map_checkout_folders():
 
 _map_checkout_folders()
 
+# The public names. Imported after the checkout mapping above, which `txl_deploy.runtimes` needs in a checkout.
+from txl_deploy.config import PUBLISHED_SHAPES, TxlConfig, published_config  # noqa: E402
+from txl_deploy.errors import CheckpointError, ExportError, InputError, TxlError  # noqa: E402
+from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.vocab import Vocab  # noqa: E402
+
 __all__ = [
     "TxlConfig", "PUBLISHED_SHAPES", "published_config", "TxlError", "CheckpointError", "InputError",
     "ExportError", "TxlRuntime", "Vocab", "__version__",
 ]
-
-
-def __getattr__(name):
-    # Lazy: `from txl_deploy import TxlRuntime` must not pull in torch.
-    if name == "TxlRuntime":
-        from .runtimes import TxlRuntime
-
-        return TxlRuntime
-    if name == "Vocab":
-        from .vocab import Vocab
-
-        return Vocab
-    raise AttributeError(name)

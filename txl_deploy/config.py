@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .errors import TxlError
+from txl_deploy.errors import TxlError
 
 
 @dataclass

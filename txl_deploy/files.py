@@ -6,7 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import OutputExistsError
+from txl_deploy.errors import OutputExistsError
 
 
 def check_writable(path, force=False):

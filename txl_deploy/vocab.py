@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError, InputError
+from txl_deploy.errors import CheckpointError, InputError
 
 KINDS = ("word", "char")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import platform
 import sys
@@ -56,7 +57,7 @@ def greedy(rt) -> list[int]:
 
 def open_runtime(model):
     from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.onnxruntime import OrtBackend
+    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
     # one intra-op thread on both sides: same reduction order, and QEMU's threads would share two busy cores
     return TxlRuntime(OrtBackend(model, providers=["cpu"], intra_op_threads=1))
@@ -67,12 +68,12 @@ def reference(work: Path, eval_chars: int):
 
     import onnxruntime
 
-    from txl_deploy.demo_assets import demo_heldout_path, demo_model_path
-    from txl_deploy.exporters.onnx import export_onnx
-    from txl_deploy.exporters.verify import verification_segments
+    from txl_deploy.assets import demo_heldout_path, demo_model_path
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.exporters.onnx.verify import verification_segments
 
     model = work / "model.onnx"
-    export_onnx(demo_model_path(), model, log=lambda msg: print("  " + msg.strip()))
+    export_onnx(demo_model_path(), model)
     text = demo_heldout_path().read_text(encoding="utf-8")[:eval_chars]
     (work / "heldout.txt").write_text(text, encoding="utf-8")
     with open_runtime(model) as rt:
@@ -150,7 +151,7 @@ def guest(work: Path, cpu: str):
 
 
 def judge_guest(work: Path, cpu: str, ref, ref_eval: dict) -> tuple[bool, list[str]]:
-    from txl_deploy.exporters.verify import FP32_ATOL, FP32_RTOL, compare_steps, describe, judge
+    from txl_deploy.exporters.onnx.verify import FP32_ATOL, FP32_RTOL, compare_steps, describe, judge
 
     lines, ok = [], True
     meta = json.loads((work / f"guest-{cpu}.json").read_text())
@@ -214,6 +215,7 @@ def report(work: Path, cpus):
 
 
 def main():
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("reference")

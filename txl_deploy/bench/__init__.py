@@ -5,6 +5,6 @@
 `profile` summarises ONNX Runtime's profiler by op type.
 """
 
-from .benchmark import run_benchmark
+from txl_deploy.bench.benchmark import run_benchmark
 
 __all__ = ["run_benchmark"]

@@ -14,16 +14,27 @@ as a text generator runs it. Optional extra sides, measured in the same interlea
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 
+import numpy
+from tqdm import tqdm
+
+from txl_deploy import __version__
+from txl_deploy.bench import timing as measure
+from txl_deploy.bench.bandwidth_floor import copy_bandwidth
+from txl_deploy.bench.bandwidth_floor import floor as floor_of
+from txl_deploy.bench.op_profile import profile_decode
+from txl_deploy.bench.runners import mem_lens_for, opener, resolve
+from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import InputError
 
-from . import measure
-from .sides import mem_lens_for, opener, resolve
+logger = logging.getLogger(__name__)
 
 
 def machine_info() -> dict:
@@ -35,7 +46,7 @@ def machine_info() -> dict:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "gpu": None}
     try:
-        import torch
+        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
@@ -45,12 +56,6 @@ def machine_info() -> dict:
 
 
 def versions() -> dict:
-    import sys
-
-    import numpy
-
-    from txl_deploy import __version__
-
     out = {"python": sys.version.split()[0], "numpy": numpy.__version__, "txl_deploy": __version__}
     for name in ("onnxruntime", "torch", "tensorrt"):
         try:
@@ -75,7 +80,7 @@ def _cache(cache_dir):
 
 def _cuda_device(backend: str, device: str):
     if backend in ("torch", "torch-fast") and device.startswith("cuda"):
-        import torch
+        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         return torch.device(device)
     return None
@@ -85,22 +90,21 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                   mem_lens=None, prompt_len: int = 512, gen_len: int = 128, warmup: int = 2, repeat: int = 3,
                   device: str = "cpu", threads: int | None = None, providers=None, state: str = "incremental",
                   reference=None, cache_dir=None, seed: int = 0, floor: bool = True, profile: bool = False,
-                  as_written_batches=(), compare=None, progress: bool = True, log=print) -> dict:
+                  as_written_batches=(), compare=None, progress: bool = True) -> dict:
     if baseline not in ("eager", "none"):
         raise InputError(f"baseline must be 'eager' or 'none', got {baseline!r}")
     if gen_len < 1 or prompt_len < 1 or repeat < 1 or warmup < 0:
         raise InputError("gen-len, prompt-len and repeat must be >= 1, warmup >= 0")
-    from tqdm import tqdm
 
     with _cache(cache_dir) as cache:
-        source = resolve(model, reference=reference, cache_dir=cache, log=log)
+        source = resolve(model, reference=reference, cache_dir=cache)
         backend = backend or source.default_backend
         if baseline == "eager" and source.checkpoint is None:
             raise InputError(f"{source.path}: the eager baseline needs the checkpoint it was exported from; pass "
                              "--reference CHECKPOINT, or --baseline none")
         mem_lens = mem_lens_for(source, mem_lens)
         configs = [(m, b) for m in mem_lens for b in batches]
-        kw = dict(device=device, threads=threads, state=state, cache_dir=cache, log=log)
+        kw = dict(device=device, threads=threads, state=state, cache_dir=cache)
         # Export (or build) every candidate before timing anything: exports are minutes and would skew nothing,
         # but a progress bar that stalls on them would mislead.
         openers = {m: opener(source, backend, m, providers=providers, **kw) for m in mem_lens}
@@ -108,7 +112,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
         if compare is not None:
             if backend != "onnxruntime":
                 raise InputError("--compare runs another .onnx file: it needs the onnxruntime backend")
-            compare_source = resolve(str(compare), cache_dir=cache, log=log)
+            compare_source = resolve(str(compare), cache_dir=cache)
             if compare_source.kind != "onnx" or compare_source.fixed_mem_len not in mem_lens:
                 raise InputError(f"{compare}: --compare needs an .onnx file of the same memory length "
                                  f"({', '.join(map(str, mem_lens))})")
@@ -116,8 +120,6 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
             compare_opener = opener(compare_source, backend, compare_mem_len, providers=providers, **kw)
         bandwidth = None
         if floor and not device.startswith("cuda") and backend in ("onnxruntime", "torch-fast"):
-            from .floor import copy_bandwidth
-
             bandwidth = copy_bandwidth()
         as_written_batches = set(as_written_batches or ()) if baseline == "eager" else set()
         n_sides = sum(1 + (baseline == "eager") + (m == compare_mem_len) + (b in as_written_batches)
@@ -164,8 +166,6 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                                              "prefill": o["prefill_ms"] / c["prefill_ms"]}
                 res["compare_parity"] = measure.parity(by_label["candidate"], by_label["compare"])
             if bandwidth:
-                from .floor import floor as floor_of
-
                 res["floor"] = floor_of(config, mem_len, batch, bandwidth, res["sides"]["candidate"]["decode_ms"]["p50"],
                                         table_size, precision)
             if profile and backend == "onnxruntime":
@@ -189,8 +189,6 @@ def _backend_name(label, backend, compare=None, precision="fp32"):
     if label == "candidate":
         return backend if precision == "fp32" else f"{backend} ({precision})"
     if label == "compare":
-        from txl_deploy.metadata import read_onnx_info
-
         return f"{backend} ({read_onnx_info(compare).precision})"
     return {"baseline": "torch (eager)", "eager_as_written": "torch (eager, as written)"}[label]
 
@@ -204,8 +202,6 @@ def _table_size(rt):
 
 
 def _profile(side, stream, threads, providers, device):
-    from .profile import profile_decode
-
     path = side.path
     state = {k: v for k, v in side.full_state.items() if not k.startswith("__")}
     steps = min(10, stream.decode.shape[1] - 1)

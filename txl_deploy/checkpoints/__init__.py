@@ -4,17 +4,15 @@
 writes) is a folder: `config.json`, `model.safetensors` (tied parameters stored once) and `vocab.json`.
 """
 
-from .ours import LoadedModel, load_ours, save_checkpoint
+from txl_deploy.checkpoints.detect import load_any
+from txl_deploy.checkpoints.native import LoadedModel, is_ours, load_ours, save_checkpoint
 
 __all__ = ["LoadedModel", "load_ours", "save_checkpoint", "load_model"]
 
 
 def load_model(path, **kwargs):
     """Load any supported checkpoint (format detected) into a `LoadedModel`."""
-    from .ours import is_ours
-
     if is_ours(path) and not kwargs:
         return load_ours(path)
-    from .detect import load_any
 
     return load_any(path, **kwargs)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import TxlConfig
-from ..errors import CheckpointError, TxlError
-from .keymap import Rule, infer_ties, normalise, rename, strip_prefix
-from .ours import LoadedModel
-from .safe_pickle import attr, module_tree_state_dict, pickled_class, submodule
+from txl_deploy.checkpoints.keymap import Rule, infer_ties, normalise, rename, strip_prefix
+from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.safe_pickle import attr, module_tree_state_dict, pickled_class, submodule
+from txl_deploy.config import TxlConfig
+from txl_deploy.errors import CheckpointError, TxlError
 
 CMU_RULES = [
     Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"word_emb.emb_layers.\1.weight"),
@@ -154,7 +154,7 @@ _STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model_state")
 
 
 def unwrap_state_dict(obj):
-    import torch
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     if isinstance(obj, dict) and len(obj) and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return obj

@@ -10,7 +10,7 @@ Folders are recognised by their `config.json`; files by what they hold once read
 | `nvidia`         | DeepLearningExamples dict with `model_config` + `model_state`            | `nvidia.NVIDIA_RULES`   |
 |                  | or their work directory: `checkpoint_best.pt`, else `checkpoint_last.pt` |                         |
 | `cmu-state-dict` | a state_dict in the original names (.pt or .safetensors) + a JSON config | `cmu.CMU_RULES`         |
-| `tensorflow`     | original TF V2 checkpoint (`model.ckpt-N`) or the published folder layout | `tensorflow.to_state_dict` |
+| `tensorflow`     | original TF V2 checkpoint (`model.ckpt-N`) or the published folder layout | `tensorflow.convert.to_state_dict` |
 
 The config of a bare state_dict comes from `config=` (a path, a dict or a TxlConfig; `--config FILE` on the
 command line), else from `<name>.json` beside the weights (`model.json` for `model.pt`), else from `config.json`
@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import TxlConfig
-from ..errors import CheckpointError
-from ..vocab import Vocab
-from . import cmu, huggingface, nvidia, ours, tensorflow
-from .ours import LoadedModel, read_json_object
-from .safe_pickle import torch_load
-from .weights import stored_inv_freq_note
+from txl_deploy.checkpoints import cmu, huggingface, nvidia
+from txl_deploy.checkpoints import native as ours
+from txl_deploy.checkpoints.native import LoadedModel, read_json_object
+from txl_deploy.checkpoints.safe_pickle import pickled_class, torch_load
+from txl_deploy.checkpoints.tensorflow.convert import load_checkpoint as load_tf_checkpoint
+from txl_deploy.checkpoints.tensorflow.discovery import is_tf_checkpoint
+from txl_deploy.config import TxlConfig
+from txl_deploy.errors import CheckpointError
+from txl_deploy.model.weights import stored_inv_freq_note
+from txl_deploy.vocab import Vocab
 
 # Folder formats: (name, is_format(folder), load(folder)). Our format first: it also has a config.json.
 FOLDER_FORMATS = [
@@ -58,8 +61,8 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
     "word" or "char" for text vocabularies; `preset`: the published model a TensorFlow checkpoint is."""
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
-    if tensorflow.is_tf_checkpoint(path):
-        return tensorflow.load_checkpoint(path, config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
+    if is_tf_checkpoint(path):
+        return load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
     if preset is not None:
         raise CheckpointError(path, "--preset is for TensorFlow checkpoints (model.ckpt-N or the published folder)")
     if not path.exists():
@@ -117,8 +120,6 @@ def _load_file(path: Path, config) -> LoadedModel:
 
 
 def _describe(obj) -> str:
-    from .safe_pickle import pickled_class
-
     if pickled_class(obj):
         return f"a pickled {pickled_class(obj)}"
     if isinstance(obj, dict):

@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import CheckpointError
-from .cmu import _config, check_supported
-from .keymap import Rule, normalise, rename
-from .ours import LoadedModel
-from .safe_pickle import torch_load
+from txl_deploy.checkpoints.cmu import _config, check_supported
+from txl_deploy.checkpoints.keymap import Rule, normalise, rename
+from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.safe_pickle import torch_load
+from txl_deploy.errors import CheckpointError
 
 
 def reverse_rows(t):
@@ -102,11 +102,11 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def read_weights(file: Path) -> dict:
-    import torch
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     if file.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError  # optional (the torch extra)
+        from safetensors.torch import load_file  # optional (the torch extra)
 
         try:
             return load_file(str(file))

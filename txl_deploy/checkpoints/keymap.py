@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Callable, NamedTuple
 
-from ..errors import CheckpointError
+from txl_deploy.errors import CheckpointError
 
 
 class Rule(NamedTuple):
@@ -24,7 +24,7 @@ class Rule(NamedTuple):
 
 
 def same_tensor(a, b) -> bool:
-    import torch
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     return a is b or (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and torch.equal(a, b))
 

@@ -15,11 +15,12 @@ their eval.py may do for a model trained without it).
 
 from __future__ import annotations
 
-from ..vocab import Vocab
-from .cmu import _config, config_fields_from_kwargs
-from .keymap import Rule, normalise, rename, strip_prefix
-from .ours import LoadedModel
-from .safe_pickle import attr, pickled_class
+from txl_deploy.checkpoints.cmu import _config, config_fields_from_kwargs
+from txl_deploy.checkpoints.keymap import Rule, normalise, rename, strip_prefix
+from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.safe_pickle import attr, pickled_class
+from txl_deploy.errors import CheckpointError
+from txl_deploy.vocab import Vocab
 
 NVIDIA_RULES = [
     Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"word_emb.emb_layers.\1.weight"),
@@ -56,9 +57,7 @@ def vocab_from_pickled(obj) -> Vocab | None:
 
 
 def load_checkpoint(obj, path, config=None) -> LoadedModel:
-    import torch
-
-    from ..errors import CheckpointError
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     state = obj["model_state"]
     if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):

@@ -19,15 +19,17 @@ names it, before any call, so nothing from the file runs. `torch_load` turns tha
 from __future__ import annotations
 
 import _compat_pickle
+import codecs
 import collections
 import io
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from pathlib import Path
 
-from ..errors import CheckpointError
+from txl_deploy.errors import CheckpointError
 
 # Source modules whose classes we rebuild as inert attribute holders. The original code puts utils/ on sys.path
 # (so its classes pickle as `proj_adaptive_softmax.X`); NVIDIA imports them as `utils.X`.
@@ -96,10 +98,8 @@ def _no_backend():
 
 
 def _allowed_callables() -> dict[tuple[str, str], object]:
-    import codecs
-
-    import torch
-    import torch._utils
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    import torch._utils  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     allowed = {
         ("collections", "OrderedDict"): collections.OrderedDict,
@@ -171,9 +171,7 @@ def _one_line(e: BaseException, limit: int = 160) -> str:
 
 def torch_load(path):
     """Read a `torch.save` file (zip or legacy) on the CPU with the restricted unpickler; errors name the file."""
-    import sys
-
-    import torch
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     path = Path(path)
     try:
@@ -224,7 +222,7 @@ def module_tree_state_dict(root, path="<checkpoint>") -> dict:
 
     Tied parameters come back as the same tensor object under both names (the pickle memoised them).
     """
-    import torch
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     out: dict = {}
     seen: set[int] = set()

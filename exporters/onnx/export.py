@@ -1,0 +1,270 @@
+"""ONNX export: the cached step (`txl_deploy.model.cached_step.CachedTxl`) with the memory as explicit graph inputs/outputs.
+
+One file serves decode (Q = 1) and prefill (Q up to `max_segment`) at any batch size. The graph is static apart
+from the batch, segment and positions axes: a fixed `mem_len` ring buffer per layer and a per-row token counter
+(see `txl_deploy.contract.io_spec`), so TensorRT profiles, CUDA graphs and Triton's implicit state all work on it.
+Config, vocabulary and export settings go into `metadata_props`, so the file alone is enough to run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from txl_deploy import __version__
+from txl_deploy.checkpoints import LoadedModel, load_model
+from txl_deploy.contract.io_spec import r_table_size
+from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
+from txl_deploy.contract.onnx_file import write_inline
+from txl_deploy.errors import ExportError, TxlError
+from txl_deploy.exporters.graph_checks import check_strict
+from txl_deploy.exporters.onnx.ram import return_free_memory
+from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_export
+from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
+from txl_deploy.files import atomic_path, check_writable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 18
+# Opsets an export may use: 17 is the first with LayerNormalization; TensorRT 10.x parses opsets up to 20
+# (onnx-tensorrt docs/operators.md, "opset 9 to opset 20" from 10.0 on) and 11.x up to 25 (trt_compat.MAX_OPSET).
+SUPPORTED_OPSETS = range(17, 21)
+DEFAULT_MAX_SEGMENT = 512
+EXTERNAL_DATA_BYTES = 2_000_000_000  # protobuf's 2 GB limit
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    info: ExportInfo
+    verification: dict | None
+
+
+def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    spec = cached.spec
+    p = next(cached.parameters())
+    state = cached.empty_state(batch, dtype=p.dtype)
+    args = (torch.zeros(batch, segment, dtype=torch.long), torch.zeros(batch, positions, dtype=torch.long), *state)
+    # torch.export specialises any dimension whose example size is 0 or 1, so every example size is >= 2.
+    b = torch.export.Dim("batch", min=1, max=65536)
+    q = torch.export.Dim("segment", min=1, max=65536)
+    pos = torch.export.Dim("positions", min=1, max=65536)
+    state_dims = [{0: b} for _ in state]
+    if spec.state == "incremental" and spec.mem_len >= 2:
+        # The slot axis of an incremental graph is dynamic too: the runtimes feed a 1-slot memory to a prompt
+        # into an empty memory (see CachedTxl.forward). Full-state graphs keep every state shape static.
+        slots = torch.export.Dim("slots", min=1, max=spec.mem_len)
+        for i in range(spec.n_layer):
+            state_dims[2 * i][3] = slots  # mem_k.i [B, H, d_head, slots]
+            state_dims[2 * i + 1][2] = slots  # mem_v.i [B, H, slots, d_head]
+    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
+    # torch.onnx logs registry warnings (torchvision ops absent, ...) that say nothing about this model.
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                cached, args, input_names=spec.input_names(), output_names=spec.output_names(),
+                dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False, report=False,
+            )
+    finally:
+        quiet.setLevel(level)
+
+
+def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int | None = None,
+                same_length: bool | None = None, opset: int = DEFAULT_OPSET, state: str = "incremental",
+                max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True, force: bool = False, threads: int | None = None, consume: bool = False) -> ExportResult:
+    """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
+
+    mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
+    clamp_len, same_length: evaluation-time settings (default: the checkpoint's). Published scores are often
+    evaluated with other values than training used (e.g. NVIDIA's WikiText-103 eval: mem_len 640, clamp_len 400,
+    same_length); the graph has them built in, and the metadata records the values used.
+    state: "incremental" (outputs this segment's entries; the runtimes keep the ring buffer) or "full" (outputs
+    the whole next state, for Triton's implicit state and ping-pong buffers).
+    verify: run ONNX Runtime against the PyTorch reference on a multi-segment stream and refuse a mismatch.
+    threads: ONNX Runtime's CPU threads in that check (TxlRuntime.load); torch's are the caller's to set.
+    consume: `source` is a LoadedModel the caller no longer needs; its tensors are released as soon as the export
+    is done with them (a path is always consumed). Keeping them costs one more copy of the weights at the peak.
+
+    Memory: the model holds the checkpoint's own tensors (memory-mapped where the format allows), the weights are
+    streamed into an external data file while the graph is written, and the verification runs the reference body
+    over the stream before ONNX Runtime loads, keeping only its hidden states and output layer (ReferenceStream).
+    Graphs under 2 GB are then rewritten into one file, one tensor at a time (`onnx_file.write_inline`).
+    """
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    from txl_deploy.model.cached_step import CachedTxl  # imports torch
+    from txl_deploy.model.weights import build_model, weights_sha256  # imports torch
+
+    out_path = check_writable(out_path, force)
+    if opset not in SUPPORTED_OPSETS:
+        lo, hi = SUPPORTED_OPSETS[0], SUPPORTED_OPSETS[-1]
+        why = "LayerNormalization needs 17" if opset < lo else f"TensorRT 10.x parses opsets up to {hi}"
+        raise ExportError(f"opset {opset} is not supported: choose {lo} to {hi} ({why})")
+    consume = consume or not isinstance(source, LoadedModel)
+    loaded = source if isinstance(source, LoadedModel) else load_model(source)
+    config = loaded.config
+    mem_len = int(mem_len if mem_len is not None else config.mem_len)
+    if mem_len <= 0:
+        raise ExportError(f"{loaded.path}: the model has mem_len {config.mem_len}; pass --mem-len N (N >= 1)")
+    if max_segment < 1:
+        raise ExportError("max_segment must be >= 1")
+
+    logger.info(f"loading {loaded.source_format} checkpoint {loaded.path}")
+    checkpoint_settings = {"mem_len": config.mem_len, "clamp_len": config.clamp_len,
+                           "same_length": config.same_length}
+    overrides = {k: v for k, v in (("clamp_len", clamp_len), ("same_length", same_length)) if v is not None}
+    # Evaluation-time settings change no weight shapes.
+    model = build_model(config.replace(**overrides), loaded.state_dict, loaded.path).reset_length(mem_len)
+    if consume:
+        loaded.state_dict = {}  # the model holds the tensors now; nothing else should keep them alive
+    config = model.cfg
+    cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
+    export_meta = {
+        "mem_len": mem_len, "clamp_len": config.clamp_len, "same_length": config.same_length,
+        "checkpoint_settings": checkpoint_settings,
+        "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
+        "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
+        "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
+        "weights_sha256": weights_sha256(model.state_dict()),
+        "txl_deploy_version": __version__, "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "io": {"inputs": [s.name for s in cached.spec.inputs()], "outputs": [s.name for s in cached.spec.outputs()]},
+    }
+    info = ExportInfo(config, loaded.vocab, export_meta)
+
+    logger.info(f"exporting to ONNX (opset {opset}, mem_len {mem_len}, clamp_len {config.clamp_len}, same_length "
+                f"{config.same_length}, {state} state, segments up to {max_segment})")
+    try:
+        with torch.no_grad():
+            program = _torch_export(cached, batch=2, segment=3, positions=2, opset=opset)
+    except TxlError:
+        raise
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+    n_bytes = sum(p.numel() * p.element_size() for p in cached.parameters()) + sum(
+        b.numel() * b.element_size() for b in cached.buffers())
+    with atomic_path(out_path, force=force) as tmp:
+        for key, value in info.to_props().items():
+            program.model.metadata_props[key] = value
+        # Always written with external data: the weights stream to `<name>.data` tensor by tensor instead of
+        # becoming a ModelProto and then its serialised bytes (three copies of the weights at once). Every check
+        # below reads the graph without the weights; graphs under protobuf's limit become one file at the end.
+        program.save(str(tmp), external_data=True)
+        del program
+        for buf in cached.buffers(recurse=False):  # its own folded copies (qkv, positional tables), not the model's
+            buf.data = torch.empty(0, dtype=buf.dtype)
+        del cached
+        _forget_matched_graphs()
+        gc.collect()
+        # Every export must stay inside what TensorRT 10.x/11.x parse (no control flow, no zero-size tensors, ...):
+        # the same graph serves ONNX Runtime, TensorRT and Triton.
+
+        check_tensorrt_compat(str(tmp)).raise_if_failed()
+        logger.info("  graph checked: opset, operators and shapes fit TensorRT 10.x and 11.x")
+        verification = None
+        if verify:
+            logger.info("verifying with ONNX Runtime against the PyTorch reference ...")
+            reference = ReferenceStream(model, verification_segments(mem_len, max_segment))
+            _release(model)  # the reference keeps a copy of the output layer: the weights can go before ORT loads
+            del model
+            verification = verify_export(tmp, reference, threads=threads)
+            del reference
+            info.verification = verification
+            _write_verification(tmp, info)
+            if not verification["passed"]:
+                raise ExportError(
+                    f"verification failed: max abs difference {verification['max_abs_diff']:.3g} outside "
+                    f"{verification['criterion']} (top-1 agreement {verification['top1_agreement']:.4f}); "
+                    "nothing was written")
+        else:
+            _release(model)
+            del model
+        check_strict(tmp, "the exported graph")  # last: nothing is written that a strict consumer refuses
+        if n_bytes < EXTERNAL_DATA_BYTES:
+            _inline(tmp)
+        place_external_data(tmp, out_path, force)
+    logger.info(f"wrote {out_path}")
+    return ExportResult(out_path, info, verification)
+
+
+def _release(module) -> None:
+    """Free the memory of `module`'s parameters and buffers even while other objects still refer to them.
+
+    Deleting the module and the exported program is not enough: the traced graph and its copies refer to the very
+    Parameter objects the model has (see _forget_matched_graphs, which runs once after the graph is saved).
+    Swapping each tensor's data for an empty one frees the storage; a caller's own tensors (a LoadedModel that was
+    not consumed) are other tensor objects and keep theirs."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        t.data = torch.empty(0, dtype=t.dtype)
+    gc.collect()  # the exported program's graph modules hold reference cycles
+    return_free_memory()
+
+
+def _forget_matched_graphs() -> None:
+    """Drop the graph and the match each of onnxscript's module-level pattern matchers keeps from its last match.
+
+    They hold numpy views of the weights that were folded (the Linear weights' Transposes), which pin those
+    tensors' storage, and with it a memory-mapped checkpoint file as a whole. The attributes are private; if
+    onnxscript renames them, nothing is dropped and the export only needs more memory."""
+    try:
+        from onnxscript.rewriter._matcher import SimplePatternMatcher  # optional (the torch extra): the exporter's
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, SimplePatternMatcher):
+            for name in ("_graph", "_current_node", "_tracer", "_match"):
+                if name in obj.__dict__:
+                    setattr(obj, name, None)
+
+
+def _inline(path: Path) -> None:
+    """Replace the model at `path` and its `<name>.data` by one self-contained file, streaming the weights."""
+    one = path.with_name(path.name + ".inline")
+    write_inline(path, one)
+    os.replace(one, path)
+    Path(str(path) + ".data").unlink()
+
+
+def save_checked(model, tmp, what: str) -> None:
+    """Save an onnx.ModelProto at `tmp` and run `check_strict` on the file: how every exporter ends.
+
+    Models of EXTERNAL_DATA_BYTES or more keep their weights in `<file name>.data` beside the model (protobuf cannot
+    hold 2 GB); `place_external_data` moves that file beside the output."""
+    if model.ByteSize() >= EXTERNAL_DATA_BYTES:
+        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=Path(tmp).name + ".data")
+    else:
+        onnx.save_model(model, str(tmp))
+    check_strict(tmp, what)
+
+
+def place_external_data(tmp, out_path, force: bool) -> None:
+    """Move the external data files written beside `tmp` (named after it) beside `out_path`."""
+    tmp, out_path = Path(tmp), Path(out_path)
+    for extra in tmp.parent.iterdir():
+        if extra.name != tmp.name and extra.name.startswith(tmp.name):
+            os.replace(extra, check_writable(out_path.parent / (out_path.name + extra.name[len(tmp.name):]), force))
+
+
+def _write_verification(path, info: ExportInfo):
+    """Store the verification result in the file's metadata (rewriting only the protobuf, not external data)."""
+    model = onnx.load(str(path), load_external_data=False)
+    set_onnx_props(model, info)
+    onnx.save_model(model, str(path))
+

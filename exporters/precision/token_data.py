@@ -1,0 +1,62 @@
+"""Token ids from the user's files: calibration data and held-out text for the reduced-precision checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from txl_deploy.errors import InputError
+
+
+# -- token ids from the user's files ---------------------------------------------------------------------------
+def read_token_ids(path, vocab, n_token: int, what: str = "calibration data") -> np.ndarray:
+    """A text file (tokenized with the model's vocabulary) or a .npy of token ids -> int64 ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: {what} not found")
+    if path.suffix.lower() == ".npy":
+        try:
+            ids = np.load(path, allow_pickle=False)  # never unpickle user data
+        except Exception as e:
+            raise InputError(f"{path}: not a readable .npy of token ids ({type(e).__name__})") from None
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{path}: {what} must hold integer token ids, got dtype {ids.dtype}")
+        ids = ids.reshape(-1).astype(np.int64)
+    else:
+        if vocab is None:
+            raise InputError(f"{path}: the model has no vocabulary to tokenize text with; pass a .npy of token ids")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: {what} is not UTF-8 text (or pass a .npy of token ids)") from None
+        ids = vocab.encode(text)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_token):
+        bad = int(ids.min() if ids.min() < 0 else ids.max())
+        raise InputError(f"{path}: token id {bad} is outside the vocabulary [0, {n_token})")
+    return ids
+
+
+def segment_len(info) -> int:
+    """The segment length of calibration and evaluation: the model's training segment, as far as the graph takes."""
+    return max(1, min(int(info.config.tgt_len or 1), info.max_segment))
+
+
+def ids_from(data, info, what, path_hint="<array>"):
+    if data is None:
+        return None
+    if isinstance(data, (str, Path)):
+        return read_token_ids(data, info.vocab, info.config.n_token, what), str(data)
+    ids = np.asarray(data).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{what}: token ids must be integers, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= info.config.n_token):
+        raise InputError(f"{what}: token id outside the vocabulary [0, {info.config.n_token})")
+    return ids, path_hint
+
+
+def check_long_enough(ids, seg: int, name: str, what: str):
+    if ids.size < seg + 1:
+        raise InputError(f"{name}: {what} has {ids.size} tokens, shorter than one segment of {seg} tokens "
+                         f"(+1 to predict); give more text")

@@ -1,0 +1,86 @@
+"""The backend contract: what ONNX Runtime, TensorRT and the PyTorch backends implement for `TxlRuntime`.
+
+A backend runs already-valid arrays (the runtime checks every input once, before a backend sees it) and keeps its
+state opaque to the runtime. `check_state` is the one validation of a saved state that every backend applies when
+it rebuilds a state from arrays.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from txl_deploy.contract import io_spec
+from txl_deploy.errors import InputError
+
+
+class Backend(abc.ABC):
+    """What a backend implements. `state` is opaque to the runtime."""
+
+    name = "?"
+    config = None  # TxlConfig
+    vocab = None  # Vocab or None
+    mem_len = 0
+    max_segment = 512
+    precision = "fp32"
+    threads = None  # CPU threads the backend was opened with (None: its library's default)
+
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """Identifies the model and state layout: a saved state loads only where the fingerprint matches."""
+
+    @abc.abstractmethod
+    def new_state(self, batch: int):
+        """An empty memory for `batch` independent streams."""
+
+    @abc.abstractmethod
+    def state_batch(self, state) -> int:
+        """Rows of `state`."""
+
+    @abc.abstractmethod
+    def run(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+        """tokens [B, Q] int64 (Q <= max_segment), out_positions [B, P] int64 -> log_probs [B, P, V] float32.
+
+        Advances `state` by Q tokens, only once the computation has succeeded."""
+
+    def run_fixed(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+        """`run` that leaves `state` as it was, so the same call can be repeated (other positions' log-probs).
+        Backends that cannot raise NotImplementedError."""
+        raise NotImplementedError(f"the {self.name} backend always advances its memory")
+
+    @abc.abstractmethod
+    def reset_rows(self, state, rows: np.ndarray):
+        """Empty the memory of these rows only."""
+
+    @abc.abstractmethod
+    def state_arrays(self, state) -> dict[str, np.ndarray]:
+        """The state as host numpy arrays (for save_state)."""
+
+    @abc.abstractmethod
+    def state_from_arrays(self, arrays: dict[str, np.ndarray]):
+        """A state from save_state's arrays, validated (see check_state)."""
+
+    def close(self):
+        pass
+
+
+def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model") -> tuple[int, dict]:
+    """Validate a saved state for a backend: the same tensor names, `mem_count` of shape [batch], and every tensor
+    of shape `shape_of(name, batch)` and dtype `dtype_of(name)`. Returns (batch, private copies of the arrays)."""
+    names = list(names)
+    if set(arrays) != set(names):
+        raise InputError("this state does not belong to this model (its tensors differ: "
+                         f"{sorted(set(arrays) ^ set(names))[:3]})")
+    count = np.asarray(arrays[io_spec.MEM_COUNT])
+    if count.ndim != 1:
+        raise InputError(f"mem_count must be [batch], got shape {count.shape}")
+    batch = count.shape[0]
+    out = {}
+    for name in names:
+        a, want, dtype = np.asarray(arrays[name]), tuple(shape_of(name, batch)), np.dtype(dtype_of(name))
+        if a.shape != want or a.dtype != dtype:
+            raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this {what} needs {want} "
+                             f"{dtype.name}")
+        out[name] = np.array(a, copy=True)
+    return batch, out

@@ -1,0 +1,379 @@
+"""`TxlRuntime`: one interface over every backend, with the memory kept inside between calls.
+
+As in Polygraphy's runners, the runtime owns the lifecycle (`with TxlRuntime.load(...) as rt:`) and checks every
+input once, here, before a backend sees it; a backend only implements `run` on already-valid arrays. A rejected
+call leaves the memory exactly as it was: validation happens first, and backends commit new state only after the
+computation succeeded.
+
+Rows of a batch are independent streams. The batch size is fixed by the first call after a full `reset()`.
+Thread safety: every call that reads or changes the memory holds the runtime's lock, so a runtime may be shared
+across threads without corrupting its memory; calls are serialised (for parallel streams, use batch rows or one
+runtime per thread). generate() holds it per token, never while suspended at a `yield`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from txl_deploy.contract.io_spec import MEM_COUNT
+from txl_deploy.errors import InputError
+from txl_deploy.files import atomic_path
+from txl_deploy.runtimes.arguments import is_real, whole
+from txl_deploy.runtimes.backend import Backend
+from txl_deploy.runtimes.registry import open_backend
+from txl_deploy.runtimes.sampling import sample
+
+# Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
+SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
+
+
+class TxlRuntime:
+    """Incremental Transformer-XL inference with the memory threaded between calls.
+
+    >>> rt = TxlRuntime.load("model.onnx")
+    >>> log_probs = rt.step([[12, 7, 99]])          # [1, 3, V], memory advanced by 3 tokens
+    >>> for tok in rt.generate("The", max_new_tokens=20, seed=0): ...
+    """
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self._state = None
+        self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
+        self._lock = threading.RLock()
+
+    # -- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
+             mem_len: int | None = None, max_segment: int | None = None, clamp_len: int | None = None,
+             same_length: bool | None = None, threads: int | None = None) -> "TxlRuntime":
+        """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
+        a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
+        `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
+        graph has them built in: asking for other values is an error that says to re-export).
+
+        threads: CPU threads for the computation [default: each library's own, which is every core].
+        ONNX Runtime: this session's intra-op threads, with one inter-op thread (the graph runs sequentially).
+        PyTorch backends: `torch.set_num_threads(threads)`, which is process-wide in PyTorch, so it also applies
+        to every other torch model in the process. TensorRT: no effect (the model runs on the GPU); a
+        RuntimeWarning says so rather than dropping the setting silently.
+        Fix it whenever two models share a process (say an ONNX Runtime session beside an eager reference):
+        at the defaults each library starts a thread per core and they contend for the same cores."""
+        return cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
+                                max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
+                                threads=threads))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        with self._lock:
+            self._state = None
+            self.backend.close()
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.backend.config
+
+    @property
+    def vocab(self):
+        return self.backend.vocab
+
+    @property
+    def mem_len(self) -> int:
+        return self.backend.mem_len
+
+    @property
+    def n_token(self) -> int:
+        return self.backend.config.n_token
+
+    @property
+    def threads(self) -> int | None:
+        """CPU threads given to `load` (None: the library's default)."""
+        return self.backend.threads
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self._state is None else self.backend.state_batch(self._state)
+
+    def __repr__(self):
+        return (f"TxlRuntime(backend={self.backend.name}, n_token={self.n_token}, mem_len={self.mem_len}, "
+                f"batch={self.batch_size})")
+
+    # -- validation (one place for every backend) -----------------------------------------------------------
+    def _check_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer)):
+            raise InputError(f"token ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != 2:
+            raise InputError(f"tokens must have shape [batch, segment], got rank {arr.ndim} shape {arr.shape}")
+        if arr.shape[0] < 1 or arr.shape[1] < 1:
+            raise InputError(f"tokens must have at least one row and one position, got shape {arr.shape}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.n_token:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.n_token})")
+        if self._state is not None and arr.shape[0] != self.backend.state_batch(self._state):
+            raise InputError(f"batch size {arr.shape[0]} does not match the runtime's memory "
+                             f"({self.backend.state_batch(self._state)} rows); call reset() to start new streams")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _ensure_state(self, batch: int):
+        if self._state is None:
+            self._state = self.backend.new_state(batch)
+
+    # -- the calls -----------------------------------------------------------------------------------------
+    def step(self, tokens, positions=None, advance: bool = True) -> np.ndarray:
+        """Feed tokens [B, Q]; return log-probabilities [B, Q, V] (float32) of the next token at each position.
+
+        Longer segments than the model's max_segment are fed in pieces: the result is the same.
+        positions: only these segment positions' log-probabilities, [B, P] (a list of ints is the same for every
+        row); the graph then applies its output layer there alone. Needs Q <= max_segment.
+        advance=False (with positions): leave the memory as it was, so that the same segment can be asked for other
+        positions (the ONNX Runtime CPU backend; others raise InputError)."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            if positions is None:
+                if not advance:
+                    raise InputError("advance=False needs positions")
+                return self._feed(tokens, want="all")
+            return self._feed_positions(tokens, self._check_positions(positions, tokens.shape), advance)
+
+    def _check_positions(self, positions, shape) -> np.ndarray:
+        B, Q = shape
+        arr = np.asarray(positions)
+        if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"positions must be integers, got dtype {arr.dtype}")
+        if arr.ndim == 1:
+            arr = np.broadcast_to(arr, (B, arr.shape[0]))
+        if arr.ndim != 2 or arr.shape[0] != B or arr.shape[1] < 1:
+            raise InputError(f"positions must have shape [P] or [{B}, P] with P >= 1, got {np.shape(positions)}")
+        if Q > self.backend.max_segment:
+            raise InputError(f"positions need a segment of at most max_segment ({self.backend.max_segment}) "
+                             f"tokens, got {Q}")
+        if int(arr.min()) < 0 or int(arr.max()) >= Q:
+            raise InputError(f"positions must lie in [0, {Q}) for a segment of {Q} tokens")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _feed_positions(self, tokens, positions, advance: bool = True) -> np.ndarray:
+        self._ensure_state(tokens.shape[0])
+        if not advance:
+            try:
+                return self.backend.run_fixed(self._state, tokens, positions)
+            except NotImplementedError as e:
+                raise InputError(f"{e}: advance=False is not available here; use save_state()/load_state()") from None
+        lp = self.backend.run(self._state, tokens, positions)
+        ends_at_last = bool((positions[:, -1] == tokens.shape[1] - 1).all())
+        self._last_log_probs = lp[:, -1].copy() if ends_at_last else None  # what generate() would continue from
+        return lp
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Feed tokens [B, Q]; return only the last position's log-probabilities [B, V].
+
+        Never materialises [B, Q, V] (a 512-token segment over 267,735 words would be 548 MB)."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            return self._feed(tokens, want="last")
+
+    def _feed(self, tokens: np.ndarray, want: str):
+        B, Q = tokens.shape
+        self._ensure_state(B)
+        pieces = []
+        step = self.backend.max_segment
+        for start in range(0, Q, step):
+            seg = tokens[:, start:start + step]
+            q = seg.shape[1]
+            if want == "all":
+                positions = np.broadcast_to(np.arange(q, dtype=np.int64), (B, q))
+            else:
+                positions = np.full((B, 1), q - 1, dtype=np.int64)
+            lp = self.backend.run(self._state, seg, np.ascontiguousarray(positions))
+            if want == "all":
+                pieces.append(lp)
+            # a copy, not a view: a view would keep the whole [B, Q, V] block alive (548 MB for 512 words)
+            self._last_log_probs = lp[:, -1].copy()
+        if want == "all":
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
+        return self._last_log_probs
+
+    def reset(self, rows=None):
+        """Forget the memory: of every row (the next call may use any batch size), or of the given rows only."""
+        with self._lock:
+            if rows is None:
+                self._state, self._last_log_probs = None, None
+                return
+            if self._state is None:
+                raise InputError("reset(rows) needs a running batch; call step() first or reset() without rows")
+            batch = self.backend.state_batch(self._state)
+            idx = np.atleast_1d(np.asarray(rows))
+            if not np.issubdtype(idx.dtype, np.integer) or idx.ndim != 1:
+                raise InputError(f"rows must be a list of row indices, got {rows!r}")
+            if idx.size and (idx.min() < 0 or idx.max() >= batch):
+                raise InputError(f"row {int(idx.max() if idx.max() >= batch else idx.min())} is outside the batch "
+                                 f"[0, {batch})")
+            self.backend.reset_rows(self._state, idx.astype(np.int64))
+            if self._last_log_probs is not None:
+                self._last_log_probs = self._last_log_probs.copy()
+                self._last_log_probs[idx] = np.nan  # no prediction for a fresh row until it is fed
+
+    def start_from_zero_memory(self, batch: int = 1):
+        """Start `batch` new streams from `mem_len` zero vectors per layer that are attended to as context: the first
+        memory of the original TensorFlow evaluation (and of HuggingFace), for reproducing their numbers exactly.
+        The default (`reset()`) is the paper's empty memory; the two agree after ~n_layer*ceil(mem_len/segment)
+        segments."""
+        if self.config.pre_lnorm:
+            # A zero hidden state projects to zero keys and values only without a layer norm in front.
+            raise InputError("a zero-filled first memory is supported for post-layer-norm models only")
+        with self._lock:
+            arrays = self.backend.state_arrays(self.backend.new_state(int(batch)))
+            if MEM_COUNT in arrays:  # key/value ring buffers: zeros are what a zero hidden state projects to
+                arrays[MEM_COUNT][:] = self.mem_len
+            else:  # the eager reference keeps hidden states: mem_len of them, all zero
+                arrays["lens"][:] = self.mem_len
+            self._state = self.backend.state_from_arrays(arrays)
+            self._last_log_probs = None
+
+    def score(self, tokens) -> np.ndarray:
+        """Negative log-likelihood (nats) of tokens[:, 1:] given what precedes them: returns [B, Q - 1].
+
+        The memory advances over all of `tokens`; log-probs are materialised only in bounded chunks."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            B, Q = tokens.shape
+            if Q < 2:
+                raise InputError("score() needs at least two tokens per row")
+            self._ensure_state(B)
+            chunk = max(1, min(self.backend.max_segment, SCORE_CHUNK_FLOATS // (B * self.n_token)))
+            nll = np.empty((B, Q - 1), dtype=np.float64)
+            rows = np.arange(B)[:, None]
+            for start in range(0, Q - 1, chunk):
+                seg = tokens[:, start:start + chunk]
+                q = seg.shape[1]
+                positions = np.ascontiguousarray(np.broadcast_to(np.arange(q, dtype=np.int64), (B, q)))
+                lp = self.backend.run(self._state, seg, positions)
+                targets = tokens[:, start + 1:start + 1 + q]
+                nll[:, start:start + targets.shape[1]] = -lp[rows, np.arange(targets.shape[1])[None], targets]
+            # the last token is fed too, so the memory covers the whole input
+            self._last_log_probs = self.backend.run(self._state, tokens[:, Q - 1:], np.zeros((B, 1), np.int64))[:, -1]
+            return nll
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def save_state(self, path=None) -> dict:
+        """The memory as plain numpy arrays (with the model's fingerprint), to park a conversation and resume it.
+
+        With `path`, also written atomically as an .npz file."""
+        with self._lock:
+            if self._state is None:
+                raise InputError("there is no memory to save yet: call step() first")
+            arrays = {k: np.array(v, copy=True) for k, v in self.backend.state_arrays(self._state).items()}
+            arrays["__fingerprint__"] = np.array(self.backend.fingerprint())
+            arrays["__backend__"] = np.array(self.backend.name)
+            if self._last_log_probs is not None:
+                arrays["__last_log_probs__"] = np.array(self._last_log_probs, copy=True)
+        if path is not None:
+            with atomic_path(path, force=True) as tmp:
+                with open(tmp, "wb") as f:
+                    np.savez(f, **arrays)
+        return arrays
+
+    def load_state(self, state):
+        """Resume from `save_state()`'s dict or .npz file. A state of another model is refused, nothing changes."""
+        if isinstance(state, (str, Path)):
+            try:
+                with np.load(state, allow_pickle=False) as z:
+                    state = {k: z[k] for k in z.files}
+            except (OSError, ValueError) as e:
+                raise InputError(f"{state}: not a saved txl-deploy state ({e})") from None
+        if not isinstance(state, dict) or "__fingerprint__" not in state:
+            raise InputError("not a saved txl-deploy state (no fingerprint)")
+        theirs, ours = str(state["__fingerprint__"]), self.backend.fingerprint()
+        if theirs != ours:
+            raise InputError(f"this state was saved from another model or backend (fingerprint {theirs}, "
+                             f"this runtime's is {ours})")
+        arrays = {k: v for k, v in state.items() if not k.startswith("__")}
+        with self._lock:
+            new_state = self.backend.state_from_arrays(arrays)  # validates shapes and dtypes
+            self._state = new_state
+            last = state.get("__last_log_probs__")
+            self._last_log_probs = None if last is None else np.array(last, dtype=np.float32)
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> np.ndarray:
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: pass token ids instead of text")
+        return self.vocab.encode(text)
+
+    def decode(self, ids) -> str:
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: cannot turn token ids into text")
+        return self.vocab.decode(ids)
+
+    def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop=None) -> Iterator[int]:
+        """Yield new token ids one at a time (batch of one stream), continuing the current memory.
+
+        prompt: text (needs the vocabulary) or token ids; None continues from the last call.
+        temperature 0 is greedy; top_k / top_p filter before sampling; `seed` makes sampling reproducible.
+        stop: token ids that end generation (yielded, then stop).
+
+        Every argument, the prompt and the stream are checked here, when generate() is called, before anything
+        touches the memory: a rejected call raises InputError at once and leaves the memory as it was. The prompt
+        is fed when the first token is asked for. The lock is held for each step, not between tokens, so a
+        generator left suspended (abandoned, or driven from another thread) never blocks other callers; their
+        calls between two tokens advance the same memory, as any call on a shared runtime does."""
+        max_new_tokens = whole("max_new_tokens", max_new_tokens, lo=0)
+        if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+            raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        top_k = None if top_k is None else whole("top_k", top_k, lo=1)
+        if top_p is not None and (not is_real(top_p) or not 0 < top_p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+        seed = None if seed is None else whole("seed", seed, lo=0)
+        stop_ids = set() if stop is None else {whole("stop token id", s, lo=0) for s in np.atleast_1d(stop).tolist()}
+        ids = None
+        if prompt is not None:
+            ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
+            if ids.ndim == 2 and ids.shape[0] != 1:
+                raise InputError(f"generate() runs one stream, but the prompt has {ids.shape[0]} rows; pass one "
+                                 "row (for several streams, use step()/prefill() with batch rows)")
+            if ids.ndim not in (1, 2):
+                raise InputError(f"the prompt must be text or token ids [Q] or [1, Q], got shape {ids.shape}")
+            ids = ids.reshape(1, -1) if ids.size else None
+        with self._lock:
+            if ids is not None:
+                ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
+            else:
+                self._check_can_continue()
+        return self._generate(ids, max_new_tokens, float(temperature), top_k, top_p, seed, stop_ids)
+
+    def _check_can_continue(self):
+        if self._last_log_probs is None or self.batch_size is None:
+            raise InputError("generate() needs a prompt (nothing has been fed to this stream yet)")
+        if self.batch_size != 1:
+            raise InputError(f"generate() runs one stream, but the memory holds {self.batch_size} rows; reset() "
+                             "and feed a single row")
+        if np.isnan(self._last_log_probs[0]).any():
+            raise InputError("generate() needs a prompt (this stream was reset since its last call)")
+
+    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop) -> Iterator[int]:
+        rng = np.random.default_rng(seed)
+        with self._lock:
+            # Checked again: another caller may have changed the memory since generate() was called.
+            if ids is not None:
+                log_probs = self.prefill(ids)[0]
+            else:
+                self._check_can_continue()
+                log_probs = self._last_log_probs[0]
+        for _ in range(max_new_tokens):
+            tok = sample(log_probs, temperature, top_k, top_p, rng)
+            yield tok  # no lock held here
+            if tok in stop:
+                return
+            # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
+            log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step

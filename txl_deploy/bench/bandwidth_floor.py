@@ -1,0 +1,65 @@
+"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read over the bandwidth.
+
+A decode step (Q = 1, full memory) reads every weight it multiplies by once, and the keys and values of every
+memory slot of every layer. At batch 1 each weight is used for one multiply-add, so no cache helps: the step
+is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
+by a numpy copy in the same run (STREAM-style: bytes read + bytes written over the time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float:
+    """Bytes per second of a large numpy copy (read + write), the best of `repeats` (one thread)."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
+
+
+def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None, precision: str = "fp32") -> dict:
+    """Bytes a decode step reads: weights (body, positional table, output layer) and the memory of `batch` rows.
+
+    int8 graphs count one byte per matrix weight (biases, norms and tables are few bytes either way)."""
+    bytes_per_value, memory_bytes_per_value = PRECISION_BYTES.get(precision, (4, 4))
+    from txl_deploy.model.mem_transformer import cluster_bounds  # imports torch
+
+    D, H, Dh, Di, L = config.d_model, config.n_head, config.d_head, config.d_inner, config.n_layer
+    T = table_size if table_size is not None else (min(config.clamp_len + 1, mem_len + 1) if config.clamp_len > 0
+                                                   else mem_len + 1)
+    per_layer = (3 * D * H * Dh + H * Dh * D  # qkv_net, o_net
+                 + 2 * D * Di + Di + D  # pos_ff
+                 + 4 * D  # two layer norms
+                 + H * Dh * T + 2 * H * Dh)  # positional table (r_net applied once, at export), r_w_bias, r_r_bias
+    out = 0
+    d_embed = config.d_embed
+    if config.n_clusters:
+        out += config.n_clusters * (d_embed + 1)
+    for i, (lo, hi) in enumerate(cluster_bounds(config)):
+        d_i = d_embed // config.div_val**i if config.div_val > 1 else d_embed
+        out += (hi - lo) * (d_i + 1)
+        if config.div_val > 1 or D != d_embed:
+            out += D * d_i
+    weights = (L * per_layer + out + batch * D) * bytes_per_value  # + one embedding row per token
+    memory = batch * L * 2 * H * Dh * mem_len * memory_bytes_per_value
+    return {"weight_bytes": int(weights), "memory_bytes": int(memory), "output_layer_bytes": int(out * bytes_per_value),
+            "precision": precision}
+
+
+def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None,
+          precision: str = "fp32") -> dict:
+    b = decode_bytes(config, mem_len, batch, table_size, precision)
+    floor_ms = (b["weight_bytes"] + b["memory_bytes"]) / bandwidth * 1e3
+    return {**b, "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms, "gap": measured_ms / floor_ms}

@@ -1,0 +1,26 @@
+"""A loaded checkpoint described for people (`txl-deploy info`): format, config, parameters, vocabulary and the
+memory one stream needs."""
+
+from __future__ import annotations
+
+
+def describe_checkpoint(loaded) -> dict:
+    """What `txl-deploy info` shows of a checkpoint. Builds the model, so every tensor's shape is checked."""
+    model = loaded.build()
+    cfg = loaded.config
+    return {
+        "path": loaded.path,
+        "format": loaded.source_format,
+        "config": cfg.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(loaded.vocab) if loaded.vocab is not None else None,
+        "vocab_kind": loaded.vocab.kind if loaded.vocab is not None else None,
+        "vocab_source": loaded.vocab_source,
+        "memory_bytes_per_stream": {
+            "mem_len": cfg.mem_len,
+            "fp32": cfg.memory_bytes_per_stream(bytes_per_value=4),
+            "fp16": cfg.memory_bytes_per_stream(bytes_per_value=2),
+        },
+        "notes": list(loaded.notes),
+        **({"config_sources": loaded.value_sources} if getattr(loaded, "value_sources", None) else {}),
+    }

@@ -1,0 +1,108 @@
+"""Our own checkpoint format: a folder with config.json, model.safetensors and vocab.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from txl_deploy.config import TxlConfig
+from txl_deploy.errors import CheckpointError, TxlError
+from txl_deploy.files import atomic_path
+from txl_deploy.vocab import Vocab
+
+FORMAT = "txl-deploy"
+FORMAT_VERSION = 1
+CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
+
+
+
+def read_json_object(path, what: str = "a JSON object"):
+    """A JSON config file's top-level object; a one-line CheckpointError naming the file otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path, "config file not found") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"not a readable JSON config ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(path, f"config must be {what}")
+    return data
+
+@dataclass
+class LoadedModel:
+    config: TxlConfig
+    state_dict: dict  # our parameter names -> torch tensors (tied parameters may be absent)
+    vocab: Vocab | None
+    source_format: str  # "txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia"
+    path: str
+    notes: list = field(default_factory=list)  # what a user should know about the source (semantics, guesses)
+    vocab_source: str | None = None  # where the vocabulary came from
+
+    def require_vocab(self) -> Vocab:
+        """The vocabulary, or a CheckpointError saying it is missing (for commands that read or write text)."""
+        if self.vocab is None:
+            raise CheckpointError(self.path, "has no vocabulary (none inside it and no vocab.json / vocab.txt "
+                                             "beside it); pass --vocab FILE")
+        return self.vocab
+
+    def build(self):
+        """The reference `MemTransformerLM` (eval mode) with these weights; shapes are checked against the config."""
+        from txl_deploy.model.weights import build_model  # imports torch
+
+        return build_model(self.config, self.state_dict, self.path)
+
+
+def save_checkpoint(directory, model, vocab: Vocab | None, force: bool = False, extra: dict | None = None):
+    """Write `model` (a MemTransformerLM) and its vocabulary in our format, atomically."""
+    from safetensors.torch import save_file  # optional (the torch extra)
+
+    tied = model.tied_keys()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.cfg.to_dict()}
+    if extra:
+        meta.update(extra)
+    with atomic_path(directory, force=force) as tmp:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if vocab is not None:
+            vocab.save(tmp / VOCAB_FILE)
+    return Path(directory)
+
+
+def is_ours(path) -> bool:
+    path = Path(path)
+    if not (path.is_dir() and (path / CONFIG_FILE).is_file()):
+        return False
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def load_ours(path) -> LoadedModel:
+    from safetensors import SafetensorError  # optional (the torch extra)
+    from safetensors.torch import load_file  # optional (the torch extra)
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({e})") from None
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(path, f"written by a newer txl-deploy (format_version {meta['format_version']})")
+    try:
+        config = TxlConfig.from_dict(meta["config"])
+    except (KeyError, TxlError) as e:
+        raise CheckpointError(path / CONFIG_FILE, f"bad config: {e}") from None
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(weights, "weights file missing")
+    try:
+        state_dict = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(weights, f"not a readable safetensors file ({e})") from None
+    vocab = Vocab.read(path / VOCAB_FILE) if (path / VOCAB_FILE).is_file() else None
+    return LoadedModel(config, state_dict, vocab, FORMAT, str(path))

@@ -1,0 +1,102 @@
+"""`txl-deploy info`: describe a checkpoint or an exported graph, and (--memory) the memory its jobs need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from txl_deploy.checkpoints import load_model
+from txl_deploy.checkpoints.describe import describe_checkpoint
+from txl_deploy.cli.options import vocab_options
+from txl_deploy.contract.describe import describe_onnx
+from txl_deploy.exporters.onnx.ram import format_bytes as fb
+from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@vocab_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--memory", is_flag=True, help="Also estimate the memory an export and the ONNX Runtime runtime need, "
+              "and the memory per stream of each precision, against what this machine has available now.")
+@click.option("--mem-len", type=click.IntRange(min=1), help="--memory: the memory length to size for "
+              "[default: the checkpoint's, or the graph's].")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--memory: streams run together.")
+@click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
+              help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
+def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batch, max_segment):
+    """Describe a checkpoint or an exported .onnx: source format, config, parameter count, vocabulary size and the
+    recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
+    graphs use). --memory adds the expected peak memory of an export and of the runtime.
+
+    \b
+    Example:
+      txl-deploy info model.pt --memory --mem-len 1600
+      txl-deploy info wt103.onnx --memory --batch 8
+    """
+    if path.suffix == ".onnx" and path.is_file():
+        d, cfg, weight_bytes, max_segment, precision = describe_onnx(path)
+    else:
+        loaded = load_model(path, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
+        d = describe_checkpoint(loaded)
+        cfg, weight_bytes, precision = loaded.config, loaded_weight_bytes(loaded), "fp32"
+    if memory:
+        d["memory_estimate"] = ram_report(cfg, weight_bytes, mem_len or cfg.mem_len or 1, max_segment,
+                                               batch, precision)
+    if as_json:
+        click.echo(json.dumps(d, indent=2, sort_keys=True, default=str))
+        return
+    click.echo(f"path:        {d['path']}")
+    click.echo(f"format:      {d['format']}")
+    click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
+               "parameters:  not known from the file (quantized weights)")
+    if d["vocab_size"] is not None:
+        click.echo(f"vocabulary:  {d['vocab_size']:,} symbols ({d['vocab_kind']}, from {d['vocab_source']})")
+    else:
+        click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.txt / vocab.json beside the checkpoint)")
+
+    mem = d["memory_bytes_per_stream"]
+    click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {fb(mem['fp32']['hidden'])} fp32 / "
+               f"{fb(mem['fp16']['hidden'])} fp16; key/value cache {fb(mem['fp32']['kv_cache'])} fp32 / "
+               f"{fb(mem['fp16']['kv_cache'])} fp16")
+    click.echo("config:")
+    for key, value in d["config"].items():
+        click.echo(f"  {key}: {value}")
+    for key, source in d.get("config_sources", {}).items():
+        click.echo(f"source of {key}: {source}")
+    for note in d["notes"]:
+        click.echo(f"note: {note}")
+    if memory:
+        _print_memory(d["memory_estimate"])
+
+
+def _print_memory(m: dict) -> None:
+    click.echo(f"memory (estimates, mem_len {m['mem_len']}, batch {m['batch']}, segments up to {m['max_segment']}):")
+    click.echo(f"  weights        {fb(m['weight_bytes'])}")
+    if m["export"]:
+        v, n = m["export"]["verify"], m["export"]["no_verify"]
+        phase = v["what"].split("(")[-1].rstrip(")")
+        click.echo(f"  export         about {fb(v['bytes'])} with verification ({phase}), "
+                   f"about {fb(n['bytes'])} with --no-verify")
+    r = m["runtime"]
+    parts = ", ".join(f"{k} {fb(b)}" for k, b in r["terms"].items())
+    click.echo(f"  runtime        about {fb(r['bytes'])} on ONNX Runtime, {r['precision']} ({parts})")
+    per = m["state_per_precision"]
+    click.echo("  state          " + ", ".join(f"{p} {fb(b)}" for p, b in per.items())
+               + f" (batch {m['batch']} at mem_len {m['mem_len']})")
+    avail = m["available_bytes"]
+    if avail is None:
+        return
+    click.echo(f"  available now  {fb(avail)}")
+    if m["export"] and m["export"]["verify"]["bytes"] > avail:
+        hint = (" --no-verify would fit" if m["export"]["no_verify"]["bytes"] <= avail else
+                " even --no-verify would not")
+        click.echo(f"warning: an export with verification needs more than the memory available now;{hint}", err=True)
+    if r["bytes"] > avail:
+        click.echo("warning: the runtime needs more than the memory available now", err=True)
+
+
+COMMANDS = [info]

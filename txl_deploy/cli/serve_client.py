@@ -1,0 +1,44 @@
+"""`txl-deploy serve-client`: generate text through a Triton server (or several) running a txl-deploy model."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from txl_deploy.errors import InputError
+from txl_deploy.serving.triton.client import TxlTritonClient
+
+
+@click.command("serve-client")
+@click.argument("url")
+@click.option("--prompt", required=True, help="Text that starts the conversation.")
+@click.option("--model", default="txl", show_default=True, help="Model name in the Triton repository.")
+@click.option("--max-new-tokens", type=int, default=50, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy decoding.")
+@click.option("--top-k", type=int, default=None, help="Sample only among the k most likely tokens.")
+@click.option("--top-p", type=float, default=None, help="Sample only within this probability mass (nucleus).")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@click.option("--vocab", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Vocabulary file (REPO/MODEL/vocab.json) when the server's model config does not carry it.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for each request.")
+def serve_client(url, prompt, model, max_new_tokens, temperature, top_k, top_p, seed, vocab, timeout):
+    """Generate text from a Triton server at URL (http://HOST:PORT or grpc://HOST:PORT), streaming tokens as
+    they arrive. The conversation is one Triton sequence, ended when generation stops."""
+    client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout)
+    if client.vocab is None:
+        raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
+    first = True
+    for tok in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed):
+        piece = client.vocab.decode([tok])
+        if client.vocab.kind == "word" and not first and piece != "\n":
+            piece = " " + piece
+        first = piece == "\n"
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    client.close()
+
+
+COMMANDS = [serve_client]

@@ -1,0 +1,30 @@
+"""An exported graph described for people (`txl-deploy info model.onnx`), from its metadata and file sizes alone."""
+
+from __future__ import annotations
+
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.onnx_file import weight_file_bytes
+
+
+def describe_onnx(path) -> tuple[dict, object, int, int, str]:
+    """What `txl-deploy info` shows of an exported graph, read from its metadata and file sizes alone: (the
+    description, the config at the graph's mem_len, weight bytes, max_segment, precision)."""
+    info = read_onnx_info(path)
+    cfg = info.config
+    weight_bytes = weight_file_bytes(path)
+    d = {
+        "path": path, "format": f"onnx ({info.precision}, {info.export.get('state', 'incremental')} state)",
+        "config": cfg.to_dict(), "parameters": parameter_count(cfg, weight_bytes, info.precision),
+        "vocab_size": len(info.vocab) if info.vocab is not None else None,
+        "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": "the file's metadata",
+        "memory_bytes_per_stream": {"mem_len": info.mem_len,
+                                    "fp32": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=4),
+                                    "fp16": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=2)},
+        "notes": [], "weight_bytes": weight_bytes, "max_segment": info.max_segment,
+    }
+    return d, cfg.replace(mem_len=info.mem_len), weight_bytes, info.max_segment, info.precision
+
+
+def parameter_count(cfg, weight_bytes: int, precision: str) -> int:
+    """Parameters of an exported graph: its file bytes over bytes per weight (fp32 4, fp16 2; approximate)."""
+    return int(weight_bytes // (2 if precision == "fp16" else 4)) if precision in ("fp32", "fp16") else 0

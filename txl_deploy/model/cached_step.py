@@ -1,0 +1,133 @@
+"""The cached formulation of a Transformer-XL step: what the ONNX graph computes, and the fast PyTorch path.
+
+Same numbers as `MemTransformerLM` (the reference), arranged for deployment (see `io_spec` for the I/O):
+
+- The memory is a ring buffer of `mem_len` slots per layer holding the *projected* keys and values of the cached
+  hidden states, not the hidden states themselves. They never change once written, so a decode step costs about
+  what its weights cost instead of re-projecting mem_len x d_model through `qkv_net` in every layer.
+- The positional term is a constant: `r_net(sinusoid(d))` for every distance d the graph can see is precomputed
+  per layer (`r_table`, [n_head, d_head, T]); a step multiplies the queries by it once and gathers each
+  (query, key) pair's entry by its distance. This replaces the original `rel_shift` with index arithmetic.
+- Keys are stored pre-transposed ([B, H, d_head, M]) and the scores against memory and against the current
+  segment are computed separately and only then concatenated: attention is plain MatMuls over the per-layer
+  buffers, and the memory is never copied (Concat/Split of a whole buffer was a quarter of an early export's step).
+- Masks come from index comparisons on the per-row token counter (`mem_count`): slot s of a row that has consumed
+  n tokens holds stream position p with p % M == s, its age is (n - 1 - s) mod M, it is valid when age < n, and
+  the distance from query i of this segment is i + 1 + age. No data-dependent branch, no zero-size tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from txl_deploy.contract import io_spec
+from txl_deploy.contract.io_spec import r_table_size
+from txl_deploy.contract.ring import write_ring
+from txl_deploy.model.mem_transformer import MemTransformerLM
+
+
+class CachedTxl(nn.Module):
+    def __init__(self, model: MemTransformerLM, mem_len: int, state: str = "incremental", max_segment: int = 512):
+        super().__init__()
+        cfg = model.cfg
+        if state not in io_spec.STATE_LAYOUTS:
+            raise ValueError(f"state must be one of {io_spec.STATE_LAYOUTS}")
+        self.cfg, self.mem_len, self.state, self.max_segment = cfg, int(mem_len), state, int(max_segment)
+        self.spec = io_spec.GraphSpec(cfg.n_layer, cfg.n_head, cfg.d_head, self.mem_len, cfg.n_token, state)
+        self.word_emb, self.layers, self.crit = model.word_emb, model.layers, model.crit
+        # same_length: a query sees only the last mem_len (+1 for NVIDIA's variant) positions.
+        self.window = self.mem_len + cfg.same_length_extra if cfg.same_length else None
+        self.table_size = r_table_size(cfg.clamp_len, self.mem_len, self.max_segment)
+        scale = 1.0 / cfg.d_head**0.5
+        p = next(model.parameters())
+        # A buffer, not a torch.tensor() per call: a host-to-device copy cannot be captured in a CUDA graph.
+        self.register_buffer("neg_inf", torch.tensor(float("-inf"), dtype=p.dtype, device=p.device), persistent=False)
+        with torch.no_grad():
+            sin = model.pos_emb(torch.arange(self.table_size, dtype=torch.float32, device=p.device))
+            for i, layer in enumerate(model.layers):
+                r = layer.dec_attn.r_net(sin.to(p.dtype)).view(self.table_size, cfg.n_head, cfg.d_head)
+                self.register_buffer(f"r_table_{i}", r.permute(1, 2, 0).contiguous(), persistent=False)
+                # The 1/sqrt(d_head) score scale is folded into the query rows of qkv_net and into the biases, so
+                # no Mul sits before the score MatMuls: ONNX Runtime fuses such a Mul into a FusedMatMul, which
+                # measured 3-4x slower than a plain MatMul on [1, H, 1, d_head] x [1, H, d_head, mem_len].
+                qkv = layer.dec_attn.qkv_net.weight.detach().clone()
+                qkv[: cfg.n_head * cfg.d_head] *= scale
+                self.register_buffer(f"qkv_weight_{i}", qkv, persistent=False)
+                r_w_bias, r_r_bias = model.layer_biases(i)
+                self.register_buffer(f"r_w_bias_{i}", r_w_bias.detach()[:, None, :] * scale, persistent=False)
+                self.register_buffer(f"r_r_bias_{i}", r_r_bias.detach()[:, None, :] * scale, persistent=False)
+
+    def empty_state(self, batch: int, dtype=torch.float32, device=None):
+        s = self.spec
+        mems = []
+        for _ in range(s.n_layer):
+            mems.append(torch.zeros(s.k_shape(batch), dtype=dtype, device=device))
+            mems.append(torch.zeros(s.v_shape(batch), dtype=dtype, device=device))
+        return mems + [torch.zeros(batch, dtype=torch.int64, device=device)]
+
+    def forward(self, tokens, out_positions, *state):
+        """tokens [B, Q]; out_positions [B, P]; state = mem_k.0, mem_v.0, mem_k.1, ..., mem_count [B] (io_spec order).
+
+        Returns (log_probs [B, P, V], *state outputs in io_spec order).
+        """
+        cfg, M, T = self.cfg, self.mem_len, self.table_size
+        mems, mem_count = state[:-1], state[-1]
+        B, Q = tokens.shape
+        H, Dh = cfg.n_head, cfg.d_head
+        dev = tokens.device
+
+        # -- positions and masks, shared by all layers ------------------------------------------------------
+        # S = M normally. An incremental graph also accepts a 1-slot memory for rows that have consumed nothing
+        # (mem_count 0): a prompt into an empty memory then skips scores against mem_len masked slots (half of a
+        # 512-token prefill at mem_len 2100). Ages are still taken modulo mem_len, so the slot is masked.
+        S = mems[0].shape[-1]
+        slot = torch.arange(S, device=dev)
+        age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, S]
+        age = torch.where(age < 0, age + M, age)
+        qpos = torch.arange(Q, device=dev)
+        d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, S]
+        d_cur = qpos[:, None] - qpos[None, :]  # [Q, Q]
+        keep_mem = (age < mem_count[:, None])[:, None, :]  # [B, 1, S]: slot written since the last reset
+        keep_cur = d_cur >= 0  # causal
+        if self.window is not None:
+            keep_mem = keep_mem & (d_mem < self.window)
+            keep_cur = keep_cur & (d_cur < self.window)
+        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, S], [1, 1, Q, Q]
+        idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
+        idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
+
+        h = self.word_emb(tokens)
+        outs = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.dec_attn
+            k_mem, v_mem = mems[2 * i], mems[2 * i + 1]
+            x = attn.layer_norm(h) if cfg.pre_lnorm else h
+            qkv = F.linear(x, getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
+            q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh], already scaled by 1/sqrt(d_head)
+            k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
+            v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
+            q_w = q + getattr(self, f"r_w_bias_{i}")
+            pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")  # [B, H, Q, T]
+            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), self.neg_inf)
+            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), self.neg_inf)
+            # The softmax over [memory | segment] in two parts, normalised after the value products: no Concat of
+            # the scores and no Slices of the probabilities (copies of [B, H, Q, M] per layer in a prefill).
+            # s_cur always keeps the diagonal (distance 0), so `top` is finite.
+            top = torch.maximum(s_mem.amax(-1, keepdim=True), s_cur.amax(-1, keepdim=True))
+            e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
+            denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
+            vec = (e_mem @ v_mem + e_cur @ v) / denom  # [B, H, Q, Dh]
+            out = attn.o_net(vec.transpose(1, 2).reshape(B, Q, H * Dh))
+            h = h + out if cfg.pre_lnorm else attn.layer_norm(h + out)
+            h = layer.pos_ff(h)
+            if self.state == "incremental":
+                outs += [k, v]
+            else:
+                outs += list(write_ring(k_mem, v_mem, k, v, mem_count, M, in_place=False))
+        if self.state == "full":
+            outs.append(mem_count + Q)
+
+        h_out = torch.gather(h, 1, out_positions[:, :, None].expand(B, out_positions.shape[1], cfg.d_model))
+        return (self.crit(h_out), *outs)
