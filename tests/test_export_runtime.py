@@ -356,13 +356,13 @@ def test_export_never_overwrites_without_force(tiny_ckpt, tmp_path):
 
 
 def test_interrupted_export_leaves_no_file(tiny_ckpt, tmp_path, monkeypatch):
-    from txl_deploy.exporters.onnx import verify
+    from txl_deploy.exporters.onnx import export
+    from txl_deploy.exporters.onnx.export import export_onnx
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify, "verify_export", interrupted)
-    from txl_deploy.exporters.onnx.export import export_onnx
+    monkeypatch.setattr(export, "verify_export", interrupted)
 
     with pytest.raises(KeyboardInterrupt):
         export_onnx(tiny_ckpt, tmp_path / "m.onnx", max_segment=16)

@@ -44,8 +44,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         d = describe_checkpoint(loaded)
         cfg, weight_bytes, precision = loaded.config, loaded_weight_bytes(loaded), "fp32"
     if memory:
-        d["memory_estimate"] = ram_report(cfg, weight_bytes, mem_len or cfg.mem_len or 1, max_segment,
-                                               batch, precision)
+        d["memory_estimate"] = ram_report(cfg, weight_bytes, mem_len or cfg.mem_len or 1, max_segment, batch,
+                                          precision)
     if as_json:
         click.echo(json.dumps(d, indent=2, sort_keys=True, default=str))
         return
