@@ -58,12 +58,14 @@ def installed_clone(tmp_path_factory):
                           capture_output=True, text=True, check=True).stdout.strip()
     # The test venv's packages (numpy, onnxruntime, setuptools, pip) after the throwaway venv's own; .pth files in
     # that folder are not processed, so the editable install of this checkout stays out of the way.
-    Path(site, "test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Every site folder of this interpreter (a venv may itself reach its packages through a .pth file).
+    folders = [sysconfig.get_paths()["purelib"]] + [p for p in sys.path if p.endswith("site-packages")]
+    Path(site, "test-venv.pth").write_text("\n".join(dict.fromkeys(folders)) + "\n")
     r = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                         "--no-index", "--disable-pip-version-check", str(clone)],
                        capture_output=True, text=True, cwd=tmp)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (Path(site) / "txl_deploy" / "runtimes" / "base.py").is_file()  # a real, non-editable install
+    assert (Path(site) / "txl_deploy" / "runtimes" / "runtime.py").is_file()  # a real, non-editable install
     return clone, python, Path(site)
 
 
@@ -82,7 +84,7 @@ def test_checkout_root_imports_like_the_install(installed_clone):
     # From the checkout root the checkout's own sources are used, subpackages included (not a mix of both).
     assert files["txl_deploy"] == clone / "txl_deploy" / "__init__.py"
     assert files["txl_deploy.runtimes"] == clone / "runtimes" / "__init__.py"
-    assert files["txl_deploy.exporters.onnx.export"] == clone / "exporters" / "onnx.py"
+    assert files["txl_deploy.exporters.onnx.export"] == clone / "exporters" / "onnx" / "export.py"
 
 
 def test_install_imports_from_any_other_folder(installed_clone, tmp_path):

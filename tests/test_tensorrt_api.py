@@ -4,8 +4,8 @@ The name lists in tests/data/tensorrt_api_<version>.txt are read from the PyPI b
 tools/trt_api_names.py (10.3: JetPack 6, the oldest we support; 10.16: the newest 10.x; 11.4). The lists hold
 names, not (class, name) pairs: a name is accepted if some class of that release registers it.
 
-What counts as a TensorRT name (the convention exporters/tensorrt.py, runtimes/tensorrt.py and
-txl_deploy/engine_file.py follow):
+What counts as a TensorRT name (the convention exporters/tensorrt/build.py, runtimes/backends/tensorrt.py and
+txl_deploy/contract/engine_file.py follow):
 - every attribute in a chain rooted at the module `trt` (`trt.BuilderFlag.FP16`);
 - attributes of TensorRT objects, i.e. of variables (or `self.<name>` / `self._<name>` attributes) named
   one of TRT_OBJECTS; an assignment of `trt.X(...)` or of a `create_*` / `build_*` / `deserialize_*` call on a
@@ -27,8 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
-SOURCES = [ROOT / "exporters" / "tensorrt.py", ROOT / "runtimes" / "tensorrt.py",
-           ROOT / "txl_deploy" / "engine_file.py"]
+SOURCES = [ROOT / "exporters" / "tensorrt" / "build.py", ROOT / "runtimes" / "backends" / "tensorrt.py",
+           ROOT / "txl_deploy" / "contract" / "engine_file.py"]
 TRT_OBJECTS = {"builder", "network", "config", "parser", "profile", "engine", "context", "runtime", "logger",
                "cache", "tensor", "serialized", "inspector"}
 _CREATORS = re.compile(r"^(create_|build_|deserialize_)")

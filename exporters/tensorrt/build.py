@@ -38,7 +38,8 @@ from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
 
-logger = logging.getLogger(__name__)
+# `log`, not `logger`: in this module `logger` is TensorRT's ILogger (see the naming convention above).
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_BATCH = (1, 1, 8)
@@ -236,8 +237,8 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
     cache = config.create_timing_cache(cache_bytes)
     config.set_timing_cache(cache, True)  # True: a cache from another GPU is ignored, not an error
 
-    logger.info(f"building a {precision} TensorRT {trt.__version__} engine for {gpu['name']} "
-                f"(batch {':'.join(map(str, batch))}, segment {':'.join(map(str, segment))}); this takes minutes")
+    log.info(f"building a {precision} TensorRT {trt.__version__} engine for {gpu['name']} "
+             f"(batch {':'.join(map(str, batch))}, segment {':'.join(map(str, segment))}); this takes minutes")
     try:
         serialized = builder.build_serialized_network(network, config)
     except (RuntimeError, MemoryError) as e:
@@ -270,5 +271,5 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
     if cache_path is not None:
         with atomic_path(cache_path, force=True) as tmp_cache:
             tmp_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
-    logger.info(f"wrote {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB) and {sidecar_path(out_path).name}")
+    log.info(f"wrote {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB) and {sidecar_path(out_path).name}")
     return out_path
