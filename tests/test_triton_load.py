@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from txl_deploy.bench import triton_load
+
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_load.py"
@@ -25,7 +27,13 @@ def bench():
         find_tritonserver()
     except TritonLaunchError as e:
         pytest.skip(str(e))
-    spec = importlib.util.spec_from_file_location("triton_load", BENCH)
+    return triton_load
+
+
+@pytest.fixture(scope="module")
+def script():
+    """benchmarks/triton_load.py, the command line around txl_deploy.bench.triton_load."""
+    spec = importlib.util.spec_from_file_location("triton_load_script", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -61,14 +69,14 @@ def test_load_benchmark_reports_every_field_and_server_tokens_equal_in_process(b
     assert "**yes**" in table
 
 
-def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, tiny_onnx, tmp_path):
+def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, script, tiny_onnx, tmp_path):
     from txl_deploy.errors import InputError
 
     with pytest.raises(InputError, match="--tokens must be at least 2"):
         bench.run_benchmark(tiny_onnx, concurrency=[1], tokens=1)
     existing = tmp_path / "out.json"
     existing.write_text("{}")
-    assert bench.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2
+    assert script.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2
     assert existing.read_text() == "{}"
 
 
@@ -76,9 +84,7 @@ def test_statistics_are_read_once_they_count_every_completed_request():
     """Triton records a request in its statistics after the client has the response: a read right after a round
     could miss the last ones (seen on a loaded machine: 8 of 10). The benchmark waits until the count covers every
     request its clients completed, and still reports a real shortfall instead of waiting for ever."""
-    spec = importlib.util.spec_from_file_location("triton_load_stats", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = triton_load
 
     class LaggingServer:  # counts 2 more requests on each statistics read, up to what was really served
         def __init__(self, served):

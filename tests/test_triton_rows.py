@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-MODEL_PY = Path(__file__).resolve().parents[1] / "exporters" / "triton_python_model.py"
+MODEL_PY = Path(__file__).resolve().parents[1] / "txl_deploy" / "serving" / "triton" / "python_model.py"
 
 
 class _Tensor:

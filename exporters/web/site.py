@@ -20,7 +20,6 @@ from pathlib import Path
 
 import onnx
 
-import txl_deploy
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import CheckpointError, InputError
@@ -44,8 +43,8 @@ PAGE_FILES = ("txl.js", "app.js")
 
 
 def _template_dir() -> Path:
-    """The page template: txl_deploy/web/ (package data), in a checkout and in an installed package alike."""
-    path = Path(txl_deploy.__file__).resolve().parent / "web"
+    """The page template: static/ beside this module (package data), in a checkout and in an install alike."""
+    path = Path(__file__).resolve().parent / "static"
     if not (path / "index.html").is_file():
         raise CheckpointError(path, "the web page template is missing (was txl-deploy installed without its data?)")
     return path

@@ -44,8 +44,6 @@ import sys
 import time
 from collections import OrderedDict
 
-from txl_deploy.runtimes import TxlRuntime
-
 
 def _apply_pythonpath():
     # The stub starts Python in isolated mode: PYTHONPATH is in os.environ but not on sys.path. Apply it here, with
@@ -63,14 +61,11 @@ _apply_pythonpath()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+# txl_deploy is found through PYTHONPATH, applied just above.
 from txl_deploy.contract import io_spec  # noqa: E402
+from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
-    RESUME_INPUT,
-    SAVED_OUTPUT,
-    STATE_FORMAT,
-    STATE_FORMAT_VERSION,
-    UNKNOWN_TO_MODEL,
-)
+    RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, UNKNOWN_TO_MODEL)
 
 _previous_hook = sys.unraisablehook
 
