@@ -285,7 +285,7 @@ def _report(where: str, what: str, r: subprocess.CompletedProcess) -> str:
     def tail(text):
         return "\n".join(text.strip().splitlines()[-40:])
 
-    return (f"{where}: the example failed (exit code {r.returncode})\n--- {what}\n{tail(what)}\n"
+    return (f"{where}: the example failed (exit code {r.returncode})\n--- the example\n{what}\n"
             f"--- stdout\n{tail(r.stdout)}\n--- stderr\n{tail(r.stderr)}")
 
 
@@ -306,7 +306,11 @@ def _run(block: Block, work: Path, home: Path) -> str | None:
         script.write_text(block.code, encoding="utf-8")
         r = subprocess.run([sys.executable, script.name], check=False, cwd=work, env=env, capture_output=True,
                            text=True, timeout=TIMEOUT_S)
-        return _report(block.where, block.code, r) if r.returncode else None
+        if not r.returncode:
+            return None
+        lines = re.findall(r'example\.py", line (\d+)', r.stderr)  # the traceback's last frame in the block
+        where = f"{block.page.relative_to(ROOT)}:{block.line + int(lines[-1])}" if lines else block.where
+        return _report(where, block.code, r)
     known = _known_broken(block)
     for line, cmd in block.commands():
         r = subprocess.run(["bash", "-c", cmd], check=False, cwd=work, env=env, capture_output=True, text=True,
