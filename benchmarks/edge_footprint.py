@@ -1,6 +1,6 @@
-"""Memory one stream needs on each edge target, per precision: the README's "On the edge" table, from TxlConfig.
+"""Memory one stream needs on each edge target, per precision: the table in docs/edge.md, "Memory per target", from TxlConfig.
 
-    python tools/edge_memory.py [--max-segment 512] [--block-size 32]
+    python benchmarks/edge_footprint.py [--max-segment 512] [--block-size 32]
 
 Weights: the exported graph's constants counted from the config, at the precision's bytes per value when
 loaded: the 2-D weight matrices (attention and feed-forward projections, the adaptive-softmax output layer, the

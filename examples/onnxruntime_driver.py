@@ -1,6 +1,6 @@
 """A minimal driver for a txl-deploy ONNX file with nothing but numpy and onnxruntime.
 
-Written from the README's "Exported graph" section alone, as a driver in another language would be: it reads the
+Written from the graph contract in docs/graph-contract.md alone, as a driver in another language would be: it reads the
 settings from the file's metadata, keeps the memory itself, and threads it from call to call in either layout.
 
     python examples/onnxruntime_driver.py model.onnx --prompt "And God said" --max-new-tokens 40

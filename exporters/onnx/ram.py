@@ -30,7 +30,7 @@ SCORE_TENSORS = 10
 LOG_PROB_COPIES = 2.6
 # The least log-prob bytes one runtime call of a verification may return (log_prob_budget).
 LOG_PROB_BUDGET_MIN = 256 * 1024 * 1024
-# State dtype bytes of each precision's graph (README, "Exported graph").
+# State dtype bytes of each precision's graph (docs/graph-contract.md, "Inputs and outputs").
 STATE_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int8-dynamic": 4, "int4": 4}
 
 

@@ -1,7 +1,7 @@
 """`txl-deploy web-demo`: a static site that runs an exported model in the browser with onnxruntime-web.
 
 The site is five files and the runtime: `index.html` (the page), `app.js` (the page's logic), `txl.js` (the
-JavaScript driver: the README's graph contract, meant to be copied into apps), `model.onnx` (a copy of the
+JavaScript driver: the graph contract of docs/graph-contract.md, meant to be copied into apps), `model.onnx` (a copy of the
 export), `model.json` (the contract's numbers from the export's metadata, which onnxruntime-web cannot read) and
 `vocab.json`. onnxruntime-web comes from a pinned release on a CDN, both of its files checked with
 subresource-integrity hashes, or from a local copy (`--ort-web DIR`, an npm install of onnxruntime-web) for

@@ -7,7 +7,7 @@ pickle (`vocab.pkl`) and is never unpickled: a `vocab.txt` / `vocab.json` beside
 Two differences from the original code, both handled here:
 - HF reads tail cluster i's logit from head column `cutoffs[0] + i - 1`; ours (like CMU and NVIDIA) from column
   `-i`. The rows of `crit.cluster_weight` / `crit.cluster_bias` are reversed on import.
-- HF starts the memory as `mem_len` zero vectors that are attended to; ours starts empty (see the README).
+- HF starts the memory as `mem_len` zero vectors that are attended to; ours starts empty (see docs/checkpoints.md).
 """
 
 from __future__ import annotations

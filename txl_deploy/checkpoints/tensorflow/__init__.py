@@ -5,7 +5,7 @@
 corpus, holding the vocabulary) + `data/corpus-info.json` (vocabulary size, cutoffs, dataset name).
 `convert` takes that folder as it is, or a `model.ckpt-N` path (with `--vocab`, or the layout around it).
 
-The weights are read by `tf_bundle` (no TensorFlow needed). A TF checkpoint stores no hyper-parameters: the
+The weights are read by `bundle` (no TensorFlow needed). A TF checkpoint stores no hyper-parameters: the
 variable shapes determine the architecture, and the evaluation settings (tgt_len, mem_len, clamp_len,
 same_length) come from a preset of the published run scripts (`tf/sota/*.sh`) or from the original training
 flags (`--config FILE`, JSON with `tf/train_gpu.py`'s flag names). The shapes are checked against either.
@@ -14,7 +14,7 @@ What the original TF code computes differently from the PyTorch code, and what t
 - `same_length`: TF's `_create_mask` lets each query see `mlen + 1` keys, and its evaluation always runs with a
   full memory (mlen == mem_len), so the window is one key longer than the PyTorch code's: `same_length_extra = 1`.
 - `tf.contrib.layers.layer_norm` uses epsilon 1e-12: `layer_norm_epsilon = 1e-12`.
-- the first memory is `mem_len` zero vectors that are attended to (see the README); ours starts empty.
+- the first memory is `mem_len` zero vectors that are attended to (see docs/checkpoints.md); ours starts empty.
 
 Layouts (from `tf/model.py`): dense kernels are [in, out] (ours: [out, in]); the embedding computes
 `emb @ proj_W` (our `emb_projs[i]` is `proj_W.T`) and the softmax `hidden @ proj.T` (our `out_projs[i]` is

@@ -135,7 +135,7 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
     state = to_state_dict(ckpt, arch)
     notes.append("TensorFlow evaluation starts every stream from mem_len zero vectors that are attended to; "
                  "txl-deploy starts it empty as the paper's PyTorch code does, so the first "
-                 "~n_layer*ceil(mem_len/tgt_len) segments differ slightly (see the README)")
+                 "~n_layer*ceil(mem_len/tgt_len) segments differ slightly (see docs/checkpoints.md)")
     if chosen is not None:
         notes.append(f"evaluation settings of {chosen}; the paper reports {PAPER_RESULTS[chosen]} for it")
     loaded = LoadedModel(cfg, state, loaded_vocab, FORMAT, str(prefix), notes=notes, vocab_source=vocab_source)

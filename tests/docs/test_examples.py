@@ -1,0 +1,335 @@
+"""The examples of README.md and docs/*.md are tests: what a reader would paste must run.
+
+Every fenced ```python block runs, and every ```bash (or sh, shell, console) block whose commands are all
+`txl-deploy` commands, unless an HTML comment right before the fence says why it cannot run here:
+
+    <!-- not run: needs an NVIDIA GPU -->
+
+A shell block with any other command (pip, docker, a script) must carry such a comment; a comment with no reason,
+or before a block of another language, is an error. docs/development.md tells writers the same.
+
+How a block runs: in a fresh folder of its own, as if it were the checkout root of a reader who followed the
+README. The folder holds `model.onnx` (what the README's quickstart block exported: that block runs first, once),
+`heldout.txt` (the first 4,096 characters of the demo's held-out text) and, for shell blocks,
+`txl_deploy/assets/demo/` (Python blocks find the demo through `txl_deploy.assets`; a `txl_deploy/` folder without
+the package beside a Python script would shadow the installed package). A block that writes `model.onnx` itself
+(`-o model.onnx`) starts without one. Python blocks run as a script in a fresh interpreter (this one), shell blocks
+command by command in bash, with this environment's `txl-deploy` first on PATH. A failure names the file and line.
+
+Blocks that do not run are still checked: Python compiles, and every `txl-deploy` command in a block or in inline
+code names a real command and real options.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import pytest
+
+from txl_deploy.assets import DEMO_DIR, demo_heldout_path
+from txl_deploy.cli.main import main as cli_group
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = {"bash", "sh", "shell", "console"}
+PYTHON = {"python", "py"}
+HELDOUT_CHARS = 4096
+TIMEOUT_S = 600
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^`]*$")
+NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<reason>.*?)-->\s*$")
+WRITES_MODEL = re.compile(r"(?:^|\s)(?:-o|--output)(?:\s+|=)model\.onnx(?:\s|$)", re.MULTILINE)
+INLINE_CLI = re.compile(r"`(txl-deploy(?:\s[^`]*)?)`")
+
+# Examples that fail because of a known bug in the code, not in the docs: the command, and the text its error
+# contains. Such a block is reported as xfail while it fails that way, and fails once it works (remove it here).
+KNOWN_BROKEN = {
+    "txl-deploy web-demo": ("the web page template is missing",
+                            ("web-demo looks for its page template in txl_deploy/web/; the files are in "
+                             "exporters/web/static/")),
+}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    not_run: str | None  # the reason, or None when the block runs
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def kind(self) -> str | None:
+        return "shell" if self.lang in SHELL else "python" if self.lang in PYTHON else None
+
+    def commands(self) -> list[tuple[int, str]]:
+        """Shell commands with their line numbers: continuation lines joined, comments and blank lines dropped;
+        in a console block only the `$ ` lines."""
+        out, pending, start = [], "", None
+        for offset, raw in enumerate(self.code.split("\n"), start=self.line + 1):
+            line = raw.rstrip()
+            if self.lang == "console" and not pending:
+                if not line.startswith("$ "):
+                    continue
+                line = line[2:]
+            if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            start = start if pending else offset
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
+                continue
+            out.append((start, pending + line))
+            pending = ""
+        if pending:
+            out.append((start, pending))
+        return out
+
+    def runnable(self) -> bool:
+        if self.not_run is not None or self.kind is None:
+            return False
+        return self.kind == "python" or all(_is_cli(cmd) for _, cmd in self.commands())
+
+
+def _is_cli(command: str) -> bool:
+    return command.split(maxsplit=1)[0] == "txl-deploy"
+
+
+def parse(page: Path) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of a page, and what is wrong with its not-run comments."""
+    lines = page.read_text(encoding="utf-8").split("\n")
+    rel = page.relative_to(ROOT)
+    blocks, problems = [], []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        marker = NOT_RUN.match(lines[i])
+        if marker:
+            j = i + 1
+            while j < len(lines) and not lines[j].strip():
+                j += 1
+            if j == len(lines) or not FENCE.match(lines[j]):
+                problems.append(f"{rel}:{i + 1}: a not-run comment that no code block follows")
+            i += 1
+            continue
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = m["indent"], m["fence"], m["lang"].lower()
+        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            problems.append(f"{rel}:{i + 1}: a code block that is never closed")
+        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1:j]]
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        reason = None
+        if k >= 0 and NOT_RUN.match(lines[k]):
+            reason = NOT_RUN.match(lines[k])["reason"].strip()
+            if not reason:
+                problems.append(f"{rel}:{k + 1}: a not-run comment must say why")
+        block = Block(page, i + 1, lang, "\n".join(body), reason)
+        if reason is not None and block.kind is None:
+            problems.append(f"{rel}:{k + 1}: a not-run comment before a {lang or 'plain'} block, which never runs")
+        if block.kind == "shell" and reason is None and not block.runnable():
+            others = [cmd.split()[0] for _, cmd in block.commands() if not _is_cli(cmd)]
+            problems.append(f"{block.where}: runs {', '.join(sorted(set(others)))}, not only txl-deploy: split it, "
+                            "or put <!-- not run: REASON --> before it")
+        blocks.append(block)
+        i = j + 1
+    return blocks, problems
+
+
+ALL_BLOCKS = [b for page in PAGES for b in parse(page)[0]]
+RUNNABLE = [b for b in ALL_BLOCKS if b.runnable()]
+
+
+# -- static checks of every block ----------------------------------------------------------------------------------
+def test_every_block_runs_or_says_why_not():
+    problems = [p for page in PAGES for p in parse(page)[1]]
+    assert not problems, "\n".join(problems)
+    assert RUNNABLE, "no runnable examples found"
+
+
+def test_python_blocks_that_do_not_run_still_compile():
+    for block in ALL_BLOCKS:
+        if block.kind == "python" and not block.runnable():
+            compile(block.code, block.where, "exec")
+
+
+def _option_names(command: click.Command) -> set[str]:
+    names = {"-h", "--help"}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    return names
+
+
+def _check_cli(text: str) -> str | None:
+    """What is wrong with one `txl-deploy ...` command line (placeholders and [optional] parts allowed)."""
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError:
+        tokens = text.split()
+    words = [w for tok in tokens[1:] for w in tok.strip("[]()").split("|") if w and w != "..."]
+    group_options = _option_names(cli_group)
+    i = 0
+    while i < len(words) and words[i].startswith("-"):
+        if words[i] not in group_options:
+            return f"{words[i]} is not an option of txl-deploy itself"
+        i += 1
+    if i == len(words) or not re.fullmatch(r"[a-z][a-z0-9-]*", words[i]):
+        return None  # `txl-deploy`, `txl-deploy -v COMMAND`
+    command = cli_group.commands.get(words[i])
+    if command is None:
+        return f"there is no command {words[i]!r}"
+    known = _option_names(command)
+    for word in words[i + 1:]:
+        name = word.split("=", 1)[0]
+        if name.startswith("-") and not re.fullmatch(r"-\d.*", name) and name not in known:
+            return f"{name} is not an option of txl-deploy {words[i]}"
+    return None
+
+
+def test_txl_deploy_commands_name_real_commands_and_options():
+    wrong = []
+    for block in ALL_BLOCKS:
+        if block.kind == "shell":
+            for line, cmd in block.commands():
+                problem = _check_cli(cmd) if _is_cli(cmd) else None
+                if problem:
+                    wrong.append(f"{block.page.relative_to(ROOT)}:{line}: {problem}: {cmd}")
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in INLINE_CLI.finditer(text):  # a code span may wrap to the next line
+            span = " ".join(m[1].split())
+            problem = _check_cli(span)
+            if problem:
+                wrong.append(f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {problem}: `{span}`")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_option_check_can_fail():
+    assert _check_cli("txl-deploy export model --no-such-option") is not None
+    assert _check_cli("txl-deploy no-such-command") is not None
+    assert _check_cli("txl-deploy export CKPT --precision int4 [--block-size 32] -o model-int4.onnx") is None
+
+
+# -- running the runnable ones -------------------------------------------------------------------------------------
+def _setup_block() -> Block:
+    """The README's block that exports model.onnx: every other example starts from what it wrote."""
+    found = [b for b in RUNNABLE if b.page.name == "README.md" and WRITES_MODEL.search(b.code)]
+    assert len(found) == 1, ("README.md must have exactly one runnable block that exports model.onnx (the examples' "
+                             f"starting point), found {[b.where for b in found]}")
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def example_home(tmp_path_factory) -> Path:
+    """What every example's folder starts from: heldout.txt, a copy of the demo assets, and model.onnx as the
+    README's quickstart exports it. That block runs here, once; its own test reports how it went."""
+    home = tmp_path_factory.mktemp("docs-examples")
+    text = demo_heldout_path().read_text(encoding="utf-8")[:HELDOUT_CHARS]
+    (home / "heldout.txt").write_text(text, encoding="utf-8")
+    shutil.copytree(DEMO_DIR, home / "checkout" / "txl_deploy" / "assets" / "demo")
+    setup = _setup_block()
+    work = _folder(setup, home, home / "readme")
+    failure = _run(setup, work, home)
+    if failure is None:
+        shutil.copy(work / "model.onnx", home / "model.onnx")
+    home.joinpath("setup-failure.txt").write_text(failure or "", encoding="utf-8")
+    return home
+
+
+def _bin_dir(home: Path) -> Path:
+    """A folder whose `txl-deploy` is this environment's command line."""
+    here = Path(sys.executable).parent
+    if (here / "txl-deploy").is_file():
+        return here
+    shim = home / "bin"
+    shim.mkdir(exist_ok=True)
+    script = shim / "txl-deploy"
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
+                      "'import sys; sys.argv[0] = \"txl-deploy\"; from txl_deploy.cli import main; main()' \"$@\"\n")
+    script.chmod(0o755)
+    return shim
+
+
+def _folder(block: Block, home: Path, parent: Path) -> Path:
+    work = parent / "work"
+    work.mkdir(parents=True)
+    shutil.copy(home / "heldout.txt", work)
+    if not WRITES_MODEL.search(block.code):
+        shutil.copy(home / "model.onnx", work)
+    if block.kind == "shell":
+        (work / "txl_deploy").symlink_to(home / "checkout" / "txl_deploy", target_is_directory=True)
+    return work
+
+
+def _report(where: str, what: str, r: subprocess.CompletedProcess) -> str:
+    def tail(text):
+        return "\n".join(text.strip().splitlines()[-40:])
+
+    return (f"{where}: the example failed (exit code {r.returncode})\n--- the example\n{what}\n"
+            f"--- stdout\n{tail(r.stdout)}\n--- stderr\n{tail(r.stderr)}")
+
+
+def _known_broken(block: Block):
+    """(command prefix, symptom, why) of a KNOWN_BROKEN command in the block, or None."""
+    for _, cmd in block.commands() if block.kind == "shell" else []:
+        for prefix, (symptom, why) in KNOWN_BROKEN.items():
+            if cmd.startswith(prefix):
+                return prefix, symptom, why
+    return None
+
+
+def _run(block: Block, work: Path, home: Path) -> str | None:
+    """Run a block in `work`: None, or why it failed (xfail and fail for KNOWN_BROKEN commands happen here)."""
+    env = dict(os.environ, PATH=f"{_bin_dir(home)}{os.pathsep}{os.environ.get('PATH', '')}")
+    if block.kind == "python":
+        script = work / "example.py"
+        script.write_text(block.code, encoding="utf-8")
+        r = subprocess.run([sys.executable, script.name], check=False, cwd=work, env=env, capture_output=True,
+                           text=True, timeout=TIMEOUT_S)
+        if not r.returncode:
+            return None
+        lines = re.findall(r'example\.py", line (\d+)', r.stderr)  # the traceback's last frame in the block
+        where = f"{block.page.relative_to(ROOT)}:{block.line + int(lines[-1])}" if lines else block.where
+        return _report(where, block.code, r)
+    known = _known_broken(block)
+    for line, cmd in block.commands():
+        r = subprocess.run(["bash", "-c", cmd], check=False, cwd=work, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+        if r.returncode and known and known[1] in r.stderr + r.stdout:
+            pytest.xfail(f"{block.page.relative_to(ROOT)}:{line}: known bug: {known[2]}")
+        if r.returncode:
+            return _report(f"{block.page.relative_to(ROOT)}:{line}", cmd, r)
+    if known:
+        pytest.fail(f"{block.where} works now: remove {known[0]!r} from KNOWN_BROKEN")
+    return None
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.where for b in RUNNABLE])
+def test_example_runs(block, example_home, tmp_path):
+    if block is _setup_block():  # it ran in the fixture
+        failure = example_home.joinpath("setup-failure.txt").read_text(encoding="utf-8") or None
+    else:
+        assert example_home.joinpath("model.onnx").is_file(), (
+            f"{_setup_block().where}, which exports the model.onnx every example starts from, failed")
+        failure = _run(block, _folder(block, example_home, tmp_path), example_home)
+    assert failure is None, failure
