@@ -49,15 +49,6 @@ NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<reason>.*?)-->\s*$")
 WRITES_MODEL = re.compile(r"(?:^|\s)(?:-o|--output)(?:\s+|=)model\.onnx(?:\s|$)", re.MULTILINE)
 INLINE_CLI = re.compile(r"`(txl-deploy(?:\s[^`]*)?)`")
 
-# Examples that fail because of a known bug in the code, not in the docs: the command, and the text its error
-# contains. Such a block is reported as xfail while it fails that way, and fails once it works (remove it here).
-KNOWN_BROKEN = {
-    "txl-deploy web-demo": ("the web page template is missing",
-                            ("web-demo looks for its page template in txl_deploy/web/; the files are in "
-                             "exporters/web/static/")),
-}
-
-
 @dataclass
 class Block:
     page: Path
@@ -289,17 +280,8 @@ def _report(where: str, what: str, r: subprocess.CompletedProcess) -> str:
             f"--- stdout\n{tail(r.stdout)}\n--- stderr\n{tail(r.stderr)}")
 
 
-def _known_broken(block: Block):
-    """(command prefix, symptom, why) of a KNOWN_BROKEN command in the block, or None."""
-    for _, cmd in block.commands() if block.kind == "shell" else []:
-        for prefix, (symptom, why) in KNOWN_BROKEN.items():
-            if cmd.startswith(prefix):
-                return prefix, symptom, why
-    return None
-
-
 def _run(block: Block, work: Path, home: Path) -> str | None:
-    """Run a block in `work`: None, or why it failed (xfail and fail for KNOWN_BROKEN commands happen here)."""
+    """Run a block in `work`: None, or why it failed."""
     env = dict(os.environ, PATH=f"{_bin_dir(home)}{os.pathsep}{os.environ.get('PATH', '')}")
     if block.kind == "python":
         script = work / "example.py"
@@ -311,16 +293,11 @@ def _run(block: Block, work: Path, home: Path) -> str | None:
         lines = re.findall(r'example\.py", line (\d+)', r.stderr)  # the traceback's last frame in the block
         where = f"{block.page.relative_to(ROOT)}:{block.line + int(lines[-1])}" if lines else block.where
         return _report(where, block.code, r)
-    known = _known_broken(block)
     for line, cmd in block.commands():
         r = subprocess.run(["bash", "-c", cmd], check=False, cwd=work, env=env, capture_output=True, text=True,
                            timeout=TIMEOUT_S)
-        if r.returncode and known and known[1] in r.stderr + r.stdout:
-            pytest.xfail(f"{block.page.relative_to(ROOT)}:{line}: known bug: {known[2]}")
         if r.returncode:
             return _report(f"{block.page.relative_to(ROOT)}:{line}", cmd, r)
-    if known:
-        pytest.fail(f"{block.where} works now: remove {known[0]!r} from KNOWN_BROKEN")
     return None
 
 
