@@ -182,7 +182,7 @@ GUARD_SHAPE = dict(n_token=60000, n_layer=4, n_head=8, d_model=512, d_head=64, d
                    div_val=1, tie_projs=[False, False, False], mem_len=64, tgt_len=32, clamp_len=80)
 # What the process holds beyond its imports, over the checkpoint's bytes. Measured 4.7x verified and 2.3x with
 # --no-verify on this shape (its log-probs and tracing weigh more against 178 MB of weights than on the large
-# shapes: see benchmarks/results_memory.md); the guard allows 25% more. The copies this replaced cost 20x and 8.7x.
+# shapes: see benchmarks/results_peak_ram.md); the guard allows 25% more. The copies this replaced cost 20x and 8.7x.
 GUARD_RATIO = {True: 6.0, False: 3.0}
 
 
@@ -195,7 +195,7 @@ def test_export_peak_memory_ratio_on_a_small_shape(tmp_path, verify):
     ckpt = tmp_path / "guard"
     save_checkpoint(ckpt, random_model(TxlConfig(**GUARD_SHAPE)), char_vocab(GUARD_SHAPE["n_token"]))
     size = sum(p.stat().st_size for p in ckpt.iterdir())
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--child", "export", str(ckpt),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_ram.py"), "--child", "export", str(ckpt),
                            str(tmp_path / "g.onnx"), str(int(verify)), ""], capture_output=True, text=True,
                           cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,7 +3,7 @@
 Every estimate is a sum of named terms (weights, recurrent state, the largest call's temporaries, the Python
 process itself), so `txl-deploy info --memory` can show where the memory goes. The temporaries' factors were
 measured on this project's 2-core reference machine (peak resident set size, ONNX Runtime 1.32, torch 2.13, the
-WikiText-103-large shape: 1.14 GB of weights, mem_len 1600); `benchmarks/memory.py` prints estimate and
+WikiText-103-large shape: 1.14 GB of weights, mem_len 1600); `benchmarks/peak_ram.py` prints estimate and
 measurement side by side on every run. No torch here: the ONNX Runtime side uses this module too.
 """
 

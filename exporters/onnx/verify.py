@@ -70,7 +70,7 @@ def compare_steps(step, reference_step, n_token: int, segments, batch: int = 2, 
                     agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
             total += block.shape[0] * block.shape[1]
             del block
-            return_free_memory()  # each call's temporaries, or the heap fragments over the stream (memory.py)
+            return_free_memory()  # each call's temporaries, or the heap fragments over the stream (exporters/onnx/ram.py)
         pos += q
         del got_all, ref_all
     return {"max_abs_diff": worst, "allclose_ratio": ratio, "kl_divergence": kl / total,

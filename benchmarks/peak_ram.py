@@ -1,13 +1,13 @@
 """Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
 
-    python benchmarks/memory.py                      # WikiText-103 large, our format and an original model.pt
-    python benchmarks/memory.py --shape enwik8-large --formats ours
+    python benchmarks/peak_ram.py                      # WikiText-103 large, our format and an original model.pt
+    python benchmarks/peak_ram.py --shape enwik8-large --formats ours
 
 Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
 `peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
 `base` its resident set after the imports and before the model is read. Ratios are peak over the checkpoint's bytes
 (export) or over weight bytes + recurrent state bytes (runtime), the process included. Each row also shows the
-estimate `txl-deploy info --memory` prints for it. Writes benchmarks/results_memory.md (and .json).
+estimate `txl-deploy info --memory` prints for it. Writes benchmarks/results_peak_ram.md (and .json).
 
 Targets: export with its verification <= 4x the checkpoint's size, without <= 2.5x, verified export <= 90 s on the
 2-core reference machine; runtime (fp32, mem_len 1600, prefill then decode) <= 2x (weights + state) with decode
@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-COMMAND = "python benchmarks/memory.py"
+COMMAND = "python benchmarks/peak_ram.py"
 
 
 def _status() -> dict:
@@ -233,15 +233,15 @@ def main(argv=None) -> int:
 
     from txl_deploy.bench.report import results_markdown
 
-    json_path = HERE / "results_memory.json"
+    json_path = HERE / "results_peak_ram.json"
     if args.report_only:
         raw = json.loads(json_path.read_text())
     else:
         raw = measure(args)
         json_path.write_text(json.dumps(raw, indent=2))
     body = render(raw)
-    (HERE / "results_memory.md").write_text(results_markdown(
-        "Memory and time of export and runtime on the large shapes", body, COMMAND))
+    (HERE / "results_peak_ram.md").write_text(results_markdown(
+        "Peak RAM and time of export and runtime on the large shapes", body, COMMAND))
     print(body)
     return 0
 
