@@ -16,9 +16,9 @@ import time
 from typing import Callable
 
 import numpy as np
-from tqdm import tqdm
 
 from txl_deploy.errors import InputError
+from txl_deploy.progress import progress_bar
 
 LN2 = math.log(2.0)
 
@@ -69,7 +69,7 @@ def evaluate_text(rt, text: str, tgt_len: int, progress: bool = True, zero_memor
     if zero_memory:
         rt.start_from_zero_memory(1)
     start = time.perf_counter()
-    with tqdm(total=max(ids.size - 1, 0), unit="tok", desc="evaluating", disable=not progress, leave=False) as bar:
+    with progress_bar(total=max(ids.size - 1, 0), unit="tok", desc="evaluating", enabled=progress) as bar:
         result = streaming_eval(ids, rt.step, tgt_len, progress=bar.update)
     result["seconds"] = time.perf_counter() - start
     rt.reset()

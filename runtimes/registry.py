@@ -63,4 +63,12 @@ def open_backend(path, backend: str | None = None, providers=None, device: str |
             impl.close()
             raise InputError(f"{path} was exported with {key}={built_in[key]}; re-export it with the "
                              f"checkpoint to use {key}={value}")
+    if max_segment is not None:
+        # Shorter pieces than the graph allows are only a choice of how input is split; longer ones are beyond
+        # the graph's table of relative positions (docs/graph-contract.md).
+        if max_segment > impl.max_segment:
+            impl.close()
+            raise InputError(f"{path} was exported with max_segment={impl.max_segment}; re-export it with "
+                             f"--max-segment {max_segment} to feed longer segments")
+        impl.max_segment = max_segment
     return impl

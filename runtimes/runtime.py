@@ -53,7 +53,8 @@ class TxlRuntime:
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
         a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
         `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
-        graph has them built in: asking for other values is an error that says to re-export).
+        graph has them built in: asking for other values, or a longer max_segment, is an error that says to
+        re-export; a shorter max_segment feeds input in shorter pieces).
 
         threads: CPU threads for the computation [default: each library's own, which is every core].
         ONNX Runtime: this session's intra-op threads, with one inter-op thread (the graph runs sequentially).

@@ -12,8 +12,8 @@ import onnx
 from txl_deploy.checkpoints import LoadedModel, load_model
 from txl_deploy.contract.metadata import read_onnx_info, set_onnx_props
 from txl_deploy.errors import ExportError, InputError, TxlError
-from txl_deploy.exporters.onnx.export import ExportResult, export_onnx, place_external_data, save_checked
 from txl_deploy.exporters.graph_checks import toposort
+from txl_deploy.exporters.onnx.export import ExportResult, export_onnx, place_external_data, save_checked
 from txl_deploy.exporters.onnx.verify import REDUCED_KL
 from txl_deploy.exporters.precision.folding import fold_weight_subgraphs
 from txl_deploy.exporters.precision.fp16 import FP16_KEEP_FP32_OPS, convert_fp16

@@ -7,9 +7,9 @@ import logging
 
 import numpy as np
 import onnx
-from tqdm import tqdm
 
 from txl_deploy.exporters.precision.folding import weight_matmuls
+from txl_deploy.progress import progress_bar
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def quantize_int8(fp32_path, out_path, calib_ids, seg: int, threads=None):
 
     model = onnx.load(str(fp32_path), load_external_data=False)
     nodes = weight_matmuls(model)
-    with tqdm(desc="calibrating", unit="segment", leave=False) as bar:
+    with progress_bar(desc="calibrating", unit="segment") as bar:
         reader = StreamingCalibration(fp32_path, calib_ids, seg, progress=bar, threads=threads)
         bar.total = reader.n_segments
         logger.info(f"calibrating {len(nodes)} weight MatMuls on {reader.streams.size} tokens "

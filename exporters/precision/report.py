@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from tqdm import tqdm
 
 from txl_deploy.exporters.onnx.verify import compare_steps, verification_segments
+from txl_deploy.progress import progress_bar
 from txl_deploy.runtimes.evaluation import streaming_eval
 
 
@@ -34,8 +34,8 @@ def evaluate_against_fp32(rt, rt32, ids: np.ndarray, seg: int, progress=True) ->
     results = {}
     for key, runtime in (("fp32", rt32), ("reduced", rt)):
         runtime.reset()
-        with tqdm(total=ids.size - 1, desc=f"evaluating {key if key == 'fp32' else rt.backend.precision}",
-                  unit="tok", leave=False, disable=not progress) as bar:
+        with progress_bar(total=ids.size - 1, desc=f"evaluating {key if key == 'fp32' else rt.backend.precision}",
+                          unit="tok", enabled=progress) as bar:
             results[key] = streaming_eval(ids, stepper(runtime, key), seg, progress=bar.update)
         runtime.reset()
     agree = float(np.mean(np.concatenate(argmax["reduced"]) == np.concatenate(argmax["fp32"])))

@@ -22,7 +22,6 @@ import re
 from pathlib import Path
 
 import onnx
-from tqdm.auto import tqdm
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.engine_file import (
@@ -37,6 +36,7 @@ from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.progress import progress_bar
 
 # `log`, not `logger`: in this module `logger` is TensorRT's ILogger (see the naming convention above).
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def _make_progress_monitor(trt):
         def phase_start(self, phase_name, parent_phase, num_steps):
             # Nested phases (per-layer tactic timing) come and go thousands of times: show only the outer ones.
             if parent_phase is None or not self._bars:
-                self._bars[phase_name] = tqdm(total=num_steps, desc=phase_name, unit="step", leave=False)
+                self._bars[phase_name] = progress_bar(total=num_steps, desc=phase_name, unit="step")
 
         def step_complete(self, phase_name, step):
             bar = self._bars.get(phase_name)

@@ -23,7 +23,6 @@ import tempfile
 from contextlib import contextmanager
 
 import numpy
-from tqdm import tqdm
 
 from txl_deploy import __version__
 from txl_deploy.bench import timing as measure
@@ -33,6 +32,7 @@ from txl_deploy.bench.op_profile import profile_decode
 from txl_deploy.bench.runners import mem_lens_for, opener, resolve
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import InputError
+from txl_deploy.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
         as_written_batches = set(as_written_batches or ()) if baseline == "eager" else set()
         n_sides = sum(1 + (baseline == "eager") + (m == compare_mem_len) + (b in as_written_batches)
                       for m, b in configs)
-        bar = tqdm(total=n_sides * (repeat + 1), desc="bench", unit="phase", disable=not progress, leave=False)
+        bar = progress_bar(total=n_sides * (repeat + 1), desc="bench", unit="phase", enabled=progress)
         results = []
         config = None
         for mem_len, batch in configs:

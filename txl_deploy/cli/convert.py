@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from txl_deploy.checkpoints import load_model, save_checkpoint
 from txl_deploy.checkpoints.tensorflow.convert import TF_LAYER_NORM_EPSILON, TF_SAME_LENGTH_EXTRA
 from txl_deploy.cli.options import vocab_options
 from txl_deploy.files import check_writable
+from txl_deploy.progress import progress_bar
 
 
 @click.command()
@@ -31,7 +31,7 @@ def convert(src, out, config, preset, vocab, vocab_kind, no_vocab, tf_semantics,
     and data/, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
     atomically."""
     check_writable(out, force)  # fail before the (possibly long) load
-    with tqdm(total=3, desc="convert", unit="step", disable=None, leave=False) as bar:
+    with progress_bar(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("reading")
         loaded = load_model(src, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
         if tf_semantics:
