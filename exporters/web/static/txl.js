@@ -1,6 +1,6 @@
 // txl.js: run a txl-deploy Transformer-XL export with onnxruntime-web, the memory threaded between calls.
 //
-// This is the graph contract of the README ("Exported graph") in JavaScript, for one stream (batch 1):
+// This is the graph contract (docs/graph-contract.md) in JavaScript, for one stream (batch 1):
 //   inputs   tokens [1, Q] int64, out_positions [1, P] int64,
 //            mem_k.i [1, n_head, d_head, mem_len], mem_v.i [1, n_head, mem_len, d_head] (float32 or float16),
 //            mem_count [1] int64: tokens consumed since the reset; stream position p lives in ring slot p % mem_len
