@@ -128,7 +128,7 @@ def test_plot(tiny_onnx, tmp_path):
 
 
 def test_decode_bytes_count_the_output_layer_and_memory():
-    from conftest import make_tiny_model
+    from helpers.tiny import make_tiny_model
 
     from txl_deploy.bench.bandwidth_floor import decode_bytes
 

@@ -267,7 +267,7 @@ def test_state_from_another_model_is_refused(ort_rt, ref_rt, tmp_path):
 
 
 def _other_ckpt(tmp_path):
-    from conftest import TINY_VOCAB, make_tiny_model
+    from helpers.tiny import TINY_VOCAB, make_tiny_model
 
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.vocab import Vocab

@@ -22,6 +22,7 @@ from txl_deploy.errors import ExportError, OutputExistsError
 
 tc_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
+from helpers.conversations import alone  # noqa: E402
 from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
 
 from txl_deploy.serving.triton.repository import pbtxt_string, write_repository  # noqa: E402
@@ -189,18 +190,6 @@ def server(served_repo):
 
     with TritonServer(served_repo) as srv:
         yield srv
-
-
-def alone(make_rt, prompt, n):
-    """Greedy tokens and the log-probs behind each, for one conversation alone in an in-process TxlRuntime."""
-    rt = make_rt()
-    lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    return toks, lps
 
 
 def through_server(url, prompt, n, barrier=None):

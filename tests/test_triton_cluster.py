@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
-from test_triton import alone  # noqa: E402
+from helpers.conversations import alone  # noqa: E402
 
 from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 
@@ -25,7 +25,7 @@ from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 @pytest.fixture(scope="module")
 def other_onnx(tmp_path_factory):
     """A second model of the same shape with other weights: its saved states must not load into the first."""
-    from conftest import TINY_VOCAB, make_tiny_model
+    from helpers.tiny import TINY_VOCAB, make_tiny_model
 
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.exporters.onnx.export import export_onnx
