@@ -21,12 +21,11 @@ releases only, the else branch against the others), or `if hasattr(obj, "NAME")`
 import ast
 import operator
 import re
-from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+DATA = TESTS / "data"
 SOURCES = [ROOT / "exporters" / "tensorrt" / "build.py", ROOT / "runtimes" / "backends" / "tensorrt.py",
            ROOT / "txl_deploy" / "contract" / "engine_file.py"]
 TRT_OBJECTS = {"builder", "network", "config", "parser", "profile", "engine", "context", "runtime", "logger",

@@ -82,7 +82,7 @@ def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):
     hp = models.original_kwargs(**models.CMU_VARIANTS["div2"], clamp_len=0)
     model = models.build_hf_from(hf, hp, seed=8)
     with torch.no_grad():
-        for layer in model.transformer.layers:  # a strong positional term, as in test_checkpoints
+        for layer in model.transformer.layers:  # a strong positional term, as in test_checkpoint_parity
             layer.dec_attn.r_net.weight.mul_(8)
         model.transformer.r_r_bias.mul_(8)
     model.half()
@@ -93,7 +93,7 @@ def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):
     out = tmp_path / "model.onnx"
     export_onnx(tmp_path / "model.pt", out, max_segment=16)
     # The ONNX tolerance is looser than the checkpoint tests', so compare against the stored-inv_freq reference
-    # tightly here: the recomputed one is ~9e-5 away (see test_checkpoints).
+    # tightly here: the recomputed one is ~9e-5 away (see test_checkpoint_parity).
     rt = TxlRuntime.load(out)
     worst = max(float(np.abs(rt.step(ids[:, s * models.Q:(s + 1) * models.Q].numpy()) - ref.numpy()).max())
                 for s, ref in enumerate(reference))

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT
 
 from txl_deploy.bench import triton_load
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_load.py"
+BENCH = ROOT / "benchmarks" / "triton_load.py"
 
 
 @pytest.fixture(scope="module")

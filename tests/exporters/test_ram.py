@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.paths import ROOT
 
 from txl_deploy.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_write_inline_streams_the_same_model_as_onnx_load(tiny_ckpt, tmp_path):
