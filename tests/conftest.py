@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny random Transformer-XL's checkpoint and ONNX exports (built once per session), a fresh
-runtime on it, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
+"""Shared fixtures: the tiny random Transformer-XL's checkpoint and ONNX exports (built once per session), runtimes
+on them, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
 
 The builders and constants behind them are in tests/helpers/ (`helpers.tiny`), which test modules import directly.
 """
@@ -37,6 +37,23 @@ def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
     export_onnx(tiny_ckpt, out, state="full", max_segment=16)
     return out
+
+
+@pytest.fixture(scope="module")
+def ort_rt(tiny_onnx):
+    """A TxlRuntime on the tiny graph (ONNX Runtime), shared by a module's tests; each resets it as it needs."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    with TxlRuntime.load(tiny_onnx) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def ref_rt(tiny_ckpt):
+    """A TxlRuntime on the tiny checkpoint (the eager PyTorch reference), shared by a module's tests."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    return TxlRuntime.load(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
