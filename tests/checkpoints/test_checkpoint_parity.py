@@ -1,13 +1,13 @@
-"""Checkpoint import: parity with an independent implementation, the restricted unpickler, bad input, convert/info.
+"""Checkpoint import: parity with an independent implementation for every published PyTorch checkpoint format.
 
 The numerical reference is HuggingFace's TransfoXL (transformers' deprecated `TransfoXLLMHeadModel`, from PyPI;
 these tests skip when it is not installed), an implementation independent of ours:
 - HuggingFace folders: its own `save_pretrained`.
 - Original CMU code (kimiyoung/transformer-xl) and NVIDIA DeepLearningExamples: neither installs, and a checkpoint
-  file holds data, not code. `original_checkpoints.py` writes the files those trainers write (the pickled
-  `mem_transformer.MemTransformerLM` tree of `torch.save(model)`; NVIDIA's checkpoint dict with an
+  file holds data, not code. tests/helpers/original_checkpoints.py writes the files those trainers write (the
+  pickled `mem_transformer.MemTransformerLM` tree of `torch.save(model)`; NVIDIA's checkpoint dict with an
   `argparse.Namespace` and their `Vocab`) from a HuggingFace model's weights, cross-converted to the original
-  names and cluster order in the test code (`hf_to_original`). txl-deploy reads them back and must reproduce
+  names and cluster order in the test helpers (`hf_to_original`). txl-deploy reads them back and must reproduce
   HuggingFace's log-probabilities, so a wrong cluster order, key mapping, dropped r_w_bias or mask fails here.
 - NVIDIA's same_length window (one key longer than the original's) does not exist in HuggingFace: the expected
   mask is derived from NVIDIA's published formula (`mask_len = klen - mem_len - 1` in their mem_transformer.py)
@@ -15,16 +15,14 @@ these tests skip when it is not installed), an implementation independent of our
   (mem_len + 1) whose returned memory the test cuts back to mem_len, which is exactly that formula.
 
 Every parity test runs >= 4 consecutive segments with the memory threaded, batch 3, fp32, and compares full
-log-probabilities to 1e-5.
+log-probabilities to 1e-5. The restricted unpickler is tested in test_restricted_unpickler.py, bad input and the
+convert/info commands in test_convert_and_info.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,12 +45,10 @@ from helpers.reference_models import (  # noqa: E402
     TOL,
     WORDS,
     Q,
-    V,
     assert_mems_match,
     build_hf,
     build_hf_from,
     empty_mems,
-    kwargs_of,
     make_nvidia_checkpoint,
     make_our_model,
     max_diff,
@@ -61,25 +57,16 @@ from helpers.reference_models import (  # noqa: E402
     original_state,
     run_hf,
     run_ours,
-    save_our_model_as_model_pt,
     tokens,
     write_vocab_txt,
 )
 
 from txl_deploy.checkpoints import load_model  # noqa: E402
-from txl_deploy.errors import CheckpointError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: with several intra-op threads on a busy 2-core machine each op waits on the others.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def convert_and_compare(src, tmp_path, reference_lps, ids, *extra):
     """`txl-deploy convert` to our format, reload, and expect the very same log-probs."""
     out = tmp_path / "converted"
@@ -356,215 +343,3 @@ def test_huggingface_zero_memory_semantics(hf, tmp_path):
     diffs = max_diff(run_ours(ours, ids)[0], run_hf(model, ids, None)[0])
     assert diffs[0] > 1e-3  # the zeros do influence HF's first segment
     assert len(diffs[warmup:]) >= 4 and max(diffs[warmup:]) <= TOL
-
-
-def test_huggingface_vocab_pickle_is_never_read(hf, tmp_path):
-    marker = tmp_path / "pwned"
-    model = build_hf(hf, untie_r=True, same_length=True)
-    folder = tmp_path / "hf"
-    model.save_pretrained(folder)
-    (folder / "vocab.pkl").write_bytes(pickle.dumps(_Evil(["touch", str(marker)])))
-    loaded = load_model(folder)
-    assert loaded.vocab is None and not marker.exists()
-    assert any("vocab.pkl" in note for note in loaded.notes)
-    # ...and the CLI says what is missing when a vocabulary is needed.
-    assert_one_line_error(cli("convert", folder, "-o", tmp_path / "out"), "model.safetensors", "no vocabulary")
-    vocab_file = tmp_path / "words.txt"
-    vocab_file.write_text("".join(f"{w}\n" for w in WORDS))
-    result = cli("convert", folder, "-o", tmp_path / "out", "--vocab", vocab_file)
-    assert result.exit_code == 0, result.output
-    assert load_model(tmp_path / "out").vocab.symbols == WORDS and not marker.exists()
-
-
-# -- the restricted unpickler -----------------------------------------------------------------------------
-class _Evil:
-    """Unpickling this runs `callable(*args)` under a plain pickle.load."""
-
-    def __init__(self, argv, call=None):
-        self.argv, self.call = argv, call or subprocess.call
-
-    def __reduce__(self):
-        return self.call, (self.argv,)
-
-
-class _EvilSystem:
-    def __init__(self, command):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command,)
-
-
-class _EvilEval:
-    def __init__(self, code):
-        self.code = code
-
-    def __reduce__(self):
-        return eval, (self.code,)
-
-
-def _payloads(marker):
-    return {
-        "os.system": _EvilSystem(f"touch {marker}"),
-        "builtins.eval": _EvilEval(f"open({str(marker)!r}, 'w').close()"),
-        "subprocess.call": _Evil(["touch", str(marker)]),
-    }
-
-
-@pytest.mark.parametrize("kind", ["os.system", "builtins.eval", "subprocess.call"])
-@pytest.mark.parametrize("container", ["pickle", "torch-zip", "torch-legacy", "nvidia-dict"])
-def test_malicious_pickle_is_refused_and_nothing_runs(kind, container, tmp_path):
-    marker = tmp_path / "pwned"
-    payload = _payloads(marker)[kind]
-    # Self-check: a plain pickle.load of this payload would create the marker.
-    if container == "pickle" and kind == "os.system":
-        pickle.loads(pickle.dumps(payload))
-        assert marker.exists()
-        marker.unlink()
-    path = tmp_path / "model.pt"
-    if container == "pickle":
-        path.write_bytes(pickle.dumps(payload, protocol=2))
-    elif container == "torch-zip":
-        torch.save({"word_emb.emb_layers.0.weight": torch.zeros(2), "evil": payload}, path)
-    elif container == "torch-legacy":
-        torch.save([payload], path, _use_new_zipfile_serialization=False)
-    else:
-        torch.save({"model_config": {"n_token": V}, "model_state": {}, "args": payload}, path)
-
-    with pytest.raises(CheckpointError) as err:
-        load_model(path)
-    message = str(err.value)
-    assert str(path) in message and "refused to unpickle" in message
-    callable_name = {"os.system": "system", "builtins.eval": "builtins.eval", "subprocess.call": "subprocess.call"}
-    assert callable_name[kind] in message
-    assert not marker.exists()
-
-    result = cli("info", path)
-    assert_one_line_error(result, path, "refused to unpickle")
-    assert not marker.exists()
-
-
-def test_pickled_module_holding_a_malicious_attribute_is_refused(tmp_path):
-    """A real-looking model.pt whose module carries one extra attribute that would run a command."""
-    marker = tmp_path / "pwned"
-    save_our_model_as_model_pt(tmp_path / "model.pt", extra_attrs={"hook": _EvilSystem(f"touch {marker}")})
-    assert_one_line_error(cli("convert", tmp_path / "model.pt", "-o", tmp_path / "out", "--no-vocab"),
-                          "model.pt", "refused to unpickle", "system")
-    assert not marker.exists() and not (tmp_path / "out").exists()
-
-
-# -- bad input ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def cmu_checkpoint(tmp_path):
-    save_our_model_as_model_pt(tmp_path / "model.pt", **CMU_VARIANTS["div2"])
-    return tmp_path / "model.pt"
-
-
-def test_random_file_is_not_a_checkpoint(tmp_path):
-    path = tmp_path / "random.bin"
-    path.write_bytes(bytes(range(256)) * 8)
-    assert_one_line_error(cli("info", path), path, "not a checkpoint of a supported format")
-    text = tmp_path / "notes.txt"
-    text.write_text("hello\n")
-    assert_one_line_error(cli("convert", text, "-o", tmp_path / "out"), text, "not a checkpoint")
-    assert_one_line_error(cli("info", tmp_path / "missing.pt"), "missing.pt", "does not exist")
-    (tmp_path / "folder").mkdir()
-    assert_one_line_error(cli("info", tmp_path / "folder"), "folder", "neither a txl-deploy checkpoint")
-
-
-@pytest.mark.parametrize("legacy", [False, True])
-def test_truncated_checkpoint(cmu_checkpoint, tmp_path, legacy):
-    source = cmu_checkpoint
-    if legacy:
-        source = tmp_path / "legacy.pt"
-        torch.save(load_model(cmu_checkpoint).state_dict, source, _use_new_zipfile_serialization=False)
-    data = source.read_bytes()
-    cut = tmp_path / "cut.pt"
-    cut.write_bytes(data[: len(data) // 2])
-    assert_one_line_error(cli("info", cut), cut, "truncated or corrupt")
-
-
-def test_torch_file_of_something_else(tmp_path):
-    path = tmp_path / "other.pt"
-    torch.save({"epoch": 3, "note": "not a model"}, path)
-    assert_one_line_error(cli("info", path), path, "not a Transformer-XL checkpoint", "epoch")
-    linear = tmp_path / "linear.pt"
-    torch.save(torch.nn.Linear(2, 3).state_dict(), linear)
-    (tmp_path / "linear.json").write_text(json.dumps(dict(n_token=V, n_layer=1, n_head=1, d_model=4, d_head=4,
-                                                          d_inner=8)))
-    assert_one_line_error(cli("info", linear), linear, "'weight' is not part of a CMU")
-
-
-def test_shapes_contradicting_the_config(tmp_path):
-    model = make_our_model(**CMU_VARIANTS["div2"])
-    torch.save(model.state_dict(), tmp_path / "weights.pt")
-    config = dict(kwargs_of(model.cfg), d_inner=2 * D_INNER)
-    (tmp_path / "weights.json").write_text(json.dumps(config))
-    message = assert_one_line_error(cli("info", tmp_path / "weights.pt"), "weights.pt", "has shape", "config implies")
-    assert "pos_ff.CoreNet" in message
-    config.update(d_inner=D_INNER, n_layer=3)
-    (tmp_path / "weights.json").write_text(json.dumps(config))
-    assert_one_line_error(cli("info", tmp_path / "weights.pt"), "weights.pt", "layers.2", "missing")
-    config.update(n_layer=N_LAYER, dropout_rate=0.1)
-    (tmp_path / "weights.json").write_text(json.dumps(config))
-    assert_one_line_error(cli("info", tmp_path / "weights.pt"), "weights.json", "unknown CMU config keys: dropout_rate")
-
-
-def test_missing_and_mismatched_vocabulary(cmu_checkpoint, tmp_path):
-    out = tmp_path / "out"
-    assert_one_line_error(cli("convert", cmu_checkpoint, "-o", out), "model.pt", "no vocabulary", "--vocab")
-    assert not out.exists()
-    # info works without one and says so
-    result = cli("info", cmu_checkpoint)
-    assert result.exit_code == 0 and "vocabulary:  none" in result.output
-    # the weights alone, when asked for
-    result = cli("convert", cmu_checkpoint, "-o", out, "--no-vocab")
-    assert result.exit_code == 0, result.output
-    assert load_model(out).vocab is None
-    with pytest.raises(CheckpointError, match="has no vocabulary"):
-        load_model(out).require_vocab()
-    short = tmp_path / "short.txt"
-    short.write_text("a\nb\nc\n")
-    assert_one_line_error(cli("info", cmu_checkpoint, "--vocab", short), "short.txt", "3 symbols", f"n_token={V}")
-    # a character list
-    chars = tmp_path / "chars.txt"
-    chars.write_text("".join(chr(ord("!") + i) for i in range(V)) + "\n")
-    result = cli("info", cmu_checkpoint, "--vocab", chars, "--vocab-kind", "char", "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["vocab_kind"] == "char"
-
-
-def test_convert_refuses_to_overwrite(cmu_checkpoint, tmp_path):
-    write_vocab_txt(cmu_checkpoint.parent)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert_one_line_error(cli("convert", cmu_checkpoint, "-o", out), "out", "--force")
-    assert (out / "keep.txt").read_text() == "mine"
-    result = cli("convert", cmu_checkpoint, "-o", out, "--force")
-    assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and load_model(out).vocab.symbols == WORDS
-
-
-def test_info_reports_format_config_parameters_vocab_and_memory(cmu_checkpoint):
-    write_vocab_txt(cmu_checkpoint.parent)
-    result = cli("info", cmu_checkpoint, "--json")
-    assert result.exit_code == 0, result.output
-    d = json.loads(result.output)
-    loaded = load_model(cmu_checkpoint)
-    assert d["format"] == "cmu" and d["vocab_size"] == V and d["config"] == loaded.config.to_dict()
-    assert d["parameters"] == sum(p.numel() for p in loaded.build().parameters())
-    assert d["memory_bytes_per_stream"]["fp32"] == loaded.config.memory_bytes_per_stream()
-    assert d["memory_bytes_per_stream"]["fp32"]["hidden"] == N_LAYER * MEM_LEN * D_MODEL * 4
-    text = cli("info", cmu_checkpoint)
-    assert text.exit_code == 0
-    assert "format:      cmu" in text.output and f"{V} symbols" in text.output and "memory per stream" in text.output
-
-
-def test_help_on_every_option():
-    for command in ("convert", "info"):
-        result = cli(command, "--help")
-        assert result.exit_code == 0
-        for option in ("--vocab", "--config", "--vocab-kind") + (("--force", "--no-vocab", "--output")
-                                                                  if command == "convert" else ("--json",)):
-            assert option in result.output
