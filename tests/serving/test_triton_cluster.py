@@ -38,13 +38,9 @@ def other_onnx(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_onnx, other_onnx, tmp_path_factory):
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+def servers(tritonserver, tiny_onnx, other_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonServer
 
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
     base = tmp_path_factory.mktemp("cluster")
     repo = write_repository(tiny_onnx, base / "repo", backend="python", max_batch=4, max_sequences=16,
                             idle_timeout=120, threads=1)

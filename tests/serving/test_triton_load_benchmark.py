@@ -20,13 +20,8 @@ BENCH = ROOT / "benchmarks" / "triton_load.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
-
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
+def bench(tritonserver):
+    """The load benchmark's library, where a tritonserver is there for it to start."""
     return triton_load
 
 
