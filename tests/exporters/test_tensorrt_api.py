@@ -1,7 +1,7 @@
 """Every TensorRT name our code uses exists in TensorRT 10.x and 11.x, checked without TensorRT.
 
 The name lists in tests/data/tensorrt_api_<version>.txt are read from the PyPI bindings wheels by
-tools/trt_api_names.py (10.3: JetPack 6, the oldest we support; 10.16: the newest 10.x; 11.4). The lists hold
+tests/data/trt_api_names.py (10.3: JetPack 6, the oldest we support; 10.16: the newest 10.x; 11.4). The lists hold
 names, not (class, name) pairs: a name is accepted if some class of that release registers it.
 
 What counts as a TensorRT name (the convention exporters/tensorrt/build.py, runtimes/backends/tensorrt.py and
