@@ -23,7 +23,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
   echo "no nvidia-smi: this script needs an NVIDIA GPU" >&2; exit 1; }
 
 echo "== GPU tests"
-"$PY" -m pytest -q tests/test_tensorrt_gpu.py tests/test_tensorrt_build.py -rs || echo "GPU TESTS FAILED" >&2
+"$PY" -m pytest -q tests/exporters/test_tensorrt_gpu.py tests/exporters/test_tensorrt_build.py -rs || echo "GPU TESTS FAILED" >&2
 
 has() { "$PY" -c "$1" >/dev/null 2>&1; }
 RUNS=()

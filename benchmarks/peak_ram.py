@@ -98,10 +98,10 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def original_model_pt(ours: Path, out: Path) -> Path:
-    """The stand-in written as the original code's `torch.save(model)` (tests/original_checkpoints.py)."""
+    """The stand-in written as the original code's `torch.save(model)` (tests/helpers/original_checkpoints.py)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import original_checkpoints as oc
-    from test_checkpoints import kwargs_of
+    from helpers import original_checkpoints as oc
+    from helpers.reference_models import kwargs_of
 
     from txl_deploy.checkpoints import load_model
 

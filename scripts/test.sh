@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 # nvidia-pytriton pins numpy < 2, and only its bundled tritonserver is needed (see txl_deploy/serving/triton/local_server.py).
 [ -d .venv/triton/pytriton ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
     --target .venv/triton nvidia-pytriton==0.7.0
-# The browser tests (tests/test_web.py): Debian's chromium, node/npm, and an npm install of onnxruntime-web kept
+# The browser tests (tests/exporters/test_web.py): Debian's chromium, node/npm, and an npm install of onnxruntime-web kept
 # outside the clone so reruns are fast. Installed only when missing; where they are present the tests must run.
 if ! command -v chromium >/dev/null || ! command -v npm >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

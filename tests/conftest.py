@@ -1,26 +1,13 @@
-"""Shared fixtures: tiny random Transformer-XL checkpoints and their ONNX exports (built once per session)."""
+"""Shared fixtures: the tiny random Transformer-XL's checkpoint and ONNX exports (built once per session), runtimes
+on them, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
+
+The builders and constants behind them are in tests/helpers/ (`helpers.tiny`), which test modules import directly.
+"""
 
 from __future__ import annotations
 
 import pytest
-
-TINY = dict(n_token=60, n_layer=2, n_head=2, d_model=32, d_head=8, d_inner=64, mem_len=12, tgt_len=8,
-            cutoffs=[10, 30], div_val=2, tie_projs=[False, True, True], same_length=True, clamp_len=9)
-TINY_VOCAB = [f"w{i}" for i in range(58)] + ["<eos>", "<unk>"]
-
-
-def make_tiny_model(seed=0, **overrides):
-    import torch
-
-    from txl_deploy.config import TxlConfig
-    from txl_deploy.model.mem_transformer import MemTransformerLM
-
-    torch.manual_seed(seed)
-    model = MemTransformerLM(TxlConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+from helpers.tiny import TINY_VOCAB, make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +40,42 @@ def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ort_rt(tiny_onnx):
+    """A TxlRuntime on the tiny graph (ONNX Runtime), shared by a module's tests; each resets it as it needs."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    with TxlRuntime.load(tiny_onnx) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def ref_rt(tiny_ckpt):
+    """A TxlRuntime on the tiny checkpoint (the eager PyTorch reference), shared by a module's tests."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    return TxlRuntime.load(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_onnx):
     """A fresh in-process TxlRuntime on the tiny graph each call: what a conversation gives alone."""
     from txl_deploy.runtimes import TxlRuntime
 
     return lambda: TxlRuntime.load(tiny_onnx)
+
+
+@pytest.fixture
+def hf(monkeypatch):
+    """HuggingFace's TransfoXL module (transformers' deprecated transfo_xl), made to run on current torch; skips
+    where transformers is not installed."""
+    transfo = pytest.importorskip("transformers.models.deprecated.transfo_xl")
+    import torch
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    original = torch.Tensor.type_as
+    # The deprecated TransfoXLModel.forward calls `torch.arange(...).type_as(dtype=word_emb.dtype)`; current torch
+    # only has `type_as(other)` and raises TypeError. Let the `dtype=` keyword mean `.to(dtype)`.
+    monkeypatch.setattr(torch.Tensor, "type_as",
+                        lambda self, other=None, dtype=None: self.to(dtype) if other is None else original(self, other))
+    return transfo

@@ -8,10 +8,10 @@ older 10.x builds weakly typed and sets the FP16/INT8 builder flags the graph's 
 Every engine gets a JSON sidecar `<engine>.json` (TensorRT version, GPU, precision, profiles, model config and
 vocabulary); the file format, and loading an engine, live in txl_deploy/engine_file.py, which the runtime uses too.
 
-TensorRT API names used here are checked against TensorRT 10.3, 10.16 and 11.4 by tests/test_tensorrt_api.py. Its
-conventions: TensorRT objects live in variables named builder, network, config, parser, profile, engine, context,
-runtime, logger, cache, tensor, serialized; names that exist only in some versions sit under an
-`if _trt_version() >= (...)` / `_trt_major()` comparison or a `hasattr(trt, ...)` check.
+TensorRT API names used here are checked against TensorRT 10.3, 10.16 and 11.4 by
+tests/exporters/test_tensorrt_api.py. Its conventions: TensorRT objects live in variables named builder, network,
+config, parser, profile, engine, context, runtime, logger, cache, tensor, serialized; names that exist only in some
+versions sit under an `if _trt_version() >= (...)` / `_trt_major()` comparison or a `hasattr(trt, ...)` check.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
         raise ExportError(f"{onnx_path}: TensorRT's ONNX parser refused it: " + "; ".join(parse_errors or errors))
 
     config = builder.create_builder_config()
-    if _trt_version(trt) < (10, 12):  # not strongly_typed, spelled as a version check for tests/test_tensorrt_api.py
+    if _trt_version(trt) < (10, 12):  # not strongly_typed; a version check for tests/exporters/test_tensorrt_api.py
         # Weakly typed: let the builder use the precision the graph was exported in.
         if precision == "fp16":
             config.set_flag(trt.BuilderFlag.FP16)

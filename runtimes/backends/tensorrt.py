@@ -13,7 +13,7 @@ into the same fixed device buffer before each launch.
 
 Tensor names, shapes and dtypes are read from the engine; config and vocabulary from its sidecar. No torch, no
 pycuda: cuda-python's `cuda.bindings.runtime` (as in NVIDIA's own samples). Version-dependent TensorRT names follow
-the conventions checked by tests/test_tensorrt_api.py.
+the conventions checked by tests/exporters/test_tensorrt_api.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Extract the names the TensorRT Python API registers, from the PyPI bindings wheels, without TensorRT's libraries.
 
-    python tools/trt_api_names.py                       # download the pinned wheels, write tests/data/tensorrt_api_*.txt
-    python tools/trt_api_names.py --wheel some.whl ...  # use wheels already on disk
+    python tests/data/trt_api_names.py                       # download the pinned wheels, write the lists beside it
+    python tests/data/trt_api_names.py --wheel some.whl ...  # use wheels already on disk
 
-`tests/test_tensorrt_api.py` checks every TensorRT class, attribute and method our code uses against these lists,
-so a name that does not exist in TensorRT 10.x or 11.x fails CI on a machine that cannot install TensorRT.
+The lists are tests/data/tensorrt_api_<version>.txt; `tests/exporters/test_tensorrt_api.py` checks every TensorRT
+class, attribute and method our code uses against them, so a name that does not exist in TensorRT 10.x or 11.x fails
+CI on a machine that cannot install TensorRT.
 
 Why not `strings`: the linker merges string literals that are suffixes of others, so "INT8" is stored only as the
 tail of "UINT8" and "Builder" only as the tail of "IExprBuilder"; a list of whole strings misses them, and a list
@@ -39,7 +40,7 @@ DEFAULT_WHEELS = {
     "11.4": "tensorrt-cu13-bindings==11.4.0.106",
 }
 IDENTIFIER = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
-OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "data"
+OUT_DIR = Path(__file__).resolve().parent  # tests/data/, beside this script
 
 
 def _sections(elf: bytes) -> dict:
@@ -123,8 +124,9 @@ def write_list(out: Path, wheel: Path, version: str, names: set[str]):
         f"# version: {version}",
         f"# wheel: {wheel.name}",
         f"# sha256: {digest}",
-        "# Names registered by the TensorRT Python bindings, extracted by tools/trt_api_names.py (see its docstring).",
-        "# Regenerate with: python tools/trt_api_names.py",
+        "# Names registered by the TensorRT Python bindings, extracted by tests/data/trt_api_names.py "
+        "(see its docstring).",
+        "# Regenerate with: python tests/data/trt_api_names.py",
     ]
     out.write_text("\n".join(header + sorted(names)) + "\n")
 

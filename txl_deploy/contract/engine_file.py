@@ -8,7 +8,7 @@ vocabulary): an engine only runs on the TensorRT version and GPU architecture it
 lets the runtime say so before TensorRT fails with a cryptic deserialization error.
 
 No torch, no pycuda: the GPU is queried through cuda-python. TensorRT API names used here are checked against
-TensorRT 10.3, 10.16 and 11.4 by tests/test_tensorrt_api.py (the conventions are in exporters/tensorrt.py).
+TensorRT 10.3, 10.16 and 11.4 by tests/exporters/test_tensorrt_api.py (the conventions are in exporters/tensorrt.py).
 """
 
 from __future__ import annotations

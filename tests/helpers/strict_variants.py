@@ -1,8 +1,8 @@
 """Every exported variant of the tiny test model, and the strict checks each must pass.
 
-Used by tests/test_strict.py (built once per test session) and runnable on its own to print the table of results:
+Used by the graph checks' tests (built once per test session) and runnable on its own to print the table of results:
 
-    python tests/strict_variants.py [WORK_DIR]
+    python tests/helpers/strict_variants.py [WORK_DIR]
 
 Variants: fp32, fp16, int8, int8-dynamic x `--state incremental|full` x every supported opset, plus each precision
 and layout with its weights in an external data file (the >2 GB path, forced on the tiny model by lowering the
@@ -169,9 +169,8 @@ def table(variants: Variants, work: Path) -> str:
 def main(argv):
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import TINY_VOCAB, make_tiny_model
-
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as pytest puts it
+    from helpers.tiny import TINY_VOCAB, make_tiny_model
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.vocab import Vocab
 

@@ -1,7 +1,7 @@
 """Every TensorRT name our code uses exists in TensorRT 10.x and 11.x, checked without TensorRT.
 
 The name lists in tests/data/tensorrt_api_<version>.txt are read from the PyPI bindings wheels by
-tools/trt_api_names.py (10.3: JetPack 6, the oldest we support; 10.16: the newest 10.x; 11.4). The lists hold
+tests/data/trt_api_names.py (10.3: JetPack 6, the oldest we support; 10.16: the newest 10.x; 11.4). The lists hold
 names, not (class, name) pairs: a name is accepted if some class of that release registers it.
 
 What counts as a TensorRT name (the convention exporters/tensorrt/build.py, runtimes/backends/tensorrt.py and
@@ -21,12 +21,11 @@ releases only, the else branch against the others), or `if hasattr(obj, "NAME")`
 import ast
 import operator
 import re
-from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+DATA = TESTS / "data"
 SOURCES = [ROOT / "exporters" / "tensorrt" / "build.py", ROOT / "runtimes" / "backends" / "tensorrt.py",
            ROOT / "txl_deploy" / "contract" / "engine_file.py"]
 TRT_OBJECTS = {"builder", "network", "config", "parser", "profile", "engine", "context", "runtime", "logger",

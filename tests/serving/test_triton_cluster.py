@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
-from test_triton import alone  # noqa: E402
+from helpers.conversations import alone  # noqa: E402
 
 from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 
@@ -25,7 +25,7 @@ from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 @pytest.fixture(scope="module")
 def other_onnx(tmp_path_factory):
     """A second model of the same shape with other weights: its saved states must not load into the first."""
-    from conftest import TINY_VOCAB, make_tiny_model
+    from helpers.tiny import TINY_VOCAB, make_tiny_model
 
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.exporters.onnx.export import export_onnx
@@ -38,13 +38,9 @@ def other_onnx(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_onnx, other_onnx, tmp_path_factory):
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+def servers(tritonserver, tiny_onnx, other_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonServer
 
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
     base = tmp_path_factory.mktemp("cluster")
     repo = write_repository(tiny_onnx, base / "repo", backend="python", max_batch=4, max_sequences=16,
                             idle_timeout=120, threads=1)

@@ -1,21 +1,21 @@
-"""Big models in small memory: streamed ONNX files, weights that are not copied, a verification computed a block at
-a time that says the same as one computed whole, memory estimates and the check that refuses an export that would
-not fit, and a guard on the export's peak memory ratios on a small shape (measured in a fresh process)."""
+"""Big models in little RAM (exporters/onnx/ram.py and what it accounts for): streamed ONNX files, weights that are
+not copied, a verification computed a block at a time that says the same as one computed whole, RAM estimates and the
+check that refuses an export that would not fit, and a guard on the export's peak RAM ratios on a small shape
+(measured in a fresh process). "Memory" here is the model's recurrent memory, as everywhere in txl-deploy; the
+`--memory` option of `info` and `--skip-memory-check` are the command line's names for the RAM estimates."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.paths import ROOT
 
 from txl_deploy.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_write_inline_streams_the_same_model_as_onnx_load(tiny_ckpt, tmp_path):
@@ -141,17 +141,17 @@ def test_estimates_name_their_terms_and_grow_with_the_memory():
 
 
 def test_an_export_that_would_not_fit_says_so_before_it_starts(tiny_ckpt, tmp_path, monkeypatch):
-    import txl_deploy.exporters.onnx.ram as memory
+    import txl_deploy.exporters.onnx.ram as ram
 
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1)  # 1 byte: nothing fits
+    monkeypatch.setattr(ram, "available_bytes", lambda: 1)  # 1 byte: nothing fits
     out = tmp_path / "m.onnx"
     r = CliRunner().invoke(main, ["export", str(tiny_ckpt), "-o", str(out), "--max-segment", "16"])
     assert r.exit_code == 2, r.output
     assert "needs about" in r.output and "--no-verify" in r.output and "available" in r.output
     assert not out.exists() and not list(tmp_path.iterdir())
-    peaks = memory.export_peaks(load_config(tiny_ckpt), 1000, 12, 16)
-    with pytest.raises(memory.InputError, match="pass --no-verify"):  # fits without the verification only
-        memory.check_export_fits(peaks, verify=True, available=peaks["no_verify"].total + 1)
+    peaks = ram.export_peaks(load_config(tiny_ckpt), 1000, 12, 16)
+    with pytest.raises(ram.InputError, match="pass --no-verify"):  # fits without the verification only
+        ram.check_export_fits(peaks, verify=True, available=peaks["no_verify"].total + 1)
     r = CliRunner().invoke(main, ["export", str(tiny_ckpt), "-o", str(out), "--max-segment", "16", "--no-verify",
                                   "--skip-memory-check"])
     assert r.exit_code == 0, r.output
@@ -187,7 +187,7 @@ GUARD_RATIO = {True: 6.0, False: 3.0}
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["no-verify", "verify"])
-def test_export_peak_memory_ratio_on_a_small_shape(tmp_path, verify):
+def test_export_peak_ram_ratio_on_a_small_shape(tmp_path, verify):
     from txl_deploy.bench.random_weights import char_vocab, random_model
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.config import TxlConfig

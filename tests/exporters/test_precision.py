@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from helpers.streams import stream as _stream
+from helpers.tiny import TINY_VOCAB
 
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import ExportError, InputError, OutputExistsError
@@ -33,8 +35,6 @@ REL_CHANGE = {"fp16": 1e-3, "int8": 0.1, "int8-dynamic": 0.05}
 
 
 def _calib_text(n_words, seed=1):
-    from conftest import TINY_VOCAB
-
     rng = np.random.default_rng(seed)
     words = [TINY_VOCAB[i] for i in rng.integers(0, 58, size=n_words)]
     return "\n".join(" ".join(words[i:i + 12]) for i in range(0, n_words, 12)) + "\n"
@@ -55,13 +55,6 @@ def reduced(tiny_onnx, calib_file, tmp_path_factory):
     for precision in ("fp16", "int8", "int8-dynamic"):
         out[precision] = root / f"{precision}.onnx"
         reduce_onnx(tiny_onnx, out[precision], precision=precision, calib=calib_file)
-    return out
-
-
-def _stream(rt, segments):
-    rt.reset()
-    out = np.concatenate([rt.step(s) for s in segments], axis=1)
-    rt.reset()
     return out
 
 

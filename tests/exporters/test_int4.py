@@ -12,8 +12,9 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from helpers.streams import stream
+from helpers.tiny import TINY_VOCAB, make_tiny_model
 from onnx import numpy_helper
-from test_precision import _stream
 
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import ExportError, InputError
@@ -39,7 +40,7 @@ def test_int4_matches_fp32_across_the_ring_wrap(int4, tiny_onnx):
     segs = [rng.integers(0, 60, size=(2, q)) for q in (8, 1, 5, 1, 8, 3)]  # 26 tokens > mem_len 12
     with TxlRuntime.load(int4[32]) as rt, TxlRuntime.load(tiny_onnx) as ref:
         assert rt.backend.precision == "int4"
-        got, want = _stream(rt, segs), _stream(ref, segs)
+        got, want = stream(rt, segs), stream(ref, segs)
         assert len(list(rt.generate([1, 2, 3], max_new_tokens=5, temperature=0))) == 5
         state = rt.save_state()
     assert got.dtype == np.float32 and got.shape == want.shape and np.isfinite(got).all()
@@ -177,7 +178,7 @@ def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
     """The strict checks of every export (node order + full_check), and `polygraphy check lint`, which runs the
     graph through ONNX Runtime and so does know the com.microsoft operators."""
     pytest.importorskip("polygraphy")
-    from strict_variants import polygraphy_lint
+    from helpers.strict_variants import polygraphy_lint
 
     from txl_deploy.exporters.graph_checks import check_strict
 
@@ -190,8 +191,6 @@ def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
 
 def test_untied_embedding_gets_its_own_4bit_table(tmp_path):
     """Without tie_weight the embedding tables are quantized on their own (GatherBlockQuantized, no fp32 copy)."""
-    from conftest import TINY_VOCAB, make_tiny_model
-
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.exporters.onnx.export import export_onnx
     from txl_deploy.vocab import Vocab
@@ -209,7 +208,7 @@ def test_untied_embedding_gets_its_own_4bit_table(tmp_path):
     rng = np.random.default_rng(5)
     segs = [rng.integers(0, 60, size=(1, q)) for q in (8, 1, 8, 3)]
     with TxlRuntime.load(out) as rt, TxlRuntime.load(fp32) as ref:
-        got, want = _stream(rt, segs), _stream(ref, segs)
+        got, want = stream(rt, segs), stream(ref, segs)
     kl = (np.exp(want.astype(np.float64)) * (want - got)).sum(-1).mean()
     assert 0 <= kl <= STREAM_TOLERANCE["int4"] and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.85
 
@@ -221,6 +220,6 @@ def test_full_state_layout(tiny_onnx_full, tmp_path):
     segs = [rng.integers(0, 60, size=(2, q)) for q in (8, 1, 5, 1, 8, 3)]
     with TxlRuntime.load(out) as rt, TxlRuntime.load(tiny_onnx_full) as ref:
         assert rt.backend.spec.state == "full" and rt.backend.precision == "int4"
-        got, want = _stream(rt, segs), _stream(ref, segs)
+        got, want = stream(rt, segs), stream(ref, segs)
     kl = (np.exp(want.astype(np.float64)) * (want - got)).sum(-1).mean()
     assert 0 <= kl <= STREAM_TOLERANCE["int4"]

@@ -16,8 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import ROOT
 
 IMPORTS = textwrap.dedent("""
     import json, sys

@@ -1,9 +1,9 @@
 """ONNX exported from every supported checkpoint format matches the independent reference to 1e-4 (fp32), and the
 evaluation-time settings (`--clamp-len`, `--same-length`) reach the graph and its metadata.
 
-The checkpoints are built as in test_checkpoints.py (HuggingFace's real model, and the original CMU / NVIDIA file
-layouts written from its weights); each is exported straight from its own file and run in ONNX Runtime over >= 4
-segments with the memory threaded, batch 3, against HuggingFace's log-probs.
+The checkpoints are built as in the checkpoint parity tests (tests/helpers/reference_models.py: HuggingFace's real
+model, and the original CMU / NVIDIA file layouts written from its weights); each is exported straight from its own
+file and run in ONNX Runtime over >= 4 segments with the memory threaded, batch 3, against HuggingFace's log-probs.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import original_checkpoints as oc  # noqa: E402
-import test_checkpoints as tc  # noqa: E402
+from helpers import original_checkpoints as oc  # noqa: E402
+from helpers import reference_models as models  # noqa: E402
+from helpers.cli import cli  # noqa: E402
 
 from txl_deploy.contract.metadata import read_onnx_info  # noqa: E402
 from txl_deploy.errors import InputError  # noqa: E402
@@ -22,7 +23,6 @@ from txl_deploy.exporters.onnx.export import export_onnx  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 
 TOL = 1e-4
-hf = tc.hf
 
 
 def _onnx_vs_reference(src, tmp_path, reference, ids, **export):
@@ -37,7 +37,7 @@ def _run_vs_reference(onnx_path, reference, ids):
     rt = TxlRuntime.load(onnx_path)
     worst = 0.0
     for s, ref in enumerate(reference):
-        got = rt.step(ids[:, s * tc.Q:(s + 1) * tc.Q].numpy())
+        got = rt.step(ids[:, s * models.Q:(s + 1) * models.Q].numpy())
         worst = max(worst, float(np.abs(got - ref.numpy()).max()))
     assert len(reference) >= 4
     assert worst <= TOL, worst
@@ -46,56 +46,56 @@ def _run_vs_reference(onnx_path, reference, ids):
 
 @pytest.mark.parametrize("variant", ["div2-untied-same-pre", "char"])
 def test_cmu_model_pt(hf, variant, tmp_path):
-    ids = tc.tokens(1)
-    hp = tc.original_kwargs(**tc.CMU_VARIANTS[variant])
-    model = tc.build_hf_from(hf, hp, seed=1)
-    reference, _ = tc.run_hf(model, ids, tc.empty_mems())
-    oc.save_original_model_pt(tmp_path / "model.pt", tc.original_state(model), hp)
-    tc.write_vocab_txt(tmp_path)
+    ids = models.tokens(1)
+    hp = models.original_kwargs(**models.CMU_VARIANTS[variant])
+    model = models.build_hf_from(hf, hp, seed=1)
+    reference, _ = models.run_hf(model, ids, models.empty_mems())
+    oc.save_original_model_pt(tmp_path / "model.pt", models.original_state(model), hp)
+    models.write_vocab_txt(tmp_path)
     res = _onnx_vs_reference(tmp_path / "model.pt", tmp_path, reference, ids)
     assert res.info.export["source_format"] == "cmu"
 
 
 def test_nvidia_checkpoint(hf, tmp_path):
-    ids = tc.tokens(3)
-    model, hp = tc.make_nvidia_checkpoint(hf, "div2-same", tmp_path / "checkpoint_best.pt")
-    reference, _ = tc.nvidia_reference(model, hp, ids)
+    ids = models.tokens(3)
+    model, hp = models.make_nvidia_checkpoint(hf, "div2-same", tmp_path / "checkpoint_best.pt")
+    reference, _ = models.nvidia_reference(model, hp, ids)
     res = _onnx_vs_reference(tmp_path / "checkpoint_best.pt", tmp_path, reference, ids)
     assert res.info.export["source_format"] == "nvidia"
 
 
 def test_huggingface_folder(hf, tmp_path):
-    model = tc.build_hf(hf, untie_r=True, same_length=True)
+    model = models.build_hf(hf, untie_r=True, same_length=True)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
-    tc.write_vocab_txt(folder)
-    ids = tc.tokens(4)
+    models.write_vocab_txt(folder)
+    ids = models.tokens(4)
     # HF fed an explicitly empty memory follows the paper's semantics from the first segment (see the README).
-    reference, _ = tc.run_hf(model, ids, tc.empty_mems())
+    reference, _ = models.run_hf(model, ids, models.empty_mems())
     res = _onnx_vs_reference(folder, tmp_path, reference, ids)
     assert res.info.export["source_format"] == "huggingface"
 
 
 def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):
     """The exported graph's positional table is built from the stored (fp16-rounded) inv_freq."""
-    ids = tc.tokens(8)
-    hp = tc.original_kwargs(**tc.CMU_VARIANTS["div2"], clamp_len=0)
-    model = tc.build_hf_from(hf, hp, seed=8)
+    ids = models.tokens(8)
+    hp = models.original_kwargs(**models.CMU_VARIANTS["div2"], clamp_len=0)
+    model = models.build_hf_from(hf, hp, seed=8)
     with torch.no_grad():
-        for layer in model.transformer.layers:  # a strong positional term, as in test_checkpoints
+        for layer in model.transformer.layers:  # a strong positional term, as in test_checkpoint_parity
             layer.dec_attn.r_net.weight.mul_(8)
         model.transformer.r_r_bias.mul_(8)
     model.half()
-    oc.save_original_model_pt(tmp_path / "model.pt", tc.original_state(model), hp)
-    tc.write_vocab_txt(tmp_path)
+    oc.save_original_model_pt(tmp_path / "model.pt", models.original_state(model), hp)
+    models.write_vocab_txt(tmp_path)
     model.float()
-    reference, _ = tc.run_hf(model, ids, tc.empty_mems())
+    reference, _ = models.run_hf(model, ids, models.empty_mems())
     out = tmp_path / "model.onnx"
     export_onnx(tmp_path / "model.pt", out, max_segment=16)
     # The ONNX tolerance is looser than the checkpoint tests', so compare against the stored-inv_freq reference
-    # tightly here: the recomputed one is ~9e-5 away (see test_checkpoints).
+    # tightly here: the recomputed one is ~9e-5 away (see test_checkpoint_parity).
     rt = TxlRuntime.load(out)
-    worst = max(float(np.abs(rt.step(ids[:, s * tc.Q:(s + 1) * tc.Q].numpy()) - ref.numpy()).max())
+    worst = max(float(np.abs(rt.step(ids[:, s * models.Q:(s + 1) * models.Q].numpy()) - ref.numpy()).max())
                 for s, ref in enumerate(reference))
     assert worst <= 2e-5, worst
 
@@ -104,28 +104,28 @@ def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):
 def test_export_clamp_len_and_same_length_overrides(hf, tmp_path):
     """`export --clamp-len N --same-length` builds the graph with those values (checked against HF run with them)
     and records them, next to the checkpoint's own, in the metadata."""
-    ids = tc.tokens(10)
-    hp = tc.original_kwargs(**tc.CMU_VARIANTS["div2"])  # trained with clamp_len 4, no same_length
-    model = tc.build_hf_from(hf, hp, seed=10)
-    oc.save_original_model_pt(tmp_path / "model.pt", tc.original_state(model), hp)
-    tc.write_vocab_txt(tmp_path)
+    ids = models.tokens(10)
+    hp = models.original_kwargs(**models.CMU_VARIANTS["div2"])  # trained with clamp_len 4, no same_length
+    model = models.build_hf_from(hf, hp, seed=10)
+    oc.save_original_model_pt(tmp_path / "model.pt", models.original_state(model), hp)
+    models.write_vocab_txt(tmp_path)
     out = tmp_path / "eval.onnx"
-    result = tc.cli("export", tmp_path / "model.pt", "-o", out, "--max-segment", 16, "--clamp-len", 2,
+    result = cli("export", tmp_path / "model.pt", "-o", out, "--max-segment", 16, "--clamp-len", 2,
                     "--same-length")
     assert result.exit_code == 0, result.output
     assert "clamp_len 2, same_length True" in result.output
     info = read_onnx_info(out)
     assert info.config.clamp_len == 2 and info.config.same_length is True
     assert (info.export["clamp_len"], info.export["same_length"]) == (2, True)
-    assert info.export["checkpoint_settings"] == {"mem_len": tc.MEM_LEN, "clamp_len": tc.CLAMP_LEN,
+    assert info.export["checkpoint_settings"] == {"mem_len": models.MEM_LEN, "clamp_len": models.CLAMP_LEN,
                                                   "same_length": False}
     model.transformer.clamp_len, model.transformer.same_length = 2, True
-    reference, _ = tc.run_hf(model, ids, tc.empty_mems())
+    reference, _ = models.run_hf(model, ids, models.empty_mems())
     _run_vs_reference(out, reference, ids)
     # The settings really change the outputs: the checkpoint's own ones give other log-probs.
-    model.transformer.clamp_len, model.transformer.same_length = tc.CLAMP_LEN, False
-    trained, _ = tc.run_hf(model, ids, tc.empty_mems())
-    assert max(tc.max_diff(reference, trained)) > 1e-3
+    model.transformer.clamp_len, model.transformer.same_length = models.CLAMP_LEN, False
+    trained, _ = models.run_hf(model, ids, models.empty_mems())
+    assert max(models.max_diff(reference, trained)) > 1e-3
     # The runtime reports them and refuses other values for the built-in graph.
     with TxlRuntime.load(out) as rt:
         assert (rt.config.clamp_len, rt.config.same_length) == (2, True)
@@ -133,42 +133,43 @@ def test_export_clamp_len_and_same_length_overrides(hf, tmp_path):
         TxlRuntime.load(out, clamp_len=5)
 
     # --no-same-length turns a checkpoint's same_length off; no flag keeps it.
-    same = tc.original_kwargs(**tc.CMU_VARIANTS["div1-proj-same"])
-    oc.save_original_model_pt(tmp_path / "same.pt", tc.original_state(tc.build_hf_from(hf, same, seed=11)), same)
+    same = models.original_kwargs(**models.CMU_VARIANTS["div1-proj-same"])
+    oc.save_original_model_pt(tmp_path / "same.pt", models.original_state(models.build_hf_from(hf, same, seed=11)),
+                              same)
     for flag, expected in (("--no-same-length", False), (None, True)):
         target = tmp_path / f"same-{expected}.onnx"
         args = ["export", tmp_path / "same.pt", "-o", target, "--max-segment", 16, "--no-verify"]
-        result = tc.cli(*args, *([flag] if flag else []))
+        result = cli(*args, *([flag] if flag else []))
         assert result.exit_code == 0, result.output
         meta = read_onnx_info(target)
         assert meta.config.same_length is expected and meta.export["same_length"] is expected
-        assert meta.export["clamp_len"] == tc.CLAMP_LEN
+        assert meta.export["clamp_len"] == models.CLAMP_LEN
         assert meta.export["checkpoint_settings"]["same_length"] is True
 
 
 def test_export_from_nvidia_work_directory_with_eval_settings(hf, tmp_path):
     """NVIDIA's eval setting in one command: a work directory, mem_len, clamp_len and their same_length window."""
-    ids = tc.tokens(12)
+    ids = models.tokens(12)
     work = tmp_path / "LM-TFM"
     work.mkdir()
-    model, hp = tc.make_nvidia_checkpoint(hf, "div2-untied", work / "checkpoint_last.pt", seed=12)
+    model, hp = models.make_nvidia_checkpoint(hf, "div2-untied", work / "checkpoint_last.pt", seed=12)
     out = tmp_path / "wt.onnx"
-    result = tc.cli("export", work, "-o", out, "--max-segment", 16, "--mem-len", tc.MEM_LEN + 2, "--clamp-len", 6,
+    result = cli("export", work, "-o", out, "--max-segment", 16, "--mem-len", models.MEM_LEN + 2, "--clamp-len", 6,
                     "--same-length")
     assert result.exit_code == 0, result.output
     assert f"loading nvidia checkpoint {work / 'checkpoint_last.pt'}" in result.output
     info = read_onnx_info(out)
     assert (info.mem_len, info.config.clamp_len, info.config.same_length, info.config.same_length_extra) == (
-        tc.MEM_LEN + 2, 6, True, 1)
+        models.MEM_LEN + 2, 6, True, 1)
     assert info.export["source"] == "checkpoint_last.pt"
     model.transformer.clamp_len, model.transformer.same_length = 6, True
-    model.transformer.mem_len = tc.MEM_LEN + 2
-    reference, _ = tc.run_hf(model, ids, tc.empty_mems(), window_extra=1)
+    model.transformer.mem_len = models.MEM_LEN + 2
+    reference, _ = models.run_hf(model, ids, models.empty_mems(), window_extra=1)
     _run_vs_reference(out, reference, ids)
 
 
 def test_export_help_lists_the_eval_settings():
-    result = tc.cli("export", "--help")
+    result = cli("export", "--help")
     assert result.exit_code == 0
     for option in ("--mem-len", "--clamp-len", "--same-length / --no-same-length"):
         assert option in result.output

@@ -8,25 +8,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT
 
 from txl_deploy.bench import triton_load
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_load.py"
+BENCH = ROOT / "benchmarks" / "triton_load.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
-
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
+def bench(tritonserver):
+    """The load benchmark's library, where a tritonserver is there for it to start."""
     return triton_load
 
 

@@ -15,12 +15,6 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 
 
-@pytest.fixture(scope="module")
-def ort_rt(tiny_onnx):
-    with TxlRuntime.load(tiny_onnx) as rt:
-        yield rt
-
-
 @pytest.fixture
 def torch_threads():
     """Put torch's process-wide thread count back after a test that sets it."""

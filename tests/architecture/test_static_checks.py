@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import ROOT
 
 
 def test_no_undefined_names_or_syntax_errors():

@@ -14,15 +14,15 @@ import ast
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.paths import ROOT
 
 from txl_deploy.assets import demo_model_path
 from txl_deploy.runtimes import TxlRuntime
 
-DRIVER = Path(__file__).resolve().parents[1] / "examples" / "onnxruntime_driver.py"
+DRIVER = ROOT / "examples" / "onnxruntime_driver.py"
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3}
 
 

@@ -1,7 +1,8 @@
 """Strict validity of every export: onnx.checker full_check, topological order and `polygraphy check lint`.
 
 The variants (every precision x state layout x supported opset, and external data) are built once per session
-from the tiny model (tests/strict_variants.py); `python tests/strict_variants.py` prints the same checks as a table.
+from the tiny model (tests/helpers/strict_variants.py); `python tests/helpers/strict_variants.py` prints the same
+checks as a table.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers.strict_variants import Variants, check_file, polygraphy_lint, variant_keys, variant_name
 from onnx import TensorProto, helper, numpy_helper
-from strict_variants import Variants, check_file, polygraphy_lint, variant_keys, variant_name
 
 from txl_deploy.errors import ExportError
 from txl_deploy.exporters.graph_checks import check_strict, first_unsorted, toposort

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.paths import ROOT
 
 from txl_deploy.cli import main
 
@@ -128,7 +129,7 @@ def test_plot(tiny_onnx, tmp_path):
 
 
 def test_decode_bytes_count_the_output_layer_and_memory():
-    from conftest import make_tiny_model
+    from helpers.tiny import make_tiny_model
 
     from txl_deploy.bench.bandwidth_floor import decode_bytes
 
@@ -260,9 +261,8 @@ def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monk
 
 def _run_all_module():
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+    path = ROOT / "benchmarks" / "run_all.py"
     spec = importlib.util.spec_from_file_location("run_all", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -298,11 +298,10 @@ def test_shipped_results_name_their_commands_and_no_issue_numbers():
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
     from txl_deploy.bench.report import generating_command
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    bench_dir = ROOT / "benchmarks"
     parts = sorted(bench_dir.glob("results_*.md"))
     for part in parts:
         assert generating_command(part.read_text()), f"{part.name} does not name the command that wrote it"

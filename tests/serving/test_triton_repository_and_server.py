@@ -22,6 +22,7 @@ from txl_deploy.errors import ExportError, OutputExistsError
 
 tc_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
+from helpers.conversations import alone  # noqa: E402
 from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
 
 from txl_deploy.serving.triton.repository import pbtxt_string, write_repository  # noqa: E402
@@ -159,21 +160,9 @@ def test_triton_repo_command(tiny_onnx, tiny_onnx_full, tmp_path):
 
 
 # -- a real server -------------------------------------------------------------------------------------------------
-def _find_server():
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
-
-    try:
-        return find_tritonserver()
-    except TritonLaunchError as e:
-        return str(e)
-
-
 @pytest.fixture(scope="module")
-def served_repo(tiny_onnx, tmp_path_factory):
+def served_repo(tritonserver, tiny_onnx, tmp_path_factory):
     """One repository, two Python-backend models: `txl` (16 live conversations) and `one` (a single slot)."""
-    found = _find_server()
-    if isinstance(found, str):
-        pytest.skip(found)
     base = tmp_path_factory.mktemp("triton")
     repo = write_repository(tiny_onnx, base / "repo", backend="python", max_batch=4, max_sequences=16,
                             idle_timeout=120)
@@ -189,18 +178,6 @@ def server(served_repo):
 
     with TritonServer(served_repo) as srv:
         yield srv
-
-
-def alone(make_rt, prompt, n):
-    """Greedy tokens and the log-probs behind each, for one conversation alone in an in-process TxlRuntime."""
-    rt = make_rt()
-    lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    return toks, lps
 
 
 def through_server(url, prompt, n, barrier=None):
@@ -359,14 +336,11 @@ def test_serve_client_command_streams_the_greedy_continuation(server, reference)
     assert down.exit_code == 2 and "cannot reach Triton" in down.output and "Traceback" not in down.output
 
 
-def test_triton_core_loads_the_implicit_state_section(tiny_onnx_full, tmp_path):
+def test_triton_core_loads_the_implicit_state_section(tritonserver, tiny_onnx_full, tmp_path):
     """The bundled server has no ONNX Runtime backend, but Triton core validates the sequence batcher and its state
     section for any backend: load the onnxruntime config with the python backend in the platform's place."""
     from txl_deploy.serving.triton.local_server import TritonServer
 
-    found = _find_server()
-    if isinstance(found, str):
-        pytest.skip(found)
     repo = write_repository(tiny_onnx_full, tmp_path / "repo")
     config = repo / "txl" / "config.pbtxt"
     text = config.read_text().replace('platform: "onnxruntime_onnx"', 'backend: "python"')

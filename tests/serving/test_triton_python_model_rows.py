@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.paths import ROOT
 
-MODEL_PY = Path(__file__).resolve().parents[1] / "txl_deploy" / "serving" / "triton" / "python_model.py"
+MODEL_PY = ROOT / "txl_deploy" / "serving" / "triton" / "python_model.py"
 
 
 class _Tensor:

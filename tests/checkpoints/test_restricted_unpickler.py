@@ -1,0 +1,118 @@
+"""The restricted unpickler: a checkpoint whose pickle would run code (os.system, builtins.eval, subprocess.call) is
+refused in every container (a plain pickle, torch's zip and legacy files, NVIDIA's checkpoint dict, an attribute of a
+pickled module), with a one-line error naming the callable, and nothing runs; HuggingFace's vocab.pkl is never read.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from helpers.cli import assert_one_line_error, cli  # noqa: E402
+from helpers.reference_models import WORDS, V, build_hf, save_our_model_as_model_pt  # noqa: E402
+
+from txl_deploy.checkpoints import load_model  # noqa: E402
+from txl_deploy.errors import CheckpointError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# -- the restricted unpickler -----------------------------------------------------------------------------
+class _Evil:
+    """Unpickling this runs `callable(*args)` under a plain pickle.load."""
+
+    def __init__(self, argv, call=None):
+        self.argv, self.call = argv, call or subprocess.call
+
+    def __reduce__(self):
+        return self.call, (self.argv,)
+
+
+class _EvilSystem:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class _EvilEval:
+    def __init__(self, code):
+        self.code = code
+
+    def __reduce__(self):
+        return eval, (self.code,)
+
+
+def _payloads(marker):
+    return {
+        "os.system": _EvilSystem(f"touch {marker}"),
+        "builtins.eval": _EvilEval(f"open({str(marker)!r}, 'w').close()"),
+        "subprocess.call": _Evil(["touch", str(marker)]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["os.system", "builtins.eval", "subprocess.call"])
+@pytest.mark.parametrize("container", ["pickle", "torch-zip", "torch-legacy", "nvidia-dict"])
+def test_malicious_pickle_is_refused_and_nothing_runs(kind, container, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = _payloads(marker)[kind]
+    # Self-check: a plain pickle.load of this payload would create the marker.
+    if container == "pickle" and kind == "os.system":
+        pickle.loads(pickle.dumps(payload))
+        assert marker.exists()
+        marker.unlink()
+    path = tmp_path / "model.pt"
+    if container == "pickle":
+        path.write_bytes(pickle.dumps(payload, protocol=2))
+    elif container == "torch-zip":
+        torch.save({"word_emb.emb_layers.0.weight": torch.zeros(2), "evil": payload}, path)
+    elif container == "torch-legacy":
+        torch.save([payload], path, _use_new_zipfile_serialization=False)
+    else:
+        torch.save({"model_config": {"n_token": V}, "model_state": {}, "args": payload}, path)
+
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    message = str(err.value)
+    assert str(path) in message and "refused to unpickle" in message
+    callable_name = {"os.system": "system", "builtins.eval": "builtins.eval", "subprocess.call": "subprocess.call"}
+    assert callable_name[kind] in message
+    assert not marker.exists()
+
+    result = cli("info", path)
+    assert_one_line_error(result, path, "refused to unpickle")
+    assert not marker.exists()
+
+
+def test_pickled_module_holding_a_malicious_attribute_is_refused(tmp_path):
+    """A real-looking model.pt whose module carries one extra attribute that would run a command."""
+    marker = tmp_path / "pwned"
+    save_our_model_as_model_pt(tmp_path / "model.pt", extra_attrs={"hook": _EvilSystem(f"touch {marker}")})
+    assert_one_line_error(cli("convert", tmp_path / "model.pt", "-o", tmp_path / "out", "--no-vocab"),
+                          "model.pt", "refused to unpickle", "system")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+# -- HuggingFace's pickled vocabulary ------------------------------------------------------------------
+def test_huggingface_vocab_pickle_is_never_read(hf, tmp_path):
+    marker = tmp_path / "pwned"
+    model = build_hf(hf, untie_r=True, same_length=True)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    (folder / "vocab.pkl").write_bytes(pickle.dumps(_Evil(["touch", str(marker)])))
+    loaded = load_model(folder)
+    assert loaded.vocab is None and not marker.exists()
+    assert any("vocab.pkl" in note for note in loaded.notes)
+    # ...and the CLI says what is missing when a vocabulary is needed.
+    assert_one_line_error(cli("convert", folder, "-o", tmp_path / "out"), "model.safetensors", "no vocabulary")
+    vocab_file = tmp_path / "words.txt"
+    vocab_file.write_text("".join(f"{w}\n" for w in WORDS))
+    result = cli("convert", folder, "-o", tmp_path / "out", "--vocab", vocab_file)
+    assert result.exit_code == 0, result.output
+    assert load_model(tmp_path / "out").vocab.symbols == WORDS and not marker.exists()
