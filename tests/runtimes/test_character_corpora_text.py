@@ -9,8 +9,12 @@ The models are `helpers.character_corpora.cycle_model`s: their greedy continuati
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 from helpers import character_corpora as cc
@@ -169,3 +173,24 @@ def test_eval_text_on_text8_equals_the_original_preprocessing(text8_models, tmp_
         assert got["nll"] == pytest.approx(want["nll"], rel=1e-12, abs=1e-9)
         assert got["counted"] == "characters" and got["input"]["stripped"] == 1
         assert "bits per character" in result.output
+
+
+def test_the_minimal_example_driver_reads_the_kind_from_the_file_alone(tf_enwik8_onnx, tmp_path):
+    """examples/onnxruntime_driver.py (numpy and onnxruntime only) writes the same text from the .onnx file alone,
+    and refuses a kind it does not know rather than reading it as words."""
+    driver = Path(__file__).resolve().parents[2] / "examples" / "onnxruntime_driver.py"
+    run = (lambda model: subprocess.run([sys.executable, str(driver), str(model), "--prompt", "a",
+                                         "--max-new-tokens", "24"], capture_output=True, text=True, timeout=120))
+    r = run(tf_enwik8_onnx)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "abcé€ж日 abcé€ж\ufffd\n"
+    model = onnx.load(str(tf_enwik8_onnx))
+    entry = next(p for p in model.metadata_props if p.key == "txl_deploy.vocab")
+    entry.value = json.dumps({**json.loads(entry.value), "kind": "bpe"})
+    onnx.save(model, str(tmp_path / "future.onnx"))
+    r = run(tmp_path / "future.onnx")
+    assert r.returncode == 2 and "vocabulary kind 'bpe' is not one this driver knows" in r.stderr
+    # and txl-deploy itself says to upgrade
+    result = cli("generate", tmp_path / "future.onnx", "--prompt", "a")
+    assert result.exit_code == 2 and "vocabulary kind 'bpe' is not one this txl-deploy knows" in result.stderr
+    assert "upgrade txl-deploy" in result.stderr and "corrupt" not in result.stderr

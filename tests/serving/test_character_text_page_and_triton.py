@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import character_corpora as cc
 
 NPM_DIR = Path(os.environ.get("TXL_NPM_CACHE", Path.home() / ".cache" / "txl-deploy" / "npm"))
