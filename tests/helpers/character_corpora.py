@@ -16,7 +16,7 @@ What the original files hold (facts read in the public sources; none of their co
 `cycle_model` builds a one-layer Transformer-XL whose greedy continuation of any symbol is a chosen successor, so a
 generated stream is known in advance: attention adds nothing (o_net is zero), and the feed-forward layer maps the
 embedding of symbol i (orthogonal, zero-mean vectors) onto that of its successor, which the tied output layer then
-scores highest by ~45 nats. The weights are written as the original PyTorch code's `model.pt` and as a TensorFlow
+scores highest by tens of nats. The weights are written as the original PyTorch code's `model.pt` and as a TensorFlow
 checkpoint (tensorflow-cpu's own Saver, the test oracle).
 """
 
