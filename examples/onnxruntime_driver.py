@@ -75,15 +75,29 @@ class Driver:
             self.mem["mem_count"] = count + Q
         return outs["log_probs"]
 
-    # -- text, for the command line ----------------------------------------------------------------------
+    # -- text, for the command line (the contract's "Text"; <unk> and <eos> left out for brevity) -----------------
+    KINDS = ("char", "word", "bytes", "text8")
+
     def encode(self, text: str) -> np.ndarray:
+        kind = self.vocab["kind"]
+        if kind not in self.KINDS:  # a kind this driver does not know: never read it as another
+            raise ValueError(f"vocabulary kind {kind!r} is not one this driver knows")
         index = {s: i for i, s in enumerate(self.vocab["symbols"])}
-        pieces = list(text) if self.vocab["kind"] == "char" else text.split()
+        if kind == "bytes":  # enwik8: each UTF-8 byte's decimal value; newlines dropped unless "10" is a symbol
+            pieces = [str(b) for b in text.encode("utf-8") if b != 10 or "10" in index]
+        elif kind == "text8":  # a-z, "_" for the space
+            pieces = ["_" if c == " " else c for c in text]
+        else:
+            pieces = list(text) if kind == "char" else text.split()
         return np.array([index[p] for p in pieces], dtype=np.int64)
 
-    def decode_one(self, token: int) -> str:
-        symbol = self.vocab["symbols"][token]
-        return symbol if self.vocab["kind"] == "char" else " " + symbol
+    def decode(self, tokens) -> str:
+        kind, symbols = self.vocab["kind"], self.vocab["symbols"]
+        if kind == "bytes":  # a character may span several tokens: decode the bytes together
+            return bytes(int(symbols[t]) for t in tokens).decode("utf-8", "replace")
+        if kind == "text8":
+            return "".join(" " if symbols[t] == "_" else symbols[t] for t in tokens)
+        return "".join(symbols[t] if kind == "char" else " " + symbols[t] for t in tokens)
 
 
 def main():
@@ -99,15 +113,16 @@ def main():
         prompt = driver.encode(args.prompt)
     except KeyError as e:
         parser.error(f"the prompt has a symbol the model's vocabulary lacks: {e}")
+    except ValueError as e:
+        parser.error(str(e))
     if prompt.size == 0:
         parser.error("the prompt is empty")
     log_probs = driver.step(prompt[None])[0, -1]
-    text = args.prompt
+    tokens = []
     for _ in range(args.max_new_tokens):  # greedy decoding, one token per call
-        token = int(np.argmax(log_probs))
-        text += driver.decode_one(token)
-        log_probs = driver.step([[token]])[0, -1]
-    print(text)
+        tokens.append(int(np.argmax(log_probs)))
+        log_probs = driver.step([[tokens[-1]]])[0, -1]
+    print(args.prompt + driver.decode(tokens))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from txl_deploy.exporters.onnx.ram import check_export_fits, export_peaks, loade
 from txl_deploy.exporters.precision.convert import export_reduced
 
 
-def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab=None, check_memory: bool = True,
+def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab=None, vocab_kind: str | None = None,
+                      config=None, preset: str | None = None, check_memory: bool = True,
                       mem_len: int | None = None, max_segment: int = 512, verify: bool = True,
                       threads: int | None = None, block_size: int | None = None, calib=None, eval_text=None,
                       **graph_options) -> ExportResult:
     """Export `checkpoint` (any supported format) to `output` [default: the checkpoint's name + .onnx].
 
+    vocab, vocab_kind, config, preset: how the checkpoint is read (see `load_model`).
     graph_options: clamp_len, same_length, opset, state, force (see export_onnx). block_size: int4 only.
     threads: torch's threads for the trace and the reference, ONNX Runtime's for the checks."""
     if block_size is not None and precision != "int4":
@@ -28,7 +30,8 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
         import torch  # the export trace and the PyTorch reference of the verification
 
         torch.set_num_threads(threads)
-    loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
+    how = {"vocab": vocab, "vocab_kind": vocab_kind, "config": config, "preset": preset}
+    loaded = load_model(checkpoint, **{k: v for k, v in how.items() if v is not None})
     if check_memory:
         cfg = loaded.config
         check_export_fits(export_peaks(cfg, loaded_weight_bytes(loaded), mem_len or cfg.mem_len, max_segment), verify)

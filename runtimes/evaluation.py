@@ -19,6 +19,7 @@ import numpy as np
 
 from txl_deploy.errors import InputError
 from txl_deploy.progress import progress_bar
+from txl_deploy.vocab import counting
 
 LN2 = math.log(2.0)
 
@@ -59,12 +60,17 @@ def streaming_eval(ids, step: Callable[[np.ndarray], np.ndarray], tgt_len: int, 
     }
 
 
-def evaluate_text(rt, text: str, tgt_len: int, progress: bool = True, zero_memory: bool = False) -> dict:
+def evaluate_text(rt, text, tgt_len: int, progress: bool = True, zero_memory: bool = False) -> dict:
     """Bits per character (character models) or perplexity (word models) of `text`, memory threaded.
+
+    `text`: a str, or the bytes of a file. It is read as the original preprocessing of the model's corpus read its
+    test split (`Vocab.encode_corpus`): for a byte-level enwik8 model the raw bytes, newlines dropped (the model never
+    predicts one), so the score is bits per byte of the raw text as the paper counts it; for text8, stripped, with
+    `_` for the space. `result["counting"]` says exactly what was counted, `result["input"]` the counts.
     `zero_memory`: start from mem_len zero vectors (TensorFlow's and HuggingFace's first memory), not empty."""
     if rt.vocab is None:
         raise InputError("this model has no vocabulary, so it cannot read text to evaluate")
-    ids = rt.encode(text)
+    ids, counts = rt.vocab.encode_corpus(text)
     rt.reset()
     if zero_memory:
         rt.start_from_zero_memory(1)
@@ -74,6 +80,11 @@ def evaluate_text(rt, text: str, tgt_len: int, progress: bool = True, zero_memor
     result["seconds"] = time.perf_counter() - start
     rt.reset()
     result["tokens_per_second"] = result["n_tokens"] / max(result["seconds"], 1e-9)
-    result["unit"] = "bpc" if rt.vocab.kind == "char" else "ppl"
+    kind = rt.vocab.kind
+    result["unit"] = "ppl" if kind == "word" else "bpc"
     result["score"] = result["bits_per_token"] if result["unit"] == "bpc" else result["perplexity"]
+    result["vocab_kind"] = kind
+    result["counted"] = {"bytes": "bytes", "word": "tokens"}.get(kind, "characters")
+    result["counting"] = counting(kind, counts, result["n_tokens"])
+    result["input"] = counts
     return result

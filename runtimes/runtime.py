@@ -26,6 +26,7 @@ from txl_deploy.runtimes.arguments import is_real, whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import sample
+from txl_deploy.vocab import CONTINUING
 
 # Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
@@ -316,6 +317,29 @@ class TxlRuntime:
             raise InputError("this model has no vocabulary: cannot turn token ids into text")
         return self.vocab.decode(ids)
 
+    def stream_decoder(self, after: str = ""):
+        """The vocabulary's incremental decoder (`Vocab.stream_decoder`): `feed(id)` -> the text to print now,
+        `flush()` -> the rest at the end. A character spelled over several byte tokens comes out once whole."""
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: cannot turn token ids into text")
+        return self.vocab.stream_decoder(after)
+
+    def generate_text(self, prompt=None, max_new_tokens: int = 100, **sampling) -> Iterator[str]:
+        """`generate`, as text: yields what can be printed after each token (never part of a character; "" pieces
+        are skipped) and, at the end, whatever an incomplete last character leaves (U+FFFD). The pieces continue
+        `prompt`: joined to it, they are the text (a word model's first word gets its leading space).
+        Arguments as `generate`, checked now."""
+        if self.vocab is None:
+            raise InputError("this model has no vocabulary: cannot turn token ids into text")
+        tokens = self.generate(prompt, max_new_tokens, **sampling)
+        if isinstance(prompt, str):
+            after = prompt
+        elif prompt is None:
+            after = CONTINUING
+        else:
+            after = self.vocab.decode(prompt)
+        return _text_pieces(tokens, self.vocab.stream_decoder(after))
+
     def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None) -> Iterator[int]:
         """Yield new token ids one at a time (batch of one stream), continuing the current memory.
@@ -378,3 +402,13 @@ class TxlRuntime:
                 return
             # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
             log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step
+
+
+def _text_pieces(tokens, decoder) -> Iterator[str]:
+    for tok in tokens:
+        text = decoder.feed(tok)
+        if text:
+            yield text
+    tail = decoder.flush()
+    if tail:
+        yield tail

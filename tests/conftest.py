@@ -79,3 +79,35 @@ def hf(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "type_as",
                         lambda self, other=None, dtype=None: self.to(dtype) if other is None else original(self, other))
     return transfo
+
+
+# -- the paper's character corpora (helpers/character_corpora.py) ----------------------------------------------------
+@pytest.fixture(scope="session")
+def enwik8_cycle():
+    """A byte-level model over a stand-in for enwik8 whose greedy generation is known in advance:
+    (idx2sym, successor of each symbol, weights in the original names, the original constructor's kwargs)."""
+    from helpers import character_corpora as cc
+
+    return cc.enwik8_model()
+
+
+@pytest.fixture(scope="session")
+def tf_enwik8(enwik8_cycle, tmp_path_factory):
+    """That model as the paper's TensorFlow checkpoint folder (pretrained_xl/tf_enwik8/: model/ written by
+    TensorFlow's Saver, data/cache.pkl, data/corpus-info.json; flags.json with its training flags)."""
+    pytest.importorskip("tensorflow")
+    from helpers import character_corpora as cc
+
+    symbols, _, weights, hp = enwik8_cycle
+    return cc.write_tf_published(tmp_path_factory.mktemp("pretrained_xl") / "tf_enwik8", weights, hp, symbols,
+                                 "enwik8")
+
+
+@pytest.fixture(scope="session")
+def tf_enwik8_onnx(tf_enwik8, tmp_path_factory):
+    """The TensorFlow enwik8 checkpoint exported (verified) with no vocabulary flags: its kind comes from the corpus."""
+    from txl_deploy.exporters.export import export_checkpoint
+
+    out = tmp_path_factory.mktemp("onnx") / "enwik8.onnx"
+    export_checkpoint(tf_enwik8, out, config=tf_enwik8 / "flags.json", max_segment=16, threads=1)
+    return out

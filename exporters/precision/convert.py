@@ -140,7 +140,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                 accuracy = accuracy_report(evaluate_against_fp32(rt, r32, ids, seg),
                                            info.vocab.kind if info.vocab is not None else "word")
                 accuracy["data"] = Path(eval_ids[1]).name
-                name = "bits per character" if accuracy["metric"] == "bits_per_character" else "perplexity"
+                name = accuracy["metric"].replace("_", " ")
                 logger.info(f"  {name} on {accuracy['tokens']} held-out tokens: fp32 {accuracy['fp32']:.4f}, {precision} "
                             f"{accuracy['reduced']:.4f} ({100 * accuracy['relative_change']:+.3f}%), top-1 agreement "
                             f"{accuracy['top1_agreement']:.4f}")

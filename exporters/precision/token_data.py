@@ -11,7 +11,8 @@ from txl_deploy.errors import InputError
 
 # -- token ids from the user's files ---------------------------------------------------------------------------
 def read_token_ids(path, vocab, n_token: int, what: str = "calibration data") -> np.ndarray:
-    """A text file (tokenized with the model's vocabulary) or a .npy of token ids -> int64 ids."""
+    """A text file (tokenized with the model's vocabulary, as `txl-deploy eval` reads it) or a .npy of token ids ->
+    int64 ids."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: {what} not found")
@@ -27,10 +28,10 @@ def read_token_ids(path, vocab, n_token: int, what: str = "calibration data") ->
         if vocab is None:
             raise InputError(f"{path}: the model has no vocabulary to tokenize text with; pass a .npy of token ids")
         try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise InputError(f"{path}: {what} is not UTF-8 text (or pass a .npy of token ids)") from None
-        ids = vocab.encode(text)
+            # as the model's corpus was read: for a byte-level (enwik8) model the raw bytes, newlines dropped
+            ids, _ = vocab.encode_corpus(path.read_bytes())
+        except InputError as e:
+            raise InputError(f"{path}: {what}: {e} (or pass a .npy of token ids)") from None
     if ids.size and (ids.min() < 0 or ids.max() >= n_token):
         bad = int(ids.min() if ids.min() < 0 else ids.max())
         raise InputError(f"{path}: token id {bad} is outside the vocabulary [0, {n_token})")

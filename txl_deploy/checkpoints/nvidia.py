@@ -3,7 +3,7 @@
 A `torch.save`d dict: `model_config` (the MemTransformerLM constructor arguments), `model_state` (its
 state_dict), `args` (an argparse.Namespace), `vocab` (their `utils.vocabulary.Vocab`), optimizer and scheduler
 state. Read with the restricted unpickler; the Namespace and the Vocab come back as inert attribute holders, and
-the vocabulary's `idx2sym` list becomes ours.
+the vocabulary's `idx2sym` list becomes ours (of kind bytes or text8 when `args.dataset` is enwik8 or text8).
 
 NVIDIA's ProjectedAdaptiveLogSoftmax stores its output layers as `out_layers_weights.N` / `out_layers_biases.N`
 (weights absent when tied to the embedding), the untied projections as `out_projs.N`, and registers the
@@ -20,7 +20,7 @@ from txl_deploy.checkpoints.keymap import Rule, normalise, rename, strip_prefix
 from txl_deploy.checkpoints.native import LoadedModel
 from txl_deploy.checkpoints.safe_pickle import attr, pickled_class
 from txl_deploy.errors import CheckpointError
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import Vocab, choose_kind
 
 NVIDIA_RULES = [
     Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"word_emb.emb_layers.\1.weight"),
@@ -43,15 +43,22 @@ def is_checkpoint(obj) -> bool:
     return isinstance(obj, dict) and "model_config" in obj and "model_state" in obj
 
 
-def vocab_from_pickled(obj) -> Vocab | None:
-    """Their `utils.vocabulary.Vocab` (inert): `idx2sym` in id order; an empty delimiter means characters."""
+def vocab_from_pickled(obj, dataset=None, path="<checkpoint>") -> Vocab | None:
+    """Their `utils.vocabulary.Vocab` (inert): `idx2sym` in id order. Its kind: the one the corpus fixes
+    (`args.dataset` enwik8: bytes, text8: text8), else what the symbols show, else characters for an empty
+    delimiter and words otherwise."""
     if pickled_class(obj) not in ("utils.vocabulary.Vocab", "vocabulary.Vocab"):
         return None
     symbols = attr(obj, "idx2sym")
     if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
         return None
+    default = "char" if attr(obj, "delimiter") == "" else "word"
     try:
-        return Vocab(symbols, kind="char" if attr(obj, "delimiter") == "" else "word")
+        kind = choose_kind(symbols, dataset=dataset if isinstance(dataset, str) else None, default=default)
+    except ValueError as e:
+        raise CheckpointError(path, f"vocabulary: {e}") from None
+    try:
+        return Vocab(symbols, kind=kind)
     except ValueError:
         return None
 
@@ -68,7 +75,7 @@ def load_checkpoint(obj, path, config=None) -> LoadedModel:
     fields["same_length_extra"] = 1
     cfg = _config(fields, path)
     state = normalise(rename(strip_prefix(state, "module."), NVIDIA_RULES, path, "NVIDIA"), cfg, path)
-    vocab = vocab_from_pickled(obj.get("vocab"))
+    vocab = vocab_from_pickled(obj.get("vocab"), attr(obj.get("args"), "dataset"), path)
     notes = []
     if cfg.same_length:
         notes.append("NVIDIA's same_length window is one key longer than the original's (same_length_extra=1)")

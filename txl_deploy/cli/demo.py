@@ -71,8 +71,7 @@ def demo_cmd(out_dir, model, text_file, prompt, max_new_tokens, seed, eval_chars
         _stage(f"2/5 generate with ONNX Runtime (temperature 0.8, top-k 20, seed {seed})")
         click.echo(prompt, nl=False)
         pieces = []
-        for tok in rt.generate(prompt, max_new_tokens, temperature=0.8, top_k=20, seed=seed):
-            piece = rt.vocab.piece(tok)
+        for piece in rt.generate_text(prompt, max_new_tokens, temperature=0.8, top_k=20, seed=seed):
             pieces.append(piece)
             click.echo(piece, nl=False)
         click.echo()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from txl_deploy.cli.options import threads_option
+from txl_deploy.cli.options import threads_option, vocab_options
 from txl_deploy.exporters.export import export_checkpoint
 
 STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segment's keys/values (the runtime "
@@ -39,7 +39,7 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
                    "token ids.")
 @click.option("--eval-text", type=click.Path(exists=True, dir_okay=False),
               help="Held-out text for measuring the accuracy change of reduced precision [default: calibration text].")
-@click.option("--vocab", type=click.Path(exists=True, dir_okay=False), help="Vocabulary file, if the checkpoint has none.")
+@vocab_options
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
@@ -48,7 +48,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
                    "(see `txl-deploy info CHECKPOINT --memory`).")
 @threads_option
 def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
-               block_size, calib, eval_text, vocab, verify, force, skip_memory_check, threads):
+               block_size, calib, eval_text, config, preset, vocab, vocab_kind, verify, force, skip_memory_check,
+               threads):
     """Export CHECKPOINT (any supported format) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
@@ -70,7 +71,8 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
       txl-deploy export model.pt --onnx -o model.onnx --mem-len 640
       txl-deploy export LM-TFM/ -o wt103.onnx --mem-len 640 --clamp-len 400 --same-length
     """
-    export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, check_memory=not skip_memory_check,
+    export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, vocab_kind=vocab_kind, config=config,
+                      preset=preset, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
                       max_segment=max_segment, verify=verify, force=force, threads=threads,
                       block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text)

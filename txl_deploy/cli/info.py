@@ -13,6 +13,7 @@ from txl_deploy.cli.options import vocab_options
 from txl_deploy.contract.describe import describe_onnx
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
+from txl_deploy.vocab import DESCRIPTIONS
 
 
 @click.command()
@@ -28,7 +29,8 @@ from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
 def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batch, max_segment):
-    """Describe a checkpoint or an exported .onnx: source format, config, parameter count, vocabulary size and the
+    """Describe a checkpoint or an exported .onnx: source format, config, parameter count, vocabulary (size and
+    kind: word, char, bytes for enwik8, text8) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use). --memory adds the expected peak memory of an export and of the runtime.
 
@@ -54,7 +56,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
                "parameters:  not known from the file (quantized weights)")
     if d["vocab_size"] is not None:
-        click.echo(f"vocabulary:  {d['vocab_size']:,} symbols ({d['vocab_kind']}, from {d['vocab_source']})")
+        click.echo(f"vocabulary:  {d['vocab_size']:,} symbols, kind {d['vocab_kind']}: "
+                   f"{DESCRIPTIONS[d['vocab_kind']]} (from {d['vocab_source']})")
     else:
         click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.txt / vocab.json beside the checkpoint)")
 

@@ -28,16 +28,12 @@ def serve_client(url, prompt, model, max_new_tokens, temperature, top_k, top_p, 
     client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout)
     if client.vocab is None:
         raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
-    first = True
+    decoder = client.vocab.stream_decoder()  # a character over several byte tokens prints once complete
     for tok in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed):
-        piece = client.vocab.decode([tok])
-        if client.vocab.kind == "word" and not first and piece != "\n":
-            piece = " " + piece
-        first = piece == "\n"
-        sys.stdout.write(piece)
+        sys.stdout.write(decoder.feed(tok))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(decoder.flush() + "\n")
     client.close()
 
 

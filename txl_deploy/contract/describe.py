@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import weight_file_bytes
+from txl_deploy.vocab import kind_note
 
 
 def describe_onnx(path) -> tuple[dict, object, int, int, str]:
@@ -20,7 +21,8 @@ def describe_onnx(path) -> tuple[dict, object, int, int, str]:
         "memory_bytes_per_stream": {"mem_len": info.mem_len,
                                     "fp32": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=4),
                                     "fp16": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=2)},
-        "notes": [], "weight_bytes": weight_bytes, "max_segment": info.max_segment,
+        "notes": [note for note in [kind_note(info.vocab)] if note], "weight_bytes": weight_bytes,
+        "max_segment": info.max_segment,
     }
     return d, cfg.replace(mem_len=info.mem_len), weight_bytes, info.max_segment, info.precision
 

@@ -15,7 +15,7 @@ from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.onnx_file import read_metadata
 from txl_deploy.errors import CheckpointError, TxlError
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import UnknownKindError, Vocab
 
 P = io_spec.META_PREFIX
 KEY_FORMAT, KEY_CONFIG, KEY_VOCAB, KEY_EXPORT, KEY_VERIFY = (
@@ -78,6 +78,8 @@ class ExportInfo:
             vocab = Vocab.from_dict(json.loads(props[KEY_VOCAB])) if KEY_VOCAB in props else None
             export = json.loads(props[KEY_EXPORT])
             verification = json.loads(props[KEY_VERIFY]) if KEY_VERIFY in props else None
+        except UnknownKindError as e:  # a newer txl-deploy's vocabulary: say so, never read it as another kind
+            raise CheckpointError(path, str(e)) from None
         except (ValueError, KeyError, TypeError, TxlError) as e:
             raise CheckpointError(path, f"corrupt txl-deploy metadata ({e})") from None
         return cls(config, vocab, export, verification)

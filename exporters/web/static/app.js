@@ -79,9 +79,10 @@ async function onGenerate() {
   document.body.dataset.state = "generating";
   stopRequested = false;
   const ms = [];
+  const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
   try {
     await generate(prompt, maxNew, temperature, topK, async (id, elapsed) => {
-      $("generated").textContent += vocab.piece(id);
+      $("generated").textContent += decoder.feed(id);
       ms.push(elapsed);
       const sorted = [...ms].sort((a, b) => a - b);
       const median = sorted[Math.floor(sorted.length / 2)];
@@ -90,6 +91,7 @@ async function onGenerate() {
       drawLatency(ms);
       await nextFrame(); // let the browser paint each token as it comes
     });
+    $("generated").textContent += decoder.flush();
   } catch (e) {
     $("status").textContent = `error: ${e.message}`;
   } finally {
@@ -109,6 +111,21 @@ window.txlDemo = {
   ready: ready.then(({ spec, provider }) => ({ precision: spec.precision, provider })),
   async greedy(prompt, maxNew) {
     return generate(prompt, maxNew, 0, 0, async () => {});
+  },
+  async greedyText(prompt, maxNew) { // the text the page shows for greedy generation, piece by piece
+    const { vocab } = await ready;
+    const decoder = vocab.streamDecoder(prompt);
+    const pieces = [];
+    await generate(prompt, maxNew, 0, 0, async (id) => { pieces.push(decoder.feed(id)); });
+    pieces.push(decoder.flush());
+    return pieces;
+  },
+  async encode(text) {
+    return (await ready).vocab.encode(text);
+  },
+  async decodeStream(ids) { // each id's piece, then the flush
+    const decoder = (await ready).vocab.streamDecoder();
+    return [...ids.map((id) => decoder.feed(id)), decoder.flush()];
   },
   async logProbs(segments) { // segments: arrays of token ids fed one after another; returns one array each
     const { stream } = await ready;

@@ -10,12 +10,17 @@ import numpy as np
 from txl_deploy.checkpoints.native import LoadedModel
 from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
-from txl_deploy.checkpoints.tensorflow.corpus import check_corpus_info, read_cache_vocab, read_corpus_info
+from txl_deploy.checkpoints.tensorflow.corpus import (
+    check_corpus_info,
+    corpus_vocab,
+    read_cache_vocab,
+    read_corpus_info,
+)
 from txl_deploy.checkpoints.tensorflow.discovery import find_checkpoint
 from txl_deploy.checkpoints.tensorflow.presets import PAPER_RESULTS, eval_settings, read_flags
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import DATASET_KINDS, Vocab
 
 FORMAT = "tensorflow"
 TF_LAYER_NORM_EPSILON = 1e-12
@@ -89,8 +94,9 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
     """A `LoadedModel` from the published folder layout or a `model.ckpt-N` path.
 
     `config`: the original training flags (JSON file or dict, tf/train_gpu.py names); `preset`: one of PRESETS;
-    `vocab`: a `cache.pkl` (read safely) or a text vocabulary (`vocab_kind` word or char), overriding
-    `data/cache.pkl`."""
+    `vocab`: a `cache.pkl` (read safely) or a vocabulary file, overriding `data/cache.pkl`; `vocab_kind`: the
+    vocabulary's kind (word, char, bytes, text8) [default: the corpus's (enwik8: bytes, text8: text8), from the
+    cache or corpus-info.json, else what the symbols show]."""
     found = find_checkpoint(path)
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.ckpt-N.index)")
@@ -105,7 +111,7 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
     loaded_vocab, vocab_source, dataset = None, None, None
     cache = Path(vocab) if vocab is not None else (data_dir / "cache.pkl" if data_dir is not None else None)
     if cache is not None and cache.suffix == ".pkl":
-        loaded_vocab, dataset = read_cache_vocab(cache)
+        loaded_vocab, dataset = read_cache_vocab(cache, kind=vocab_kind)
         vocab_source = str(cache)
     elif cache is not None:
         loaded_vocab, vocab_source = Vocab.read(cache, kind=vocab_kind), str(cache)
@@ -114,6 +120,9 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
         info = read_corpus_info(info_path)
         check_corpus_info(info, arch, info_path)
         dataset = dataset or info.get("dataset")
+    if loaded_vocab is not None and vocab_kind is None and dataset in DATASET_KINDS:
+        # the corpus fixes the kind (enwik8: bytes, text8: text8), whatever file the symbols came from
+        loaded_vocab = corpus_vocab(loaded_vocab.symbols, dataset, None, vocab_source)
     if loaded_vocab is not None and len(loaded_vocab) != arch["n_token"]:
         raise CheckpointError(vocab_source, f"vocabulary has {len(loaded_vocab)} symbols but the checkpoint's "
                                             f"embedding has {arch['n_token']} rows")

@@ -10,7 +10,7 @@ from pathlib import Path
 from txl_deploy.checkpoints import safe_pickle
 from txl_deploy.checkpoints.safe_pickle import RefusedGlobal, pickled_class
 from txl_deploy.errors import CheckpointError
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import Vocab, choose_kind
 
 
 def _corpus_unpickler():
@@ -54,7 +54,16 @@ def _attr(obj, name):
     return d.get(name, d.get(name.encode()))
 
 
-def read_cache_vocab(path):
+def corpus_vocab(symbols, dataset, kind, path) -> Vocab:
+    """The vocabulary of an original corpus object: its kind is `kind` (the user's), else the one its corpus
+    fixes (enwik8: bytes, text8: text8), else what its symbols show, else word."""
+    try:
+        return Vocab(symbols, kind=choose_kind(symbols, explicit=kind, dataset=dataset or None))
+    except ValueError as e:
+        raise CheckpointError(path, str(e)) from None
+
+
+def read_cache_vocab(path, kind: str | None = None):
     """The vocabulary of `data/cache.pkl` (a pickled `data_utils.Corpus` holding a `vocabulary.Vocab`), read with
     the restricted unpickler: only the symbol list and the plain containers around it are rebuilt, the numpy
     arrays of the encoded splits are skipped, and any other global (code) refuses the file before anything runs.
@@ -80,10 +89,8 @@ def read_cache_vocab(path):
     if not isinstance(symbols, list):
         raise CheckpointError(path, f"is not a Transformer-XL corpus cache (no vocab.idx2sym list in "
                                     f"{pickled_class(corpus) or type(corpus).__name__})")
-    try:
-        return Vocab([_text(s) for s in symbols], kind="word"), _text(_attr(corpus, "dataset") or "")
-    except ValueError as e:
-        raise CheckpointError(path, str(e)) from None
+    dataset = _text(_attr(corpus, "dataset") or "")
+    return corpus_vocab([_text(s) for s in symbols], dataset, kind, path), dataset
 
 
 def read_corpus_info(path) -> dict:

@@ -5,8 +5,8 @@ the server keeps the conversation's memory in between, so each request sends onl
 
 >>> client = TxlTritonClient("http://localhost:8000")          # or grpc://localhost:8001
 >>> with client.conversation() as conv:
-...     for tok in conv.generate("the history of", max_new_tokens=20):
-...         print(client.vocab.decode([tok]), end=" ")
+...     for text in conv.generate_text("the history of", max_new_tokens=20):
+...         print(text, end="", flush=True)
 
 Several servers: `TxlTritonClient(["grpc://node-a:8001", "grpc://node-b:8001", ...])` routes each conversation to
 one server by rendezvous (highest-random-weight) hashing of its sequence id, so every client that knows the same
@@ -43,7 +43,7 @@ from txl_deploy.serving.triton.protocol import (
     UNKNOWN_SEQUENCE,
     UNKNOWN_TO_MODEL,
 )
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import CONTINUING, Vocab
 
 LOST_RETRY_S = 30.0  # a server that could not be reached gets no new conversations for this long (if others can)
 
@@ -290,6 +290,11 @@ class TxlTritonClient:
         with self.conversation() as conv:
             yield from conv.generate(prompt, max_new_tokens=max_new_tokens, **sampling)
 
+    def generate_text(self, prompt, max_new_tokens: int = 50, **sampling) -> Iterator[str]:
+        """`generate`, as text that continues `prompt`, decoded incrementally (see `Conversation.generate_text`)."""
+        with self.conversation() as conv:
+            yield from conv.generate_text(prompt, max_new_tokens=max_new_tokens, **sampling)
+
     def close(self):
         for server in self.servers.values():
             server.close()
@@ -385,6 +390,30 @@ class Conversation:
             yield tok
             if tok in stop:
                 return
+
+    def generate_text(self, prompt=None, max_new_tokens: int = 50, **sampling) -> Iterator[str]:
+        """`generate`, as text: what can be printed after each token, decoded incrementally with the model's
+        vocabulary (`Vocab.stream_decoder`: a character spelled over several byte tokens comes out once whole,
+        bytes that are not UTF-8 as U+FFFD), then whatever an incomplete last character leaves. The pieces
+        continue `prompt` (a word model's first word gets its leading space)."""
+        vocab = self.client.vocab
+        if vocab is None:
+            raise InputError(f"model {self.client.model!r} publishes no vocabulary: pass "
+                             f"--vocab <repo>/{self.client.model}/vocab.json")
+        if isinstance(prompt, str):
+            after = prompt
+        elif prompt is None:
+            after = CONTINUING
+        else:
+            after = vocab.decode(prompt)
+        decoder = vocab.stream_decoder(after)
+        for tok in self.generate(prompt, max_new_tokens=max_new_tokens, **sampling):
+            text = decoder.feed(tok)
+            if text:
+                yield text
+        tail = decoder.flush()
+        if tail:
+            yield tail
 
     # -- park / resume / move --------------------------------------------------------------------------------------
     def park(self) -> bytes:

@@ -1,0 +1,23 @@
+"""Vocabularies: the symbol list a model was trained with and its kind, text to token ids and back.
+
+Kinds (`kinds.py`): `word` (WikiText-103, lm1b), `char` (our demo model), `bytes` (the paper's enwik8: UTF-8 bytes
+as decimal symbols, newlines dropped as its preprocessing dropped them) and `text8` (a-z, `_` for the space).
+`Vocab.stream_decoder()` turns generated ids into text as they arrive (`stream.py`); `Vocab.encode_corpus` reads a
+whole text as the original preprocessing of the model's corpus did (`encode.py`). No torch, never unpickled.
+"""
+
+from txl_deploy.vocab.encode import counting
+from txl_deploy.vocab.kinds import (
+    DATASET_KINDS,
+    DESCRIPTIONS,
+    KINDS,
+    UnknownKindError,
+    choose_kind,
+    detect_kind,
+    kind_note,
+)
+from txl_deploy.vocab.stream import CONTINUING, StreamDecoder
+from txl_deploy.vocab.table import Vocab
+
+__all__ = ["CONTINUING", "DATASET_KINDS", "DESCRIPTIONS", "KINDS", "StreamDecoder", "UnknownKindError", "Vocab",
+           "choose_kind", "counting", "detect_kind", "kind_note"]

@@ -1,0 +1,166 @@
+"""The symbol list a model was trained with, and its kind: encodes text to token ids and back. Never unpickled.
+
+It travels with the model as JSON (`{"kind": ..., "symbols": [...]}`) in our checkpoint folder and in the ONNX
+metadata; a kind this version does not know is an error (`UnknownKindError`), never read as another. `Vocab.read`
+also takes the original code's one-symbol-a-line `vocab.txt` (the first whitespace field of each line, as the
+original `Vocab.build_vocab` reads it) and a plain character list; the kinds are in `kinds.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.vocab import encode as enc
+from txl_deploy.vocab.kinds import DESCRIPTIONS, EOS, KINDS, UNK, UnknownKindError, choose_kind, misfit
+from txl_deploy.vocab.stream import StreamDecoder
+
+
+class Vocab:
+    def __init__(self, symbols, kind="word", unk=UNK, eos=EOS):
+        if kind not in KINDS:
+            raise UnknownKindError(kind)
+        self.symbols = list(symbols)
+        if len(set(self.symbols)) != len(self.symbols):
+            dup = next(s for s in self.symbols if self.symbols.count(s) > 1)
+            raise ValueError(f"vocabulary has a duplicate symbol {dup!r}")
+        problem = misfit(kind, self.symbols)
+        if problem:
+            raise ValueError(f"not a {kind} vocabulary: {problem}")
+        self.kind = kind
+        self.index = {s: i for i, s in enumerate(self.symbols)}
+        self.unk = unk if unk in self.index else None
+        self.eos = eos if eos in self.index else None
+        if kind == "bytes":
+            self.byte_ids, self.byte_of = enc.byte_tables(self.symbols)
+
+    def __len__(self):
+        return len(self.symbols)
+
+    def __eq__(self, other):
+        return isinstance(other, Vocab) and (self.kind, self.symbols) == (other.kind, other.symbols)
+
+    def __repr__(self):
+        return f"Vocab({len(self.symbols)} symbols, kind={self.kind!r})"
+
+    @property
+    def description(self) -> str:
+        return DESCRIPTIONS[self.kind]
+
+    def with_kind(self, kind: str) -> "Vocab":
+        """The same symbols read as another kind (ValueError if they cannot be that kind)."""
+        return self if kind == self.kind else Vocab(self.symbols, kind=kind)
+
+    # -- text <-> ids ------------------------------------------------------------------------------------
+    def encode(self, text: str, add_eos: bool | None = None) -> np.ndarray:
+        """Text -> int64 ids. Word vocabularies add `<eos>` at each line end (as WikiText-103 was read); byte
+        vocabularies encode the UTF-8 bytes and drop newlines (as the enwik8 preprocessing did); text8 reads a
+        space as `_`. A symbol the vocabulary lacks is `<unk>`, or an InputError naming it."""
+        if not isinstance(text, str):
+            raise InputError(f"text must be a str, got {type(text).__name__}")
+        if self.kind == "char":
+            return enc.encode_chars(self, text)
+        if self.kind == "bytes":
+            return enc.encode_bytes(self, enc.utf8(text))
+        if self.kind == "text8":
+            return enc.encode_text8(self, text)
+        return enc.encode_words(self, text, add_eos)
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        """Raw bytes -> ids, for a byte vocabulary (any bytes: a split of enwik8 need not be whole UTF-8)."""
+        if self.kind != "bytes":
+            raise InputError(f"encode_bytes is for byte vocabularies; this one is of kind {self.kind}")
+        return enc.encode_bytes(self, data)
+
+    def encode_corpus(self, data) -> tuple[np.ndarray, dict]:
+        """Ids of a whole text (str or the bytes of a file) as the original preprocessing of the model's corpus
+        read it, and what was counted (see `encode.encode_corpus`). What `txl-deploy eval` scores."""
+        return enc.encode_corpus(self, data)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        bad = [i for i in ids if not 0 <= i < len(self.symbols)]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {len(self.symbols)})")
+        if self.kind == "char":
+            return "".join(self.symbols[i] for i in ids)
+        if self.kind in ("bytes", "text8"):
+            decoder = self.stream_decoder()
+            return "".join(decoder.feed(i) for i in ids) + decoder.flush()
+        out = []
+        for i in ids:
+            s = self.symbols[i]
+            out.append("\n" if s == self.eos else s)
+        text = " ".join(out)
+        return text.replace(" \n ", "\n").replace(" \n", "\n").replace("\n ", "\n")
+
+    def stream_decoder(self, after: str = "") -> StreamDecoder:
+        """An incremental decoder for generated ids: `feed(id)` returns the text that can be printed now (a
+        character split over byte tokens comes out whole, once complete; invalid bytes are U+FFFD), `flush()` the
+        rest at the end. `after`: the text the stream continues (a prompt), which decides whether a word's
+        leading space is needed; `CONTINUING` for text it was not shown."""
+        return StreamDecoder(self, after)
+
+    def piece(self, i: int) -> str:
+        """Text for one generated token as it continues a stream: words get a leading space, <eos> a newline.
+        Only whole symbols: for byte vocabularies (a character over several tokens) use `stream_decoder()`."""
+        text = self.decode([i])
+        return text if self.kind != "word" or text == "\n" else " " + text
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "symbols": self.symbols}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Vocab":
+        return cls(d["symbols"], kind=d.get("kind", "word"))
+
+    def save(self, path):
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def read(cls, path, kind: str | None = None) -> "Vocab":
+        """Read our vocab.json, the original one-symbol-a-line vocab.txt, or a character list file.
+
+        `kind`: what the user says the vocabulary is (it overrides our vocab.json's). Otherwise a vocab.txt or a
+        JSON list is `bytes` or `text8` when its symbols show it (see `kinds.detect_kind`), else `word` (a
+        vocab.txt) or `char` (a JSON list)."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CheckpointError(path, "vocabulary file not found") from None
+        except UnicodeDecodeError:
+            raise CheckpointError(path, "vocabulary is not UTF-8 text") from None
+        try:
+            if path.suffix == ".json":
+                try:
+                    d = json.loads(text)
+                    if isinstance(d, list):
+                        return cls(d, kind=choose_kind(d, kind, default="char"))
+                    vocab = cls.from_dict(d)
+                except UnknownKindError:
+                    raise
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CheckpointError(path, f"not a vocabulary JSON ({e})") from None
+                return vocab if kind is None else vocab.with_kind(choose_kind(vocab.symbols, kind))
+            if kind == "char":
+                # a character list: one character per line, or all characters on one line
+                lines = text.split("\n")
+                if len(lines) > 1 and all(len(line) <= 1 for line in lines[:-1]):
+                    return cls([("\n" if line == "" else line) for line in lines[:-1]], kind="char")
+                return cls(list(text.rstrip("\n")), kind="char")
+            symbols = [line.strip().split()[0] for line in text.splitlines() if line.strip()]
+            if not symbols:
+                raise CheckpointError(path, "vocabulary file is empty")
+            return cls(symbols, kind=choose_kind(symbols, kind))
+        except UnknownKindError as e:
+            raise CheckpointError(path, str(e)) from None
+        except ValueError as e:
+            raise CheckpointError(path, str(e)) from None
