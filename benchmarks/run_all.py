@@ -27,7 +27,7 @@ CACHE = HERE / ".cache"
 TARGETS_DOC = """\
 Targets (batch 1 unless said, fp32, decode with a full memory, full next-token distribution):
 enwik8 base at mem_len 2100 >= 10x eager per token; its latency at mem_len 2100 <= 2x that at 100;
-WikiText-103 base at mem_len 640 >= 3x eager per token and within 1.5x of the floor, batch 8 throughput >= 5x
+WikiText-103 base at mem_len 640 >= 3x eager per token and within 1.3x of the floor, batch 8 throughput >= 5x
 eager; int8-dynamic >= 1.8x fp32 ONNX Runtime per token on the WikiText-103 base shape; prefill of 512 tokens at
 least 1x eager on every shape, where eager applies its output layer only at the last prompt position (what a
 text generator needs), not at all 512."""
@@ -110,13 +110,12 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
         if w1.get("floor"):
             f = w1["floor"]
             g = f["gap"]
-            if g < 1:  # faster than the bytes allow: the copy bandwidth was measured while the machine was busier
-                out.append(("WikiText-103 base: within 1.5x of the floor", f"{g:.2f}x of {f['floor_ms']:.1f} ms: "
-                            f"not a valid floor (the copy bandwidth, {f['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
-                            "was measured in a busier moment than the decode steps)", None))
-            else:
-                out.append(("WikiText-103 base: within 1.5x of the floor", f"{g:.2f}x of {f['floor_ms']:.1f} ms",
-                            g <= 1.5))
+            spread = (f" (rounds {min(f['gap_rounds']):.2f}-{max(f['gap_rounds']):.2f}x)"
+                      if f.get("gap_rounds") else "")
+            if g < 1:  # faster than the copy bandwidth allows: a floor that reads no bytes it cannot is too low
+                spread += "; below 1x: the copy bandwidth understates what a decode step can read"
+            out.append(("WikiText-103 base: within 1.3x of the floor", f"{g:.2f}x of {f['floor_ms']:.1f} ms{spread}",
+                        g <= 1.3))
     if w8:
         s = w8["speedup"]["decode_tokens_per_s"]
         out.append(("WikiText-103 base, batch 8: throughput >= 5x eager", f"{s:.1f}x", s >= 5))
@@ -186,8 +185,10 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "plus the largest rise during a call, measured in a separate untimed pass (nothing samples memory while "
         "a call is timed). All sides of a configuration share one process and its heap: memory that an earlier "
         "side or configuration freed is reused without growing the resident set, so a side can show a peak near "
-        "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = measured decode p50 / ((weight bytes + memory bytes read per step) / "
-        "measured copy bandwidth). Stand-ins have random weights.",
+        "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = "
+        "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the copy bandwidth "
+        "measured in the same rounds as the decode steps (a turn of its own in each round's alternation). Stand-ins "
+        "have random weights.",
         "",
         "## Targets",
         "",
@@ -211,10 +212,16 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         for res in rep["results"]:
             if res.get("floor"):
                 f = res["floor"]
+                rounds = ""
+                if f.get("gap_rounds"):
+                    rounds = (f" (copy bandwidth {min(f['bandwidth_rounds']) / 1e9:.1f} to "
+                              f"{max(f['bandwidth_rounds']) / 1e9:.1f} GB/s over the rounds; each round's decode "
+                              f"median over its own floor: {min(f['gap_rounds']):.2f}x to "
+                              f"{max(f['gap_rounds']):.2f}x)")
                 lines.append(f"- mem_len {res['mem_len']} batch {res['batch']}: floor {f['floor_ms']:.1f} ms = "
                              f"({f['weight_bytes'] / 1e6:.0f} MB weights, of which output layer "
                              f"{f['output_layer_bytes'] / 1e6:.0f} MB, + {f['memory_bytes'] / 1e6:.0f} MB memory) / "
-                             f"{f['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; measured {f['gap']:.2f}x the floor")
+                             f"{f['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; measured {f['gap']:.2f}x the floor{rounds}")
         aw = set(s.get("as_written_batches") or ())
         if aw and any(res["batch"] not in aw for res in rep["results"]):
             big = rep.get("config") or {}
@@ -279,10 +286,12 @@ def main(argv=None):
         reports.append(rep)
     if not reports:
         raise SystemExit("nothing ran")
-    bws = [r["floor"]["bandwidth_bytes_per_s"] / 1e9 for rep in reports for r in rep["results"] if r.get("floor")]
-    note = (f"memory bandwidth (numpy copy, read + write, best of 7, one thread), measured at the start of each "
-            f"configuration: {min(bws):.1f} to {max(bws):.1f} GB/s (it moves with the other jobs' load; each floor "
-            "uses its own configuration's value)" if bws else "memory bandwidth: not measured")
+    bws = [bw / 1e9 for rep in reports for r in rep["results"] if r.get("floor")
+           for bw in r["floor"].get("bandwidth_rounds", [r["floor"]["bandwidth_bytes_per_s"]])]
+    note = (f"memory bandwidth (numpy copy of 256 MB, read + write, best of 3, one thread), measured in every round "
+            f"of the decode steps it is compared with: {min(bws):.1f} to {max(bws):.1f} GB/s (it moves with the "
+            "other jobs' load; each floor uses its own configuration's rounds)" if bws
+            else "memory bandwidth: not measured")
     # The command that reproduces the whole file (a configuration re-run alone with --only lands in the same place)
     command = command_line("benchmarks/run_all.py", [] if args.threads == 1 else ["--threads", str(args.threads)])
     Path(args.out).write_text(results_md(reports, note, command))

@@ -42,27 +42,25 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.bench.report import results_markdown
-from txl_deploy.serving.triton.repository import DEFAULT_QUEUE_DELAY_US
 from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.report import results_markdown
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.config import TxlConfig
-from txl_deploy.vocab import Vocab
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
-from txl_deploy.errors import CheckpointError
+from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.exporters.onnx.export import export_onnx
-from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.runtimes import TxlRuntime
-from importlib.metadata import PackageNotFoundError, version
-from contextlib import ExitStack
-from txl_deploy.errors import InputError
+from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.serving.triton.local_server import TritonServer, find_tritonserver
-from txl_deploy.serving.triton.repository import write_repository
+from txl_deploy.serving.triton.repository import DEFAULT_QUEUE_DELAY_US, write_repository
+from txl_deploy.vocab import Vocab
 
 logger = logging.getLogger(__name__)
 
