@@ -9,7 +9,7 @@ ONNX Runtime on the CPU with the same intra-op thread count, one stream, the sam
   segment of `segment` tokens with that full memory and returns the next-token distribution at every position
   (what evaluating a text computes; time / segment per token); "one token per call" feeds the same tokens one at
   a time (what generation computes; the median call).
-- vanilla: `vanilla.VanillaTransformerLM` of the same size (absolute sinusoidal positions, no memory), exported
+- vanilla: `model.vanilla.VanillaTransformerLM` of the same size (absolute sinusoidal positions, no memory), exported
   to ONNX; for every predicted token it runs the window of the L tokens ending at that token, the whole window
   recomputed, and returns the next-token distribution after it (its last position only). A few windows per L
   suffice: every window costs the same.
@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ PAPER_SLOWDOWN = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}
 DEFAULT_LENGTHS = (800, 1800, 2800, 3800)
 DEFAULT_SHAPE = "enwik8-base"
 DEFAULT_SEGMENT = 80  # enwik8 base's evaluation segment (tgt_len 80)
+INPUT, OUTPUT = "tokens", "log_probs"  # the vanilla graph's input and output
 
 
 @dataclass
@@ -69,16 +71,40 @@ def inputs(stream: np.ndarray, length: int, segment: int, windows: int) -> Input
                   [s[:, r + 1:length + r + 1] for r in range(windows)])
 
 
+def export_vanilla(model, path, opset: int = 18):
+    """A `VanillaTransformerLM`'s `forward` as ONNX: tokens [B, L] int64 (batch and window length dynamic) ->
+    log_probs [B, n_token]."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    # torch.export specialises any dimension whose example size is 0 or 1: the example is [2, 8].
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    window = torch.export.Dim("window", min=2, max=65536)
+    example = torch.zeros(2, 8, dtype=torch.long)
+    quiet = logging.getLogger("torch.onnx")  # registry warnings about absent torchvision ops say nothing here
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
+                                        dynamic_shapes=({0: batch, 1: window},), opset_version=opset, dynamo=True,
+                                        verbose=False, report=False)
+    finally:
+        quiet.setLevel(level)
+    program.save(str(path))
+    return path
+
+
 def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tuple[Path, dict]:
     """The vanilla model of a Transformer-XL config's size as ONNX (random weights), cached by size, seed and this
     code; and the export's check: ONNX Runtime against PyTorch on one window of `check_window` tokens."""
     import onnxruntime as ort  # optional (the cpu or gpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-    from txl_deploy.bench import vanilla  # imports torch
+    from txl_deploy.model import vanilla  # imports torch
 
     cfg = vanilla.VanillaConfig.like(config)
-    code = hashlib.sha256(Path(vanilla.__file__).read_bytes()).hexdigest()[:8]
+    code = hashlib.sha256(Path(vanilla.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:8]
     key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, code]).encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"vanilla-{key}.onnx"
     check_path = path.with_suffix(".check.json")
@@ -87,10 +113,10 @@ def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tu
     logger.info(f"exporting a vanilla Transformer of {cfg.n_layer} layers, d_model {cfg.d_model} to ONNX ...")
     model = vanilla.random_vanilla(cfg, seed)
     with atomic_path(path, force=True) as tmp:
-        vanilla.export_vanilla(model, tmp)
+        export_vanilla(model, tmp)
         window = np.random.default_rng(seed).integers(0, cfg.n_token, (1, check_window))
         session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-        got = session.run([vanilla.OUTPUT], {vanilla.INPUT: window})[0]
+        got = session.run([OUTPUT], {INPUT: window})[0]
         with torch.no_grad():
             want = model(torch.from_numpy(window)).numpy()
         check = {"window": check_window, "max_abs_diff": float(np.abs(got - want).max()),
@@ -165,7 +191,7 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
 
         def vanilla_window():
             window = io.windows[len(windows)]
-            windows.append(_time(lambda: vanilla.run(None, {"tokens": window})))
+            windows.append(_time(lambda: vanilla.run(None, {INPUT: window})))
 
         sides = [txl_segment, txl_single, vanilla_window]
         for r in range(warmup + rounds):
@@ -245,7 +271,7 @@ def markdown(result: dict) -> str:
         f"- Transformer-XL, one token per call: the same full memory, {s['decode_steps']} of the same tokens fed one "
         "per call (`TxlRuntime.step`); the median call.",
         "- vanilla: a Transformer of the same size with absolute sinusoidal positions and no memory, exported to "
-        "ONNX (`txl_deploy/bench/vanilla.py`) and run in ONNX Runtime; for each predicted token, the window of the "
+        "ONNX (`txl_deploy/model/vanilla.py`) and run in ONNX Runtime; for each predicted token, the window of the "
         "L tokens ending at it, recomputed whole, gives the next-token distribution after its last position; the "
         "median window. Window r ends at the token whose distribution Transformer-XL's segment gives at position "
         f"r. Its export matches PyTorch within {vc['max_abs_diff']:.1e} (max abs log-prob difference, a "

@@ -1,4 +1,4 @@
-"""The "vanilla" Transformer language model of the paper's Table 9, and its ONNX export.
+"""The "vanilla" Transformer language model of the paper's Table 9 (benchmarks/paper_table9.py measures it).
 
 Dai et al. (2019), section 4 and Table 9, compare Transformer-XL's evaluation with the vanilla model of Al-Rfou et
 al. (2018): a Transformer with absolute positional encodings and no memory, trained on fixed-length segments,
@@ -21,9 +21,7 @@ against.
 
 from __future__ import annotations
 
-import logging
 import math
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,8 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl_deploy.model.mem_transformer import sinusoid
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,27 +126,3 @@ def random_vanilla(cfg: VanillaConfig, seed: int = 0) -> VanillaTransformerLM:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     return model
 
-
-INPUT, OUTPUT = "tokens", "log_probs"
-
-
-def export_vanilla(model: VanillaTransformerLM, path, opset: int = 18):
-    """`model.forward` as ONNX: tokens [B, L] int64 (batch and window length dynamic) -> log_probs [B, n_token]."""
-    # torch.export specialises any dimension whose example size is 0 or 1: the example is [2, 8].
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    window = torch.export.Dim("window", min=2, max=65536)
-    example = torch.zeros(2, 8, dtype=torch.long)
-    quiet = logging.getLogger("torch.onnx")  # registry warnings about absent torchvision ops say nothing here
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
-                                        dynamic_shapes=({0: batch, 1: window},), opset_version=opset, dynamo=True,
-                                        verbose=False, report=False)
-    finally:
-        quiet.setLevel(level)
-    program.save(str(path))
-    logger.info(f"wrote the vanilla Transformer's graph to {path}")
-    return path
