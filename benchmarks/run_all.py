@@ -1,11 +1,14 @@
 """Run every configuration of benchmarks/configs.json and write benchmarks/RESULTS.md (+ results/*.json).
 
-    .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--threads N] [--report-only]
+    .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--threads N] [--report-only] [--scripts NAME,...]
 
 Each configuration measures its backend against the PyTorch eager reference in one process, interleaved
 (`txl_deploy.bench`); stand-ins (random weights of the published shapes) and their ONNX exports are cached in
 benchmarks/.cache. The memory bandwidth for the floor is measured in the same run (numpy copy), and one ONNX
 Runtime decode step per configuration is profiled by op type.
+
+--scripts runs other benchmark scripts first, each with the command that writes its results file (`SCRIPTS`;
+`all` for every one), so that one run of this file measures everything.
 
 RESULTS.md is written whole by this script: its own tables, then every benchmarks/results_*.md that another
 benchmark script generated (each says which command wrote it on its first lines, `txl_deploy.bench.report.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +45,30 @@ a prompt a 1-slot memory (the incremental graph's slot axis is dynamic), not mem
 otherwise double the attention work at mem_len 2100. torch-fast runs the cached formulation (positional table
 product and gathers over [heads, Q, Q]) op by op without fusion, where eager's rel_shift is a pad and a view, so
 it trails eager on prefill; it is built for decode, where it is faster than eager."""
+
+
+# The other benchmark scripts, each with the command that writes its results file (the command every results
+# file names), in the order --scripts all runs them.
+SCRIPTS = {
+    "table9": ["benchmarks/paper_table9.py", "--force"],
+    "peers": ["benchmarks/peers.py", "--force"],
+    "int4": ["benchmarks/int4.py"],
+    "precision": ["benchmarks/precision.py", "accuracy", "--out", "/tmp/bench/prec", "--md",
+                  "benchmarks/results_precision.md", "--force"],
+    "triton": ["benchmarks/triton_load.py", "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_triton.md",
+               "--force"],
+    "memory": ["benchmarks/memory.py"],
+}
+
+
+def run_scripts(names: list[str]):
+    """Each named script in a fresh process, from the repository root (so every results file names the same
+    command as when run by hand); stops at the first that fails."""
+    for name in names:
+        cmd = [sys.executable, *SCRIPTS[name]]
+        print(f"[{name}] python {' '.join(SCRIPTS[name])}", file=sys.stderr)
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            raise SystemExit(f"[{name}] failed: python {' '.join(SCRIPTS[name])}")
 
 
 def reduced(fp32_path: Path, precision: str) -> Path:
@@ -110,12 +138,17 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
         if w1.get("floor"):
             f = w1["floor"]
             g = f["gap"]
-            spread = (f" (rounds {min(f['gap_rounds']):.2f}-{max(f['gap_rounds']):.2f}x)"
-                      if f.get("gap_rounds") else "")
-            if g < 1:  # faster than the copy bandwidth allows: a floor that reads no bytes it cannot is too low
-                spread += "; below 1x: the copy bandwidth understates what a decode step can read"
-            out.append(("WikiText-103 base: within 1.3x of the floor", f"{g:.2f}x of {f['floor_ms']:.1f} ms{spread}",
-                        g <= 1.3))
+            name = "WikiText-103 base: within 1.3x of the floor"
+            if not f.get("gap_rounds"):  # results of a run that took the bandwidth at another moment
+                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms, the copy bandwidth measured before the "
+                            "decode steps, not in their rounds: not comparable (run the configuration again)", None))
+            elif g < 1:  # faster than the bytes allow: the copy bandwidth understated what a step can read
+                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms (rounds {min(f['gap_rounds']):.2f}-"
+                            f"{max(f['gap_rounds']):.2f}x): below the floor, so the copy bandwidth understates what "
+                            "a decode step reads; not a valid floor", None))
+            else:
+                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms (rounds {min(f['gap_rounds']):.2f}-"
+                            f"{max(f['gap_rounds']):.2f}x)", g <= 1.3))
     if w8:
         s = w8["speedup"]["decode_tokens_per_s"]
         out.append(("WikiText-103 base, batch 8: throughput >= 5x eager", f"{s:.1f}x", s >= 5))
@@ -186,9 +219,9 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "a call is timed). All sides of a configuration share one process and its heap: memory that an earlier "
         "side or configuration freed is reused without growing the resident set, so a side can show a peak near "
         "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = "
-        "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the copy bandwidth "
-        "measured in the same rounds as the decode steps (a turn of its own in each round's alternation). Stand-ins "
-        "have random weights.",
+        "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the bandwidth "
+        "measured as the list above says (in the rounds of the decode steps, a turn of its own in each round's "
+        "alternation, so that both see the same moments of the machine). Stand-ins have random weights.",
         "",
         "## Targets",
         "",
@@ -260,7 +293,15 @@ def main(argv=None):
     ap.add_argument("--report-only", action="store_true",
                     help="measure nothing: write RESULTS.md from results/*.json and the results_*.md files")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--scripts", default="",
+                    help=f"other benchmark scripts to run first, comma-separated: {', '.join(SCRIPTS)}, or all "
+                         "(default none: their last results files are taken in as they are)")
     args = ap.parse_args(argv)
+    scripts = list(SCRIPTS) if args.scripts == "all" else [s for s in args.scripts.split(",") if s]
+    unknown = sorted(set(scripts) - set(SCRIPTS))
+    if unknown:
+        raise SystemExit(f"--scripts {','.join(unknown)}: no such script (known: {', '.join(SCRIPTS)}, all)")
+    run_scripts(scripts)
     configs = all_configs = json.loads((HERE / "configs.json").read_text())["configs"]
     known = {c["name"] for c in all_configs}
     if args.only:
@@ -286,12 +327,16 @@ def main(argv=None):
         reports.append(rep)
     if not reports:
         raise SystemExit("nothing ran")
-    bws = [bw / 1e9 for rep in reports for r in rep["results"] if r.get("floor")
-           for bw in r["floor"].get("bandwidth_rounds", [r["floor"]["bandwidth_bytes_per_s"]])]
-    note = (f"memory bandwidth (numpy copy of 256 MB, read + write, best of 3, one thread), measured in every round "
-            f"of the decode steps it is compared with: {min(bws):.1f} to {max(bws):.1f} GB/s (it moves with the "
-            "other jobs' load; each floor uses its own configuration's rounds)" if bws
-            else "memory bandwidth: not measured")
+    floors = [r["floor"] for rep in reports for r in rep["results"] if r.get("floor")]
+    bws = [bw / 1e9 for f in floors for bw in f.get("bandwidth_rounds", [f["bandwidth_bytes_per_s"]])]
+    in_rounds = sum(bool(f.get("bandwidth_rounds")) for f in floors)
+    when = ("measured in every round of the decode steps it is compared with" if in_rounds == len(floors) else
+            "measured once at the start of each configuration" if not in_rounds else
+            f"measured in the rounds of the decode steps for {in_rounds} of {len(floors)} floors, at the start of "
+            "their configuration for the others")
+    note = (f"memory bandwidth (numpy copy of 256 MB, read + write, one thread), {when}: {min(bws):.1f} to "
+            f"{max(bws):.1f} GB/s (it moves with the other jobs' load; each floor uses its own configuration's)"
+            if bws else "memory bandwidth: not measured")
     # The command that reproduces the whole file (a configuration re-run alone with --only lands in the same place)
     command = command_line("benchmarks/run_all.py", [] if args.threads == 1 else ["--threads", str(args.threads)])
     Path(args.out).write_text(results_md(reports, note, command))
