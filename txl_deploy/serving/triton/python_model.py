@@ -65,12 +65,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from txl_deploy.contract import io_spec  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
-    RESUME_INPUT,
-    SAVED_OUTPUT,
-    STATE_FORMAT,
-    STATE_FORMAT_VERSION,
-    UNKNOWN_TO_MODEL,
-)
+    RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, UNKNOWN_TO_MODEL)
 
 _previous_hook = sys.unraisablehook
 
