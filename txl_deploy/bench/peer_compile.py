@@ -19,6 +19,10 @@ class TorchCompileBackend(TorchCachedBackend):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         super()._prepare()
+        # Every side of a benchmark compiles its own module; a benchmark opens one per model and batch size, and
+        # past torch's recompile limit (8 per function) a module would run uncompiled without a word. Compiled
+        # code of modules that are gone is dropped first.
+        torch._dynamo.reset()
         self.compiled = torch.compile(self.cached, dynamic=False)
 
     def _step(self, tokens, out_positions, state):
