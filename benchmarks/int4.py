@@ -9,7 +9,9 @@
   int4 in one process, alternating token by token, the same intra-op thread count on both sides; medians;
 - size: the files, and the resident memory each session added when it loaded.
 
-Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32.
+Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32 (at
+the export's default block size; the others are measured beside it). The profiles of every graph and the bytes a
+step reads show where an int4 step's time goes.
 Writes a Markdown file (header: command, machine, date) and the raw numbers as JSON beside it.
 """
 
@@ -109,7 +111,7 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
         from txl_deploy.bench.op_profile import profile_decode
 
-        for name, rt in ((k, r) for k, r in runtimes.items() if k in ("fp32", "int4")):
+        for name, rt in runtimes.items():
             state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
             profiles[name] = profile_decode(paths[name], state, tokens[None, :7], threads=threads, steps=5)
     for rt in runtimes.values():
@@ -118,6 +120,71 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
             "p90_ms": {k: 1e3 * float(np.percentile(v, 90)) for k, v in times.items()},
             "loaded_rss_mb": {k: v / 1e6 for k, v in loaded.items()},
             "file_mb": {k: Path(p).stat().st_size / 1e6 for k, p in paths.items()}}
+
+
+ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
+
+
+def step_bytes(path) -> dict:
+    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
+    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
+    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
+    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
+    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
+    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
+    import onnx
+    from onnx import numpy_helper
+
+    from txl_deploy.contract.metadata import read_onnx_info
+
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def constant(name):
+        """(dims, bytes per element as the kernel reads it) of a constant input, or None for an activation."""
+        if name in inits:
+            t = inits[name]
+            return list(t.dims), ELEMENT_BYTES.get(t.data_type, 4)
+        node = producer.get(name)
+        if node is None or node.op_type not in ("Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
+                                                "Concat"):
+            return None
+        srcs = [constant(i) for i in node.input[:1 if node.op_type != "Concat" else None]]
+        if any(c is None for c in srcs):
+            return None
+        dims, size = srcs[0]
+        if node.op_type == "Cast":
+            return dims, ELEMENT_BYTES.get(next(a.i for a in node.attribute if a.name == "to"), 4)
+        if node.op_type == "Concat":  # the pieces of an adaptive-softmax head: their elements, in one block
+            return [sum(int(np.prod(d)) for d, _ in srcs)], size
+        if node.op_type == "Slice":  # the rows of a cluster, cut from the tied embedding
+            starts, ends = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
+            axes = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 else range(len(starts))
+            dims = list(dims)
+            for axis, a, b in zip(axes, starts, ends):
+                dims[axis] = max(0, min(int(b), dims[axis]) - min(int(a), dims[axis]))
+        return dims, size
+
+    out = {"weights": 0, "positional_tables": 0}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            inputs = node.input[1:]
+        elif node.op_type in ("MatMul", "Gemm"):
+            inputs = node.input
+        else:
+            continue
+        for name in inputs:
+            c = constant(name) if name else None
+            if c is not None:
+                kind = "positional_tables" if node.op_type == "MatMul" and len(c[0]) == 3 else "weights"
+                out[kind] += int(np.prod(c[0])) * c[1]
+    info = read_onnx_info(path)
+    cfg = info.config
+    state_bytes = 2 if info.precision == "fp16" else 4
+    out["memory"] = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * info.mem_len * state_bytes
+    out["total"] = out["weights"] + out["positional_tables"] + out["memory"]
+    return out
 
 
 def wt103_paths(block: int) -> dict:
@@ -142,9 +209,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of both sides (default 1)")
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
-    ap.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32, the export default)")
-    ap.add_argument("--other-blocks", default="128",
-                    help="further block sizes measured beside it, comma-separated (default 128; '' for none)")
+    from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
+
+    others_default = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
+    ap.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK,
+                    help=f"int4 block size (default {INT4_DEFAULT_BLOCK}, the export default)")
+    ap.add_argument("--other-blocks", default=others_default,
+                    help=f"further block sizes measured beside it, comma-separated (default {others_default}; '' "
+                         "for none)")
     ap.add_argument("--out", default=str(HERE / "results_int4.md"))
     args = ap.parse_args()
     CACHE.mkdir(exist_ok=True)
@@ -230,11 +302,25 @@ def main():
     lines += ["", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
               "MatMulNBits are the 4-bit weight products, MatMul in the int4 graph the fp32 attention over the fp32 "
               "memory and the positional tables):", ""]
-    for g in ("fp32", "int4"):
+    for g in speed_wt["profiles"]:
         lines += [f"{g}:", "", "```", profile_table(speed_wt["profiles"][g], 8), "```", ""]
+    graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
+    reads = {g: step_bytes(path) for g, path in graphs.items()}
+    lines += ["What a WikiText-103 base decode step reads (batch 1, memory full; counted from each graph: the "
+              "weight products' constants with the scales as the fp32 the kernels get, the positional tables, "
+              "the memory's keys and values). At batch 1 every byte is read once per step, so fp32's bytes over a "
+              "graph's bound the speed-up a bandwidth-bound step could reach; a measured speed-up below that bound "
+              "is time spent computing (the int8 products, quantizing activations per block) or between "
+              "operators:", "",
+              "| graph | weight products MB | positional tables MB | memory MB | total MB | bound on the speed-up "
+              "| measured speed-up |",
+              "|---|---|---|---|---|---|---|",
+              *[f"| {g} | {r['weights'] / 1e6:.1f} | {r['positional_tables'] / 1e6:.1f} | {r['memory'] / 1e6:.1f} | "
+                f"{r['total'] / 1e6:.1f} | {reads['fp32']['total'] / r['total']:.2f}x | "
+                f"{speed_wt['median_ms']['fp32'] / speed_wt['median_ms'][g]:.2f}x |" for g, r in reads.items()], ""]
     text = "\n".join(lines).rstrip() + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
-    raw = {"accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo,
+    raw = {"accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command}
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
     print(text)

@@ -26,8 +26,9 @@ in-process tokens (exit status 1 if any differ).
 
 Models: --model, repeatable: an .onnx file, a checkpoint (exported to ONNX first), or a published shape name such
 as `enwik8-base` (a random-weight stand-in with --mem-len, default 512; speed depends on the shape, not on the
-weights). Default: the bundled demo model `txl_deploy/assets/demo/kjv-char/` if present, else a random model of its
-shape. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
+weights). Default: the enwik8-base shape with max_queue_delay 10000 us, then the bundled demo model
+`txl_deploy/assets/demo/kjv-char/` (a random model of its shape if it is absent) with 4000 us: the configuration
+the documentation quotes. With --model and no --queue-delay-us, triton-repo's default delay. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
 Traffic goes to 127.0.0.1 only, request counts are bounded (C x (N + prompt pieces + 1) per round), and the servers
 are stopped at the end, also on errors and Ctrl-C. --md writes a results file: the command, the machine and the
 date, then one table per model.
@@ -46,6 +47,7 @@ from txl_deploy.bench.report import command_line
 from txl_deploy.bench.triton_load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MODELS,
     DEFAULT_PROMPT_LEN,
     DEFAULT_REPEAT,
     DEFAULT_SHAPE_MEM_LEN,
@@ -104,11 +106,12 @@ def main(argv=None) -> int:
                    help=f"prompt tokens per conversation (default {DEFAULT_PROMPT_LEN})")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"the repository's max_batch_size (default {DEFAULT_MAX_BATCH})")
-    p.add_argument("--queue-delay-us", type=_int_list, default=[DEFAULT_QUEUE_DELAY_US],
+    p.add_argument("--queue-delay-us", type=_int_list, default=None,
                    help="the sequence batcher's max_queue_delay_microseconds: how long Triton may hold a request "
-                        f"to fill a batch (default {DEFAULT_QUEUE_DELAY_US}, what triton-repo writes); a "
-                        "comma-separated list gives one per --model (a step of a large model can afford a longer "
-                        "wait for the batch to fill than a small one)")
+                        "to fill a batch; a comma-separated list gives one per --model (a step of a large model can "
+                        "afford a longer wait for the batch to fill than a small one). Default: "
+                        f"{','.join(str(d) for _, d in DEFAULT_MODELS)} for the default models, else "
+                        f"{DEFAULT_QUEUE_DELAY_US} (what triton-repo writes)")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
                    help=f"rounds per row, interleaved across paths (default {DEFAULT_REPEAT})")
     p.add_argument("--json", default=None, help="also write every number (and the tokens) to this JSON file")
@@ -126,8 +129,8 @@ def main(argv=None) -> int:
         for path in (args.json, args.md):  # refuse before minutes of measuring, not after
             if path and Path(path).exists() and not args.force:
                 raise TxlError(f"{path} already exists (use --force to overwrite)")
-        models = args.model or [None]
-        delays = args.queue_delay_us
+        models = args.model or [model for model, _ in DEFAULT_MODELS]
+        delays = args.queue_delay_us or ([DEFAULT_QUEUE_DELAY_US] if args.model else [d for _, d in DEFAULT_MODELS])
         if len(delays) not in (1, len(models)):
             raise TxlError(f"--queue-delay-us has {len(delays)} values for {len(models)} models: give one, or one "
                            "per --model")

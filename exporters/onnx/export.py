@@ -227,7 +227,11 @@ def _forget_matched_graphs() -> None:
     except ImportError:
         return
     for obj in gc.get_objects():
-        if isinstance(obj, SimplePatternMatcher):
+        try:
+            matcher = isinstance(obj, SimplePatternMatcher)
+        except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile leaves some behind)
+            continue
+        if matcher:
             for name in ("_graph", "_current_node", "_tracer", "_match"):
                 if name in obj.__dict__:
                     setattr(obj, name, None)

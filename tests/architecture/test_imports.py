@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("txl_deploy", "exporters", "runtimes")
 # Imported where they are used, because a base install (numpy, onnx, click, tqdm) does not have them.
+# openvino: a peer the benchmarks compare with (txl_deploy/bench/peer_openvino.py), from the test extra.
 OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
-            "matplotlib"}
+            "matplotlib", "openvino"}
 TORCH_MODULES = "txl_deploy.model"
 
 

@@ -306,7 +306,7 @@ def test_shipped_results_name_their_commands_and_no_issue_numbers():
     for part in parts:
         assert generating_command(part.read_text()), f"{part.name} does not name the command that wrote it"
     texts = {p.name: p.read_text() for p in [bench_dir / "RESULTS.md", *parts, *bench_dir.glob("*.md")]}
-    for script in ("run_all.py", "precision.py", "triton_load.py"):
+    for script in ("run_all.py", "precision.py", "triton_load.py", "paper_table9.py", "peers.py"):
         out = subprocess.run([sys.executable, str(bench_dir / script), "--help"], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr

@@ -3,7 +3,11 @@
 A decode step (Q = 1, full memory) reads every weight it multiplies by once, and the keys and values of every
 memory slot of every layer. At batch 1 each weight is used for one multiply-add, so no cache helps: the step
 is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
-by a numpy copy in the same run (STREAM-style: bytes read + bytes written over the time).
+by a numpy copy (STREAM-style: bytes read + bytes written over the time, one thread).
+
+The bandwidth a shared machine gives one thread moves with the other jobs' load, so it is measured in the same
+rounds as the decode steps it is compared with (`BandwidthProbe`, a turn of `timing.run_pair`): each round's
+decode median is set against that round's bandwidth, and a floor ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -15,15 +19,26 @@ import numpy as np
 
 def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float:
     """Bytes per second of a large numpy copy (read + write), the best of `repeats` (one thread)."""
-    src = np.ones(nbytes // 8, dtype=np.float64)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
+    return BandwidthProbe(nbytes, repeats)()
+
+
+class BandwidthProbe:
+    """The copy bandwidth, measured again at every call on buffers allocated (and faulted in) once: the best of
+    `repeats` copies of `nbytes` (far larger than any cache), so a call takes a few tens of milliseconds."""
+
+    def __init__(self, nbytes: int = 256 * 2**20, repeats: int = 3):
+        self.src = np.ones(max(1, nbytes // 8), dtype=np.float64)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # fault the pages in
+        self.repeats = repeats
+
+    def __call__(self) -> float:
+        best = float("inf")
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * self.src.nbytes / best
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
@@ -59,7 +74,16 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
 
 
 def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None,
-          precision: str = "fp32") -> dict:
+          precision: str = "fp32", rounds=None) -> dict:
+    """The floor of a decode step and the measured step's ratio to it (`gap`).
+
+    rounds: [(bandwidth, decode median ms)] of each round when the bandwidth was measured in the rounds of the
+    decode steps; `bandwidth` is then their median, and `gap_rounds` holds each round's own ratio."""
     b = decode_bytes(config, mem_len, batch, table_size, precision)
-    floor_ms = (b["weight_bytes"] + b["memory_bytes"]) / bandwidth * 1e3
-    return {**b, "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms, "gap": measured_ms / floor_ms}
+    n_bytes = b["weight_bytes"] + b["memory_bytes"]
+    floor_ms = n_bytes / bandwidth * 1e3
+    out = {**b, "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms, "gap": measured_ms / floor_ms}
+    if rounds:
+        out["bandwidth_rounds"] = [float(bw) for bw, _ in rounds]
+        out["gap_rounds"] = [float(ms / (n_bytes / bw * 1e3)) for bw, ms in rounds]
+    return out

@@ -26,7 +26,7 @@ import numpy
 
 from txl_deploy import __version__
 from txl_deploy.bench import timing as measure
-from txl_deploy.bench.bandwidth_floor import copy_bandwidth
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.bandwidth_floor import floor as floor_of
 from txl_deploy.bench.op_profile import profile_decode
 from txl_deploy.bench.runners import mem_lens_for, opener, resolve
@@ -118,9 +118,9 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                                  f"({', '.join(map(str, mem_lens))})")
             compare_mem_len = compare_source.fixed_mem_len
             compare_opener = opener(compare_source, backend, compare_mem_len, providers=providers, **kw)
-        bandwidth = None
+        bandwidth_probe = None
         if floor and not device.startswith("cuda") and backend in ("onnxruntime", "torch-fast"):
-            bandwidth = copy_bandwidth()
+            bandwidth_probe = BandwidthProbe()  # measured in every round, between the sides' turns
         as_written_batches = set(as_written_batches or ()) if baseline == "eager" else set()
         n_sides = sum(1 + (baseline == "eager") + (m == compare_mem_len) + (b in as_written_batches)
                       for m, b in configs)
@@ -142,7 +142,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
             precision = getattr(probe.backend, "precision", "fp32")
             stream = measure.make_stream(n_token, batch, mem_len, gen_len, prompt_len, seed)
             bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
-            measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
+            bandwidths = measure.run_pair(sides, stream, repeat, warmup, progress=bar.update, probe=bandwidth_probe)
             res = {"mem_len": mem_len, "batch": batch,
                    "sides": {s.label: {"backend": _backend_name(s.label, backend, compare, precision),
                                        **measure.summarise(s, stream)} for s in sides},
@@ -165,9 +165,10 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                 res["speedup_vs_compare"] = {"decode_p50": o["decode_ms"]["p50"] / c["decode_ms"]["p50"],
                                              "prefill": o["prefill_ms"] / c["prefill_ms"]}
                 res["compare_parity"] = measure.parity(by_label["candidate"], by_label["compare"])
-            if bandwidth:
-                res["floor"] = floor_of(config, mem_len, batch, bandwidth, res["sides"]["candidate"]["decode_ms"]["p50"],
-                                        table_size, precision)
+            if bandwidths:
+                rounds = list(zip(bandwidths, measure.decode_rounds_ms(by_label["candidate"], repeat)))
+                res["floor"] = floor_of(config, mem_len, batch, float(numpy.median(bandwidths)),
+                                        c["decode_ms"]["p50"], table_size, precision, rounds=rounds)
             if profile and backend == "onnxruntime":
                 res["profile"] = _profile(sides[0], stream, threads, providers, device)
             results.append(res)

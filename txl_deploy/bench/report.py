@@ -19,8 +19,11 @@ JSON (`schema` "txl-deploy-bench/1"):
             stream; null without a baseline); as_written_parity (eager as written against the baseline, prefill
             position), compare_parity (candidate against the compared graph),
     speedup_vs_compare: {decode_p50, prefill} (compared graph / candidate, with `compare`),
-    floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap}
-           (gap = candidate decode p50 / floor_ms; present when the bandwidth was measured, CPU only),
+    floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap,
+           bandwidth_rounds, gap_rounds} (the copy bandwidth is measured in every round, between the sides'
+           turns: bandwidth_rounds; bandwidth_bytes_per_s is their median and floor_ms the bytes over it; gap =
+           candidate decode p50 / floor_ms; gap_rounds = each round's candidate decode median over that round's
+           own floor; present when the bandwidth was measured, CPU only),
     profile: {step_ms, kernel_ms, ops: [{op_type, ms_per_step, share, calls_per_step}]} (with --profile, ORT).
 """
 

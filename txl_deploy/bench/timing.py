@@ -4,8 +4,10 @@ All sides see the same token stream (drawn once from a seed): the first `mem_len
 every repeat starts from that full memory (a saved state, restored), times `gen_len` single-token decode steps,
 and separately times a `prompt_len`-token prefill from an empty memory. The sides alternate per repeat
 (A B C, C B A, A B C, ...) so a slow phase of a shared machine hits all; ratios are taken between medians.
-A side may be prefill-only (the "eager as written" column). Log-probabilities of every side are kept on every
-timed position of the first repeat for the parity check.
+A side may be prefill-only (the "eager as written" column) or decode-only (the peers, whose prefill is not what they
+are compared on). Log-probabilities of every side are kept on every timed position of the first repeat for the
+parity check. A `probe` (the memory bandwidth of the floor) takes its turn in every round like a side, so what it
+measures shares the rounds, and the machine's moments, of the decode steps it is compared with.
 
 Nothing but the calls runs while they are timed: peak memory is measured in a separate, untimed pass after the
 timed repeats (one prefill and a few decode steps under the resident-set sampler, whose thread would otherwise
@@ -30,6 +32,7 @@ class Side:
     open: callable  # () -> TxlRuntime
     cuda_device: object = None  # a torch device for torch backends on CUDA, else None
     prefill_only: bool = False  # time the prefill only (no decode steps)
+    decode_only: bool = False  # time the decode steps only (no prefill)
     rt: object = None
     path: str = None  # the file the backend ran (for the profiler)
     memory: PeakMemory = None
@@ -75,7 +78,7 @@ def _setup(side: Side, stream: Stream, warmup: int):
         side.full_state = side.rt.save_state()
         for t in range(min(warmup, stream.decode.shape[1])):
             side.rt.step(stream.decode[:, t:t + 1])
-    if warmup:
+    if warmup and not side.decode_only:
         side.rt.reset()
         side.rt.prefill(stream.prompt)
     side.sync()
@@ -83,13 +86,14 @@ def _setup(side: Side, stream: Stream, warmup: int):
 
 def _repeat(side: Side, stream: Stream, keep_log_probs: bool):
     rt = side.rt
-    rt.reset()
-    t0 = time.perf_counter()
-    lp = rt.prefill(stream.prompt)
-    side.sync()
-    side.prefill_s.append(time.perf_counter() - t0)
-    if keep_log_probs:
-        side.log_probs.append(np.array(lp, dtype=np.float32))
+    if not side.decode_only:
+        rt.reset()
+        t0 = time.perf_counter()
+        lp = rt.prefill(stream.prompt)
+        side.sync()
+        side.prefill_s.append(time.perf_counter() - t0)
+        if keep_log_probs:
+            side.log_probs.append(np.array(lp, dtype=np.float32))
     if side.prefill_only:
         return
     rt.load_state(side.full_state)
@@ -109,10 +113,11 @@ def _memory_pass(side: Side, stream: Stream):
     """The side's largest transient rise in resident memory (or CUDA allocation) over one prefill and a few decode
     steps, untimed."""
     rt = side.rt
-    rt.reset()
-    with side.memory.call():
-        rt.prefill(stream.prompt)
-        side.sync()
+    if not side.decode_only:
+        rt.reset()
+        with side.memory.call():
+            rt.prefill(stream.prompt)
+            side.sync()
     if side.prefill_only:
         return
     rt.load_state(side.full_state)
@@ -122,16 +127,22 @@ def _memory_pass(side: Side, stream: Stream):
         side.sync()
 
 
-def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None):
+def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None, probe=None) -> list:
     """Measure every side on `stream`, interleaved, then each side's memory. `progress(n)` is told about each
-    finished phase."""
+    finished phase. `probe()`, if given, runs once per round in the same alternating order as the sides (after
+    them in even rounds, before them in odd ones); returns its result of every round."""
     for side in sides:
         _setup(side, stream, warmup)
         if progress:
             progress(1)
+    probed = []
+    turns = [*sides, None] if probe is not None else list(sides)
     for r in range(repeat):
-        order = sides if r % 2 == 0 else sides[::-1]
+        order = turns if r % 2 == 0 else turns[::-1]
         for side in order:
+            if side is None:
+                probed.append(probe())
+                continue
             _repeat(side, stream, keep_log_probs=(r == 0))
             if progress:
                 progress(1)
@@ -140,6 +151,13 @@ def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progre
         side.path = getattr(side.rt.backend, "path", None)
         side.rt.close()
         side.rt = None
+    return probed
+
+
+def decode_rounds_ms(side: Side, repeat: int) -> list[float]:
+    """The median decode step of each round (every round times the same number of steps), in ms."""
+    n = len(side.decode_s) // repeat
+    return [1e3 * float(np.median(side.decode_s[r * n:(r + 1) * n])) for r in range(repeat)]
 
 
 def percentiles(samples_s) -> dict:
@@ -150,10 +168,10 @@ def percentiles(samples_s) -> dict:
 
 def summarise(side: Side, stream: Stream) -> dict:
     batch, prompt_len = stream.prompt.shape
-    prefill_ms = float(np.median(side.prefill_s)) * 1e3
+    prefill_ms = float(np.median(side.prefill_s)) * 1e3 if side.prefill_s else None
     out = {
         "prefill_ms": prefill_ms,
-        "prefill_tokens_per_s": batch * prompt_len * 1e3 / prefill_ms,
+        "prefill_tokens_per_s": batch * prompt_len * 1e3 / prefill_ms if prefill_ms else None,
         "peak_memory_bytes": int(side.memory.peak),
         "loaded_memory_bytes": int(side.memory.loaded),
         "memory_kind": side.memory.kind,

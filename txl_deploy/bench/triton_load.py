@@ -26,8 +26,9 @@ in-process tokens (exit status 1 if any differ).
 
 Models: --model, repeatable: an .onnx file, a checkpoint (exported to ONNX first), or a published shape name such
 as `enwik8-base` (a random-weight stand-in with --mem-len, default 512; speed depends on the shape, not on the
-weights). Default: the bundled demo model `txl_deploy/assets/demo/kjv-char/` if present, else a random model of its
-shape. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
+weights). Default (the script without --model): the enwik8-base shape with max_queue_delay 10000 us, then the
+bundled demo model `txl_deploy/assets/demo/kjv-char/` (a random model of its shape if absent) with 4000 us
+(`DEFAULT_MODELS`); `run_benchmark(None)` is the demo model. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
 Traffic goes to 127.0.0.1 only, request counts are bounded (C x (N + prompt pieces + 1) per round), and the servers
 are stopped at the end, also on errors and Ctrl-C. --md writes a results file: the command, the machine and the
 date, then one table per model.
@@ -70,7 +71,13 @@ DEFAULT_THREADS = 1
 DEFAULT_SHAPE_MEM_LEN = 512
 DEFAULT_TOKENS = 64
 DEFAULT_PROMPT_LEN = 48
-DEFAULT_REPEAT = 3
+DEFAULT_REPEAT = 5
+# A run without --model measures these models with these sequence-batcher delays: the configuration the
+# documentation quotes. A step of the enwik8-base shape (about 100 ms for 16 rows on 2 cores) can afford to hold
+# a request 10 ms for its batch to fill; the demo model's (about 7 ms) 4 ms. triton-repo's own default (1 ms)
+# splits 16 conversations' requests, which arrive over several milliseconds from the client threads, into more
+# executions: other --model runs use it unless --queue-delay-us says otherwise.
+DEFAULT_MODELS = (("enwik8-base", 10000), (None, 4000))
 EXPORT_MAX_SEGMENT = 64  # requests are 1 token (decode) or a prompt piece; a short graph exports and loads fast
 DEMO_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 192, "d_head": 48, "d_inner": 768, "tgt_len": 64, "mem_len": 128}
 TIMEOUT = 300.0  # seconds; a request or barrier waiting longer than this means something is stuck
@@ -372,7 +379,9 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
             raw["batched", c].append(batched_round(shared, prompts[:c], tokens))
             logger.info(_line("in-process batched", c, r, raw["batched", c][-1], tokens))
 
+        result["load_average_rounds"] = []
         for r in range(repeat):
+            result["load_average_rounds"].append(os.getloadavg()[0])  # the machine's other load, round by round
             for c in concurrency:
                 paths = [lambda count=count, server=server: server_path(count, server, c, r)
                          for count, server in servers.items()]
@@ -409,8 +418,59 @@ def _line(what: str, c: int, r: int, runs, n_tokens: int) -> str:
             f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
 
 
+def _spread(values, pct: bool = False) -> str:
+    """min / median / max of a configuration's rounds."""
+    f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.0f}")
+    return f"{f(min(values))} / {f(float(np.median(values)))} / {f(max(values))}"
+
+
+def settings_table(result: dict) -> list[str]:
+    """Everything a run depends on, so that two runs can be compared line by line."""
+    m, v, mach = result["model"], result["versions"], result["machine"]
+    rows = [
+        ("model", f"{m['label']} (`{m['file']}`: {m['n_layer']} layers, d_model {m['d_model']}, mem_len "
+                  f"{m['mem_len']}, {m['n_token']} tokens, max_segment {m['max_segment']}, ONNX Runtime CPU fp32)"),
+        ("ONNX Runtime threads", f"{result['threads'] or 'default (one per core)'}, in-process and per server instance"),
+        ("sequence batcher max_queue_delay", f"{result['queue_delay_us']} us"),
+        ("max_batch", str(result["max_batch"])),
+        ("server instances", ", ".join(map(str, result["instances"]))),
+        ("conversations (concurrency)", ", ".join(map(str, result["concurrency"]))),
+        ("prompt", f"{result['prompt_len']} tokens per conversation ({result['prompt_kind']})"),
+        ("tokens generated", f"{result['tokens']} greedy tokens per conversation, one request each"),
+        ("rounds", f"{result['repeat']} per row, interleaved"),
+        ("load average (1 min)", f"{mach['load_average_start'][0]:.1f} at the start, "
+                                 f"{mach['load_average_end'][0]:.1f} at the end; at each round's start: "
+                                 + ", ".join(f"{x:.1f}" for x in result.get("load_average_rounds", []))),
+        ("machine", f"{mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']})"),
+        ("versions", f"Python {v['python']}, txl-deploy {v['txl-deploy']}, tritonserver {v['tritonserver']}, "
+                     f"tritonclient {v['tritonclient']}, onnxruntime {v['onnxruntime']}, numpy {v['numpy']}, "
+                     f"grpcio {v['grpcio']}"),
+        ("date", result["date"]),
+    ]
+    return ["| setting | value |", "|---|---|", *[f"| {k} | {val} |" for k, val in rows]]
+
+
+def rounds_table(result: dict) -> list[str]:
+    """Every round of every row: tokens/s, and the server's share of batched in-process tokens/s."""
+    n = result["repeat"]
+    head = ["path", "instances", "conversations", *[f"round {r + 1}" for r in range(n)], "min / median / max"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    rows = [("Triton gRPC, tokens/s", r) for r in result["server"]] + \
+        [("in-process, tokens/s", r) for r in result["in_process"]] + \
+        [("in-process batched, tokens/s", r) for r in result.get("in_process_batched", [])]
+    for what, r in rows:
+        lines.append(f"| {what} | {r.get('instances', '-')} | {r['concurrency']} | "
+                     + " | ".join(f"{x:.0f}" for x in r["tokens_per_s_rounds"])
+                     + f" | {_spread(r['tokens_per_s_rounds'])} |")
+    for r in result["server"]:
+        lines.append(f"| Triton / in-process batched | {r['instances']} | {r['concurrency']} | "
+                     + " | ".join(f"{100 * x:.0f}%" for x in r["ratio_to_batched_rounds"])
+                     + f" | **{_spread(r['ratio_to_batched_rounds'], pct=True)}** |")
+    return lines
+
+
 def markdown(result: dict) -> str:
-    """The table (and how it was measured) as Markdown."""
+    """The tables (and how it was measured) as Markdown."""
     m, v = result["model"], result["versions"]
     mach = result["machine"]
     lines = [
@@ -445,15 +505,17 @@ def markdown(result: dict) -> str:
                      f"| {extra} |")
     lines += [
         "",
+        "Every round, in the order measured (min / median / max over the rounds):",
+        "",
+        *rounds_table(result),
+        "",
         ("Every conversation's greedy tokens through the server equal its tokens in-process: "
          f"**{'yes' if result['tokens_match'] else 'NO'}**. Batched in-process tokens equal them too: "
          f"{'yes' if result.get('batched_tokens_match') else 'no (float differences of a batched run; see JSON)'}."),
         "",
-        (f"Measured {result['date']} on {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load average "
-         f"{mach['load_average_start'][0]:.1f} at the start and {mach['load_average_end'][0]:.1f} at the end. "
-         f"Versions: Python {v['python']}, txl-deploy {v['txl-deploy']}, tritonserver {v['tritonserver']}, "
-         f"tritonclient {v['tritonclient']}, onnxruntime {v['onnxruntime']}, numpy {v['numpy']}, "
-         f"grpcio {v['grpcio']}."),
+        "What the run depended on:",
+        "",
+        *settings_table(result),
     ]
     return "\n".join(lines) + "\n"
 
@@ -468,10 +530,11 @@ def results_file(results: list[dict], command: str) -> str:
     first = results[0]
     mach = first["machine"]
     lines = [
-        (f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), shared with other work: load average "
-         f"{mach['load_average_start'][0]:.1f} at the start. Absolute speeds on a shared machine are noisy (the "
-         "brackets give the slowest and fastest round); the ratios compare paths measured in alternating rounds of "
-         "the same run, with the same ONNX Runtime threads on both sides."),
+        (f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load average "
+         f"{mach['load_average_start'][0]:.1f} at the start (the machine's other work). Absolute speeds move with "
+         "that load (every round is listed); the ratios compare paths measured in alternating rounds of the same "
+         "run, with the same ONNX Runtime threads on both sides. Each model's section ends with everything its run "
+         "depended on."),
         "",
     ]
     for result in results:
@@ -481,9 +544,9 @@ def results_file(results: list[dict], command: str) -> str:
             c, inst = row["concurrency"], row["instances"]
             lines.append(f"- {c} conversation{'s' if c > 1 else ''}, {inst} instance{'s' if inst > 1 else ''}, "
                          f"max_queue_delay {result['queue_delay_us']} us: the server makes "
-                         f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s (rounds "
-                         f"{100 * min(row['ratio_to_batched_rounds']):.0f}-"
-                         f"{100 * max(row['ratio_to_batched_rounds']):.0f}%; "
+                         f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s (min / median "
+                         f"/ max over {len(row['ratio_to_batched_rounds'])} rounds: "
+                         f"{_spread(row['ratio_to_batched_rounds'], pct=True)}; "
                          f"{row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
                          f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
         lines += ["", markdown(result)]

@@ -6,6 +6,7 @@ import click
 
 from txl_deploy.cli.options import threads_option, vocab_options
 from txl_deploy.exporters.export import export_checkpoint
+from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 
 STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segment's keys/values (the runtime "
               "updates its ring buffer in place; fastest), 'full' outputs the whole next state (Triton implicit "
@@ -32,8 +33,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
               show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32). "
               "int4: 4-bit weights (ONNX Runtime MatMulNBits, CPU and browser; not TensorRT).")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]),
-              help="--precision int4: weights per block sharing one scale (larger: smaller file, coarser). "
-                   "[default: 32]")
+              help="--precision int4: weights per block sharing one scale (larger: fewer scales, coarser). "
+                   f"[default: {INT4_DEFAULT_BLOCK}]")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False),
               help="Calibration data for --precision int8: text (tokenized with the model's vocabulary) or a .npy of "
                    "token ids.")

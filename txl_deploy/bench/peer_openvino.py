@@ -1,0 +1,135 @@
+"""OpenVINO's CPU plugin on txl-deploy's own `.onnx` file, driven from the documented graph contract.
+
+A peer in the benchmark, not a runtime of the project (OpenVINO is in the test extra): it shows what the same
+exported file does in another engine a user might pick. Everything comes from docs/graph-contract.md: the
+inputs and outputs by name (`contract.io_spec`), the metadata (`mem_len`, `max_segment`, the state dtype), the
+incremental layout's ring write (`contract.ring.write_segment`: slot `(n + j) % mem_len`, then the count
+advances), an all-zero state as the empty memory, and output names matched through `get_names()` (compiled
+models can merge names).
+
+How it is compiled, as a careful user would: `INFERENCE_NUM_THREADS` threads, one stream, the latency hint, and
+`INFERENCE_PRECISION_HINT` "f32" for fp32 results (the plugin's default is bf16 on CPUs with AVX512-BF16 or AMX,
+f32 elsewhere; `precision_hint=None` keeps the default, `inference_precision` says which it was). Decode steps
+(one token, one position per row) run a copy of the model reshaped to static shapes for their batch size, which
+lets the plugin plan every buffer once; anything else (a prompt, the memory's fill) runs the dynamic model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from txl_deploy.contract import io_spec
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.ring import write_segment
+from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.runtimes.backend import Backend, check_state
+
+
+def cpu_default_precision() -> str:
+    """The inference precision OpenVINO's CPU plugin uses on this machine unless told otherwise."""
+    import openvino as ov  # optional (the test extra: a peer the benchmark compares with)
+
+    return _type_name(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+
+
+def _type_name(t) -> str:
+    return getattr(t, "get_type_name", lambda: str(t))()
+
+
+class OpenVinoBackend(Backend):
+    name = "openvino"
+
+    def __init__(self, path, precision_hint: str | None = "f32", threads: int | None = 1):
+        import openvino as ov  # optional (the test extra: a peer the benchmark compares with)
+
+        self.path = str(path)
+        self.info = read_onnx_info(path)
+        self.spec = self.info.spec()
+        if self.spec.state != "incremental":
+            raise InputError(f"{path}: the OpenVINO peer drives incremental graphs (export with --state incremental)")
+        self.config, self.vocab = self.info.config, self.info.vocab
+        self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
+        self.threads = int(threads) if threads else None
+        self.properties = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+        if self.threads:
+            self.properties["INFERENCE_NUM_THREADS"] = self.threads
+        if precision_hint:
+            self.properties["INFERENCE_PRECISION_HINT"] = precision_hint
+        self._ov, self._core = ov, ov.Core()
+        try:
+            model = self._core.read_model(self.path)
+            self._dynamic = _Compiled(self._core.compile_model(model, "CPU", self.properties), self.spec)
+        except Exception as e:
+            raise CheckpointError(path, f"OpenVINO cannot load it ({str(e).splitlines()[0][:200]})") from None
+        self.inference_precision = _type_name(self._dynamic.compiled.get_property("INFERENCE_PRECISION_HINT"))
+        k_type = next(i for i in model.inputs if io_spec.mem_k(0) in i.get_names()).get_element_type()
+        self.float_dtype = np.float16 if _type_name(k_type) == "f16" else np.float32
+        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
+        self._static = {}  # batch size -> the decode step compiled with static shapes
+
+    def fingerprint(self) -> str:
+        # The ONNX Runtime backend's: the state is the contract's, so it moves between the two engines.
+        return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
+
+    # -- state: the contract's numpy arrays ---------------------------------------------------------------------
+    def new_state(self, batch: int):
+        return {s.name: np.zeros(s.shape_for(batch), dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
+                for s in self.spec.state_inputs()}
+
+    def state_batch(self, state) -> int:
+        return state[io_spec.MEM_COUNT].shape[0]
+
+    def state_arrays(self, state) -> dict:
+        return dict(state)
+
+    def state_from_arrays(self, arrays):
+        specs = {s.name: s for s in self.spec.state_inputs()}
+        _, out = check_state(arrays, specs, lambda n, b: specs[n].shape_for(b),
+                             lambda n: np.int64 if specs[n].dtype == "int64" else self.float_dtype)
+        return out
+
+    def reset_rows(self, state, rows):
+        for a in state.values():
+            a[rows] = 0
+
+    # -- compute -------------------------------------------------------------------------------------------------
+    def _decode_model(self, batch: int):
+        if batch not in self._static:
+            spec, model = self.spec, self._core.read_model(self.path)
+            shapes = {io_spec.TOKENS: [batch, 1], io_spec.OUT_POSITIONS: [batch, 1], io_spec.MEM_COUNT: [batch]}
+            for i in range(spec.n_layer):
+                shapes[io_spec.mem_k(i)] = list(spec.k_shape(batch))
+                shapes[io_spec.mem_v(i)] = list(spec.v_shape(batch))
+            model.reshape({name: self._ov.PartialShape(shape) for name, shape in shapes.items()})
+            self._static[batch] = _Compiled(self._core.compile_model(model, "CPU", self.properties), spec)
+        return self._static[batch]
+
+    def run(self, state, tokens, out_positions):
+        B, Q = tokens.shape
+        decode = Q == 1 and out_positions.shape[1] == 1
+        compiled = self._decode_model(B) if decode else self._dynamic
+        outs = compiled.infer({io_spec.TOKENS: tokens, io_spec.OUT_POSITIONS: out_positions, **state})
+        # the ring is written only now that the call succeeded: a failed call leaves the memory as it was
+        write_segment([state[n] for n in self._mem_names], outs[1:], state[io_spec.MEM_COUNT], self.mem_len)
+        return np.array(outs[0], dtype=np.float32)
+
+    def close(self):
+        self._static.clear()
+        self._dynamic = None
+
+
+class _Compiled:
+    """A compiled model, its infer request, and its output ports in the contract's output order."""
+
+    def __init__(self, compiled, spec):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        ports = {}
+        for port in compiled.outputs:
+            for name in port.get_names():
+                ports[name] = port
+        self.ports = [ports[name] for name in spec.output_names()]
+
+    def infer(self, feeds: dict) -> list:
+        self.request.infer(feeds, share_inputs=True)
+        return [self.request.get_tensor(port).data for port in self.ports]

@@ -1,0 +1,231 @@
+"""Peers side by side: decode latency of the same model in every engine a user might pick, in one run.
+
+For one model (a published shape's random-weight stand-in, or a checkpoint) at one memory length, every batch
+size in `batches`, the sides below decode one token at a time with a full memory (mem_len tokens fed first,
+untimed), the full next-token distribution each step, on the same token stream, interleaved (A B C ..., ... C B
+A, per round: `timing.run_pair`), one thread each:
+
+- `onnxruntime`: the project's `.onnx` export through `TxlRuntime` (ONNX Runtime CPU);
+- `openvino (f32)` and `openvino (default)`: OpenVINO's CPU plugin on the same `.onnx` (`peer_openvino`), with the
+  f32 precision hint and with the plugin's default (bf16 on CPUs with AVX512-BF16 or AMX); where the default is
+  f32 anyway the second side would time the same thing twice and is left out (the report says so);
+- `transformers`: HuggingFace's TransfoXL with its mems, from the same weights (`peer_huggingface`);
+- `torch (eager)`: the model as trained, the paper's memory of hidden states (`eager_baseline`);
+- `torch.compile`: the cached step compiled (`peer_compile`).
+
+Speeds are reported against ONNX Runtime (its median step / the side's: above 1 the peer is faster) and against
+eager; every side's log-probs are compared with eager's on every timed step of the first round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from tqdm import tqdm
+
+from txl_deploy.bench import timing as measure
+from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.eager_baseline import EagerAtPositions
+from txl_deploy.bench.peer_compile import TorchCompileBackend
+from txl_deploy.bench.peer_huggingface import HuggingFaceBackend
+from txl_deploy.bench.peer_openvino import OpenVinoBackend, cpu_default_precision
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.report import results_markdown
+from txl_deploy.checkpoints import load_model
+from txl_deploy.errors import InputError
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "txl-deploy-peers/1"
+PEERS = ("onnxruntime", "openvino-f32", "openvino-default", "transformers", "eager", "torch-compile")
+LABELS = {"onnxruntime": "onnxruntime (txl-deploy)", "openvino-f32": "openvino (f32 hint)",
+          "openvino-default": "openvino (default precision)", "transformers": "transformers TransfoXL (mems)",
+          "eager": "torch (eager)", "torch-compile": "torch.compile (cached step)"}
+REFERENCE, BASELINE = "onnxruntime", "eager"
+
+
+def _torch_threads(threads):
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    if threads:
+        torch.set_num_threads(int(threads))  # process-wide: every torch side of this run gets the same
+
+
+def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
+    """peer name -> () -> TxlRuntime, for the peers asked for."""
+    table = {
+        "onnxruntime": lambda: TxlRuntime(OrtBackend(onnx_path, providers=["cpu"], intra_op_threads=threads)),
+        "openvino-f32": lambda: TxlRuntime(OpenVinoBackend(onnx_path, "f32", threads)),
+        "openvino-default": lambda: TxlRuntime(OpenVinoBackend(onnx_path, None, threads)),
+        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len, threads=threads)),
+        "eager": lambda: TxlRuntime(EagerAtPositions.from_checkpoint(checkpoint, mem_len=mem_len)),
+        "torch-compile": lambda: TxlRuntime(TorchCompileBackend.from_checkpoint(checkpoint, mem_len=mem_len)),
+    }
+    return {p: table[p] for p in peers}
+
+
+def _peer_versions() -> dict:
+    out = {}
+    for dist in ("openvino", "transformers"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: int = 24, repeat: int = 3,
+              warmup: int = 2, threads: int | None = 1, cache_dir=None, peers=PEERS, seed: int = 0,
+              name: str | None = None, progress: bool = True) -> dict:
+    """Every peer in `peers` (names of `PEERS`; onnxruntime and eager always run, as the references) on `model`;
+    returns the JSON report (`SCHEMA`)."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise InputError(f"unknown peers {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    if gen_len < 1 or repeat < 1 or warmup < 0 or not batches or min(batches) < 1:
+        raise InputError("gen-len, repeat and batch sizes must be >= 1, warmup >= 0")
+    if cache_dir is None:
+        raise InputError("run_peers needs a cache folder for the exports")
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if is_shape_name(model) and not Path(model).exists():
+        checkpoint, source = standin_checkpoint(model, cache_dir), "shape"
+    elif Path(model).exists():
+        checkpoint, source = Path(model), "checkpoint"
+    else:
+        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    config = load_model(checkpoint).config
+    mem_len = int(mem_len or config.mem_len)
+    if mem_len < 1:
+        raise InputError(f"{model}: the model has no memory length; pass one")
+    default_precision = cpu_default_precision() if "openvino-default" in peers else None
+    chosen = [p for p in PEERS if p in set(peers) | {REFERENCE, BASELINE}]
+    notes = []
+    if default_precision == "f32" and "openvino-f32" in chosen:
+        chosen.remove("openvino-default")
+        notes.append("OpenVINO's CPU plugin defaults to f32 on this CPU (no AVX512-BF16 or AMX): its default is the "
+                     "f32-hint row, measured once")
+    _torch_threads(threads)
+    onnx_path = standin_onnx(checkpoint, cache_dir, mem_len)  # exported before anything is timed
+    open_fns = openers(checkpoint, onnx_path, mem_len, threads, chosen)
+    results = []
+    bar = tqdm(total=len(batches) * len(chosen) * (repeat + 1), desc="peers", unit="phase", disable=not progress,
+               leave=False)
+    for batch in batches:
+        bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
+        sides = [measure.Side(p, open_fns[p], decode_only=True) for p in chosen]
+        stream = measure.make_stream(config.n_token, batch, mem_len, gen_len, 1, seed)
+        measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
+        by = {s.label: s for s in sides}
+        summary = {p: {"backend": LABELS[p], **measure.summarise(by[p], stream)} for p in chosen}
+        for p in chosen:
+            summary[p]["decode_rounds_ms"] = measure.decode_rounds_ms(by[p], repeat)
+        ref, base = summary[REFERENCE]["decode_ms"]["p50"], summary[BASELINE]["decode_ms"]["p50"]
+        results.append({
+            "mem_len": mem_len, "batch": batch, "sides": summary,
+            "relative_to_onnxruntime": {p: ref / s["decode_ms"]["p50"] for p, s in summary.items()},
+            "relative_to_eager": {p: base / s["decode_ms"]["p50"] for p, s in summary.items()},
+            "parity_vs_eager": {p: measure.parity(by[p], by[BASELINE]) for p in chosen if p != BASELINE},
+        })
+    bar.close()
+    return {
+        "schema": SCHEMA, "name": name or (model if source == "shape" else Path(model).name), "model": str(model),
+        "source": source, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "versions": {**versions(), **_peer_versions()},
+        "settings": {"mem_len": mem_len, "batches": list(batches), "gen_len": gen_len, "repeat": repeat,
+                     "warmup": warmup, "threads": threads, "seed": seed, "peers": chosen},
+        "openvino": {"cpu_default_precision": default_precision}, "notes": notes,
+        "config": config.to_dict(), "results": results,
+    }
+
+
+def faster_than_reference(reports) -> list[tuple[str, int, str, float]]:
+    """(model, batch, peer label, how many times faster) for every row where a peer beat ONNX Runtime's median."""
+    out = []
+    for rep in reports:
+        for res in rep["results"]:
+            for p, x in res["relative_to_onnxruntime"].items():
+                if p != REFERENCE and x > 1:
+                    out.append((rep["name"], res["batch"], LABELS[p], x))
+    return out
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def section(rep: dict) -> str:
+    s, c = rep["settings"], rep["config"]
+    batches = [res["batch"] for res in rep["results"]]
+    head = ["side"] + [f"batch {b}: ms/step (p50)" for b in batches] + [f"batch {b}: vs ONNX Runtime" for b in batches] \
+        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "top-1 vs eager"]
+    lines = [f"## {rep['name']}", "",
+             f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
+             f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
+             f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
+             f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured "
+             f"{rep['date']}.", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for p in s["peers"]:
+        cells = [rep["results"][0]["sides"][p]["backend"]]
+        cells += [_ms(res["sides"][p]["decode_ms"]["p50"]) for res in rep["results"]]
+        cells += [f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in rep["results"]]
+        cells += [f"{res['relative_to_eager'][p]:.1f}x" for res in rep["results"]]
+        par = [res["parity_vs_eager"].get(p) for res in rep["results"]]
+        cells += ["-" if None in par else f"{max(q['max_abs_diff'] for q in par):.1e}",
+                  "-" if None in par else f"{min(q['top1_agreement'] for q in par):.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *[f"- {n}" for n in rep["notes"]]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+HOW_TO_READ = """\
+Every side decodes the same tokens, one per call, with a full memory (mem_len tokens fed first, untimed), and
+returns the full next-token distribution each step; the sides alternate within every round (A B C ..., then
+... C B A), one thread each (ONNX Runtime's and OpenVINO's intra-op threads, `torch.set_num_threads` for every
+torch side), so a slow moment of a shared machine hits them all. `vs ONNX Runtime` = ONNX Runtime's median step /
+the side's (above 1x the side is faster than txl-deploy's ONNX Runtime path); `vs eager` likewise against the
+model as trained. The last two columns compare each side's log-probs with eager's on every timed step of the
+first round (all rows).
+
+- onnxruntime (txl-deploy): the exported `.onnx` (incremental layout) through `TxlRuntime`.
+- openvino: OpenVINO's CPU plugin on the same `.onnx`, driven from the documented graph contract
+  (`txl_deploy/bench/peer_openvino.py`): one thread, one stream, the latency hint, decode steps compiled with
+  static shapes per batch size; `f32 hint` sets `INFERENCE_PRECISION_HINT` to f32, `default precision` leaves the
+  plugin's own (bf16 on CPUs with AVX512-BF16 or AMX, f32 elsewhere).
+- transformers TransfoXL: HuggingFace's deprecated `TransfoXLLMHeadModel` with its `mems`, built from the same
+  weights (cluster rows reversed into its order; `txl_deploy/bench/peer_huggingface.py`), its memory started
+  explicitly empty as the paper's; one `model(input_ids, mems)` per step.
+- torch (eager): the model as trained, its memory of hidden states re-projected every step.
+- torch.compile: the cached step (`CachedTxl`, the `torch-fast` backend) under `torch.compile` (inductor, static
+  shapes; compiled during the warm-up)."""
+
+
+def results_file(reports: list[dict], command: str) -> str:
+    first = reports[0]
+    m, v = first["machine"], first["versions"]
+    faster = faster_than_reference(reports)
+    if faster:
+        verdict = ["Rows where a peer's median step beat ONNX Runtime through txl-deploy:", "",
+                   *[f"- {name}, batch {b}: {label}, {x:.2f}x" for name, b, label, x in faster]]
+    else:
+        verdict = ["No peer's median step beat ONNX Runtime through txl-deploy on any row."]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}. Versions: python {v['python']}, onnxruntime "
+        f"{v['onnxruntime']}, openvino {v.get('openvino')}, torch {v['torch']}, transformers {v.get('transformers')}, "
+        f"numpy {v['numpy']}, txl-deploy {v['txl_deploy']}. OpenVINO CPU default precision here: "
+        f"{next((r['openvino']['cpu_default_precision'] for r in reports if r['openvino']['cpu_default_precision']), 'not asked')}.",
+        "",
+        *verdict,
+        "",
+        HOW_TO_READ,
+        "",
+    ]
+    for rep in reports:
+        lines += [section(rep), ""]
+    return results_markdown("Peers: the same model in other engines", "\n".join(lines), command)
+
