@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from txl_deploy.cli.options import threads_option
+from txl_deploy.cli.options import sampling_options, threads_option
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -15,22 +15,22 @@ from txl_deploy.runtimes import TxlRuntime
 @click.argument("model", type=click.Path(exists=True))
 @click.option("--prompt", required=True, help="Text to start from.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely tokens.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus sampling threshold.")
-@click.option("--seed", type=int, help="Seed for reproducible sampling.")
+@sampling_options(temperature=1.0)
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @threads_option
-def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, providers, threads):
-    """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT."""
+def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, threads):
+    """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT.
+
+    The sampling options are those of the HTTP server (`txl-deploy serve`) and of `TxlRuntime.generate`."""
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
+        tokens = rt.generate(prompt, max_new_tokens, **sampling)  # checked here, before the prompt is echoed
         click.echo(prompt, nl=False)
-        for tok in rt.generate(prompt, max_new_tokens, temperature, top_k, top_p, seed):
+        for tok in tokens:
             click.echo(rt.vocab.piece(tok), nl=False)
             sys.stdout.flush()
         click.echo()
