@@ -264,6 +264,11 @@ class Sampler:
     def choose(self, log_probs: np.ndarray) -> int:
         """The next token for these log-probs [V]; it becomes part of the stream's history."""
         p = self.params
+        if self._plain and p.greedy:  # the common case, without the float64 copy
+            tok = int(np.argmax(log_probs))
+            self.generated.append(tok)
+            self.counts[tok] += 1
+            return tok
         s = self.scores(log_probs)
         if not np.isfinite(s.max()):
             raise InputError("no token is left to choose: the sampling parameters exclude every token")
