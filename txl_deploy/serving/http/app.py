@@ -26,6 +26,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -213,6 +214,11 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
             message = f"{param}: {err['msg']}" if param else err["msg"]
         return JSONResponse(error_body(message, param=param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def internal(request, exc: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -269,7 +275,10 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     async def create_session(request: Request):
         eng = engine()
         raw = await request.body()
-        spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
+        try:
+            spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
         session = eng.create_session(spec.id)
         return JSONResponse(eng.sessions.info(session, eng.bytes_per_session), status_code=201)
 

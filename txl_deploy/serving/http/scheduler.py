@@ -444,8 +444,9 @@ def _read_state(rt: TxlRuntime, blob: bytes) -> dict:
             f.write(blob)
         try:
             scratch.load_state(path)
-        except TxlError as e:
-            raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
+        except Exception as e:  # noqa: BLE001 - TxlRuntime.load_state's InputError, or its reader's own errors
+            message = (str(e).splitlines() or [type(e).__name__])[0].replace(path, "the state")
+            raise ApiError(400, f"not a state of this model: {message}", code="invalid_state") from None
     if scratch.batch_size != 1:
         raise ApiError(400, f"a session's state holds one memory row, this one holds {scratch.batch_size}",
                        code="invalid_state")

@@ -101,8 +101,14 @@ class BackgroundServer:
     def engine(self):
         return self.asgi.app.state.txl["engine"]
 
+    def launch(self):
+        """Start serving without waiting for the model (start() waits)."""
+        if not self.thread.is_alive() and self.thread.ident is None:
+            self.thread.start()
+        return self
+
     def start(self):
-        self.thread.start()
+        self.launch()
         end = time.monotonic() + self.ready_timeout
         while time.monotonic() < end:
             if self.failure is not None:
