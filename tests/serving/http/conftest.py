@@ -43,8 +43,8 @@ def make_server(tiny_onnx):
 
 @pytest.fixture(scope="module")
 def server(tiny_onnx):
-    """One server for a test module: 32 rows, so 32 streams run at once."""
-    srv = start_server(tiny_onnx, max_batch=32, max_sessions=8, max_queue=64)
+    """One server for a test module: 32 rows, so 32 streams run at once; prompts of at most 256 tokens."""
+    srv = start_server(tiny_onnx, {"max_prompt_tokens": 256}, max_batch=32, max_sessions=8, max_queue=64)
     yield srv
     srv.stop()
     assert not srv.thread.is_alive()
