@@ -1,8 +1,8 @@
 """Runtimes: one `TxlRuntime` interface over ONNX Runtime, TensorRT and PyTorch (eager reference and cached).
 
 `runtime` is the interface users call, `backend` the contract each engine implements, `registry` picks and opens
-a backend for a file, `sampling` chooses tokens (one `SamplingParams` for every path), `evaluation` scores a text as the paper does; `backends/` holds one
-module per engine. The ONNX Runtime and TensorRT backends import numpy and their engine only, never torch (edge
+a backend for a file, `sampling` chooses tokens (one `SamplingParams` for every path), `evaluation` scores a text
+as the paper does; `backends/` holds one module per engine. The ONNX Runtime and TensorRT backends import numpy and their engine only, never torch (edge
 devices).
 """
 

@@ -24,7 +24,7 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.serving.http.completion import Completion
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.scheduler import Job
-from txl_deploy.serving.http.sessions import GONE, Session, SessionStore
+from txl_deploy.serving.http.sessions import GONE, PARKED, Session, SessionStore
 from txl_deploy.serving.triton.client import ServingError, TxlTritonClient, split_url
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
 
@@ -40,18 +40,21 @@ def sequence_id(session_id: str) -> int:
 class FleetEngine:
     def __init__(self, urls, model: str = "txl", vocab=None, max_batch: int = 16, max_sessions: int = 64,
                  session_ttl: float | None = 3600.0, max_queue: int = 64, timeout: float = 60.0):
-        self.urls, self.model, self.timeout = list(urls), model, timeout
-        self._vocab_file = vocab
-        probe = TxlTritonClient(self.urls, model=model, vocab=vocab, timeout=timeout)
-        if probe.vocab is None:
-            probe.close()
+        """urls: the Triton servers' gRPC addresses (grpc://HOST:PORT)."""
+        self.urls, self.model = list(urls), model
+        http = [u for u in self.urls if split_url(u)[0] != "grpc"]
+        if http:
+            # tritonclient's HTTP client runs on gevent and cannot be used from another thread than the one that
+            # made it; a session's requests run on whichever worker is free.
+            raise InputError(f"--triton needs the servers' gRPC addresses (grpc://HOST:PORT, Triton's port 8001 "
+                             f"by default), got {', '.join(http)}")
+        # one client for every worker thread (tritonclient's gRPC client may be shared)
+        self.client = TxlTritonClient(self.urls, model=model, vocab=vocab, timeout=timeout)
+        if self.client.vocab is None:
+            self.client.close()
             raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
-        self.vocab, self.n_token = probe.vocab, probe.n_token or len(probe.vocab)
-        self.mem_len = int(probe.params.get(PARAM_PREFIX + "mem_len", 0) or 0) or None
-        # A gRPC client may be shared by threads; tritonclient's HTTP client may not: one per conversation then.
-        self.shared = probe if all(split_url(u)[0] == "grpc" for u in self.urls) else None
-        if self.shared is None:
-            probe.close()
+        self.vocab, self.n_token = self.client.vocab, self.client.n_token or len(self.client.vocab)
+        self.mem_len = int(self.client.params.get(PARAM_PREFIX + "mem_len", 0) or 0) or None
         self.bytes_per_session = None  # held on the Triton servers (their repository's README says how much)
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.sessions = SessionStore(int(max_sessions), session_ttl, self._dropped)
@@ -93,8 +96,7 @@ class FleetEngine:
             except ApiError:
                 pass
         self._closer.shutdown(wait=True)
-        if self.shared is not None:
-            self.shared.close()
+        self.client.close()
 
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, job: Job):
@@ -121,15 +123,11 @@ class FleetEngine:
     def cancel(self, job: Job):
         job.cancelled = True
 
-    def _client(self) -> TxlTritonClient:
-        return self.shared or TxlTritonClient(self.urls, model=self.model, vocab=self._vocab_file,
-                                              timeout=self.timeout)
-
     def _conversation(self, session: Session | None):
         if session is None:
-            return self._client().conversation()
+            return self.client.conversation()
         if session.handle is None:
-            session.handle = self._client().conversation(sequence_id(session.id))
+            session.handle = self.client.conversation(sequence_id(session.id))
         return session.handle
 
     def _run(self, job: Job):
@@ -175,13 +173,12 @@ class FleetEngine:
                 self._running -= 1
                 self._idle.notify_all()
 
-    def _close(self, conv):
+    @staticmethod
+    def _close(conv):
         try:
             conv.close()
         except (ServingError, InputError):
             pass  # the server forgets it at its idle timeout
-        if self.shared is None:
-            conv.client.close()
 
     # -- sessions -------------------------------------------------------------------------------------------
     def create_session(self, id_: str | None = None) -> Session:
@@ -197,7 +194,7 @@ class FleetEngine:
 
     def park(self, id_: str) -> bytes:
         """The session's memory as the Triton model's parked state (bytes); the session ends."""
-        session = self.sessions.remove(id_, "was parked: POST its state to /v1/sessions/ID/restore to continue it", notify=False)
+        session = self.sessions.remove(id_, PARKED, notify=False)
         conv, session.handle = session.handle, None
         if conv is None or not conv.started:
             raise ApiError(400, f"session {id_!r} has no memory yet: nothing to park", param="session_id")
@@ -206,19 +203,13 @@ class FleetEngine:
         except ServingError as e:
             raise ApiError(502, f"the Triton fleet could not park the session: {e}", type="server_error",
                            code="upstream_error") from None
-        finally:
-            if self.shared is None:
-                conv.client.close()
 
     def restore(self, id_: str | None, blob: bytes) -> Session:
         session = self.sessions.create(id_)
-        client = self._client()
         try:
-            conv = client.resume(blob, sequence_id=sequence_id(session.id))
+            conv = self.client.resume(blob, sequence_id=sequence_id(session.id))
         except (ServingError, InputError) as e:
             self.sessions.remove(session.id, "could not be restored")
-            if self.shared is None:
-                client.close()
             raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
         session.handle = conv
         session.last_log_probs = conv.last_log_probs

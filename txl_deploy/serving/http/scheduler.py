@@ -41,7 +41,7 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.http.completion import Completion, TokenOut
 from txl_deploy.serving.http.protocol import ApiError
-from txl_deploy.serving.http.sessions import GONE, Session, SessionStore
+from txl_deploy.serving.http.sessions import GONE, PARKED, Session, SessionStore
 from txl_deploy.serving.rows import RowPool, row_bytes, row_store
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Scheduler:
     def park(self, id_: str) -> bytes:
         """The session's memory as the bytes of a `TxlRuntime.save_state` .npz; the session ends. Blocks until the
         engine has copied the row out (between two steps): call it from a worker thread."""
-        session = self.sessions.remove(id_, "was parked: POST its state to /v1/sessions/ID/restore to continue it", notify=False)
+        session = self.sessions.remove(id_, PARKED, notify=False)
         return _npz_bytes(self.rt, self.call(lambda: self._take_row(session)).result())
 
     def restore(self, id_: str | None, blob: bytes) -> Session:

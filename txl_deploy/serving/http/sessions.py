@@ -17,6 +17,7 @@ from typing import Callable
 from txl_deploy.serving.http.protocol import ApiError, new_id
 
 GONE = "its memory is gone (a request never starts an empty one): create a new session"
+PARKED = "was parked: POST its state to /v1/sessions/ID/restore to continue it"
 FORGOTTEN_KEPT = 4096  # ids of gone sessions remembered (with why they are gone) for the 404's message
 
 

@@ -6,9 +6,9 @@ CORRID): START gives it a fresh memory (or the memory of a parked conversation),
 forgets it.
 
 The memories live as the rows of ONE batched backend state per model instance (`RowPool`, in
-txl_deploy/serving/rows.py, which the HTTP server uses too): a conversation owns a row from START to END. `execute()` gets the requests the sequence batcher put together (at most one per
-conversation), groups them by segment length (a shorter segment cannot be padded with tokens: every token fed
-enters the memory), pads their `out_positions` to the longest in the group (repeating the last position, sliced
+txl_deploy/serving/rows.py, which the HTTP server uses too): a conversation owns a row from START to END.
+`execute()` gets the requests the sequence batcher put together (at most one per conversation), groups them by
+segment length (a shorter segment cannot be padded with tokens: every token fed enters the memory), pads their `out_positions` to the longest in the group (repeating the last position, sliced
 off afterwards) and runs each group as one batched call. The rows of a group go to the backend as a view of the
 pool (no copy: ONNX Runtime reads them in place and the ring write lands in the pool); rows that are not contiguous
 are covered by spans with hole rows, computed with a dummy token and then put back exactly (see RowPool.spans),
