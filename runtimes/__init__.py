@@ -2,8 +2,8 @@
 
 `runtime` is the interface users call, `backend` the contract each engine implements, `registry` picks and opens
 a backend for a file, `sampling` chooses tokens (one `SamplingParams` for every path), `evaluation` scores a text
-as the paper does; `backends/` holds one module per engine. The ONNX Runtime and TensorRT backends import numpy and their engine only, never torch (edge
-devices).
+as the paper does; `backends/` holds one module per engine. The ONNX Runtime and TensorRT backends import numpy
+and their engine only, never torch (edge devices).
 """
 
 from txl_deploy.runtimes.backend import Backend
