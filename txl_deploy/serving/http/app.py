@@ -53,14 +53,39 @@ class ServeSettings:
     drain_timeout: float = 30.0  # on SIGTERM: how long running streams may take to finish
 
 
-class _Events:
-    """Engine events (from the engine thread) into an asyncio queue of the request's loop."""
+class _Mailbox:
+    """Engine events (from the engine thread) into the requests' asyncio queues, waking the event loop once for
+    everything posted meanwhile (one engine step's tokens for every stream), not once per token."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+        self.loop = loop
+        self._pending = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item):
+        with self._lock:
+            self._pending.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self):
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class _Events:
+    """One request's events, through the loop's mailbox into its queue."""
+
+    def __init__(self, mailbox: _Mailbox):
+        self.mailbox, self.queue = mailbox, asyncio.Queue()
 
     def emit(self, kind, payload):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        self.mailbox.post(self.queue, (kind, payload))
 
 
 class _Guard:
@@ -166,6 +191,13 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
             await run_in_threadpool(state["engine"].stop, settings.drain_timeout)
 
     app = FastAPI(title="txl-deploy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    mailboxes = {}
+
+    def mailbox(loop) -> _Mailbox:
+        box = mailboxes.get(loop)
+        if box is None:
+            box = mailboxes[loop] = _Mailbox(loop)
+        return box
     app.state.txl = state
 
     def engine():
@@ -261,7 +293,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
             raise ApiError(400, f"max_tokens {kwargs['max_tokens']} is more than this server generates per "
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
         params = SamplingParams(**kwargs)
-        events = _Events(asyncio.get_running_loop())
+        events = _Events(mailbox(asyncio.get_running_loop()))
         job = Job(ids, params, events.emit, session_id=body.session_id)
         eng.submit(job)
         metrics.prompt_tokens.inc(int(ids.size))
@@ -382,30 +414,46 @@ class _Run:
         self.metrics.generated_tokens.inc(payload["completion_tokens"])
         return protocol.usage(payload["prompt_tokens"], payload["completion_tokens"])
 
+    async def _next_events(self) -> list:
+        """The next event and every other one already waiting (a slow reader gets them together)."""
+        events = [await self.events.queue.get()]
+        while not self.events.queue.empty():
+            events.append(self.events.queue.get_nowait())
+        return events
+
+    def _chunk(self, outs) -> dict:
+        tokens = [self._token_entry(o) for o in outs] if self.with_logprobs else None
+        ids = [o.token for o in outs] if self.with_ids else None
+        return protocol.chunk(self.id, self.model, self.created, "".join(o.text for o in outs), None, tokens, ids)
+
     async def sse(self):
+        """Server-sent events: one chunk per token, or one for all the tokens that were waiting (the text, the
+        logprobs and the token ids of each in order), then the finish, the usage if asked, and [DONE]."""
         try:
             while True:
-                kind, payload = await self.events.queue.get()
-                if kind == "token":
-                    self._timing()
-                    if payload.text or self.with_logprobs or self.with_ids:
-                        tokens = [self._token_entry(payload)] if self.with_logprobs else None
-                        ids = [payload.token] if self.with_ids else None
-                        yield {"data": json.dumps(protocol.chunk(self.id, self.model, self.created, payload.text,
-                                                                 None, tokens, ids))}
-                elif kind == "done":
-                    usage = self._finished(payload)
-                    yield {"data": json.dumps(protocol.chunk(self.id, self.model, self.created, "",
-                                                             payload["finish_reason"], None, None))}
-                    if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                        yield {"data": json.dumps(protocol.usage_chunk(self.id, self.model, self.created, usage))}
+                outs = []
+                for kind, payload in await self._next_events():
+                    if kind == "token":
+                        self._timing()
+                        outs.append(payload)
+                        continue
+                    if outs:
+                        yield {"data": json.dumps(self._chunk(outs))}
+                        outs = []
+                    if kind == "done":
+                        usage = self._finished(payload)
+                        yield {"data": json.dumps(protocol.chunk(self.id, self.model, self.created, "",
+                                                                 payload["finish_reason"], None, None))}
+                        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                            yield {"data": json.dumps(protocol.usage_chunk(self.id, self.model, self.created,
+                                                                           usage))}
+                    else:
+                        self.done = True
+                        yield {"data": json.dumps(payload.body())}
                     yield {"data": "[DONE]"}
                     return
-                else:
-                    self.done = True
-                    yield {"data": json.dumps(payload.body())}
-                    yield {"data": "[DONE]"}
-                    return
+                if outs and (self.with_logprobs or self.with_ids or any(o.text for o in outs)):
+                    yield {"data": json.dumps(self._chunk(outs))}
         finally:
             if not self.done:  # the client went away (or the server is stopping): free the row
                 self.engine.cancel(self.job)
