@@ -130,3 +130,34 @@ def test_http_addresses_are_refused_with_the_reason():
 
     with pytest.raises(InputError, match="needs the servers' gRPC addresses"):
         FleetEngine(["http://127.0.0.1:8000"])
+
+
+def test_the_triton_client_and_serve_client_sample_as_generate_does(tritons, tiny_onnx):
+    """The other paths to Triton use the same sampler: TxlTritonClient's conversations and `serve-client`."""
+    from click.testing import CliRunner
+
+    from txl_deploy.cli import main
+    from txl_deploy.errors import InputError
+    from txl_deploy.serving.triton.client import TxlTritonClient
+
+    controls = dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.3, frequency_penalty=0.5,
+                    no_repeat_ngram_size=2, seed=11)
+    want = list(TxlRuntime.load(tiny_onnx).generate(PROMPT, 15, **controls))
+    client = TxlTritonClient(tritons[0].grpc_url)
+    try:
+        assert list(client.generate(PROMPT, max_new_tokens=15, **controls)) == want
+        with pytest.raises(InputError, match="does not support stop"):
+            list(client.generate(PROMPT, params=SamplingParams(stop=["w1"])))
+    finally:
+        client.close()
+    rt = TxlRuntime.load(tiny_onnx)
+    prompt = " ".join(rt.vocab.symbols[t] for t in PROMPT)
+    want = rt.decode(list(rt.generate(prompt, 15, **controls)))
+    args = ["--temperature", "0.9", "--top-k", "30", "--top-p", "0.9", "--min-p", "0.01", "--repetition-penalty",
+            "1.3", "--frequency-penalty", "0.5", "--no-repeat-ngram-size", "2", "--seed", "11"]
+    result = CliRunner().invoke(main, ["serve-client", tritons[1].grpc_url, "--prompt", prompt,
+                                       "--max-new-tokens", "15", *args])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == want.strip()
+    bad = CliRunner().invoke(main, ["serve-client", tritons[1].grpc_url, "--prompt", prompt, "--top-p", "2"])
+    assert bad.exit_code == 2 and "top_p must be in (0, 1]" in bad.output

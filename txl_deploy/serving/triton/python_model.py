@@ -33,6 +33,9 @@ with the input `resume_state` (such bytes) starts the conversation from that mem
 state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the
 conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
 A bad request gets an error response and changes no memory.
+
+The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
+uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
 """
 
 import io
