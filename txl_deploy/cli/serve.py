@@ -75,10 +75,10 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
     # The server needs the serve extra (FastAPI, uvicorn, sse-starlette, prometheus-client), which a base install
     # lacks: imported here so that `txl-deploy --help` and every other command work without it.
     try:
-        from txl_deploy.serving.http import app as http_app
-        from txl_deploy.serving.http import server as http_server
-        from txl_deploy.serving.http.fleet import FleetEngine
-        from txl_deploy.serving.http.scheduler import Scheduler
+        from txl_deploy.serving.http import app as http_app  # the serve extra
+        from txl_deploy.serving.http import server as http_server  # the serve extra
+        from txl_deploy.serving.http.fleet import FleetEngine  # the serve extra
+        from txl_deploy.serving.http.scheduler import Scheduler  # the serve extra
     except ImportError as e:
         raise InputError(f"txl-deploy serve needs the serve extra: pip install 'txl-deploy[serve]' ({e})") from None
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
