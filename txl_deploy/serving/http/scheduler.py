@@ -164,6 +164,8 @@ class Scheduler:
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run fn() in the engine thread between two steps; its result or exception in the future."""
+        if not self._thread.is_alive():
+            raise ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
         future = concurrent.futures.Future()
         self._post(("call", (fn, future)))
         return future
