@@ -26,3 +26,13 @@ def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
     text = results_file([result], "python benchmarks/serve_load.py --model tiny.onnx")
     assert generating_command(text) == "python benchmarks/serve_load.py --model tiny.onnx"
     assert "| serve |" in text and "Session continuation" in text
+
+
+def test_the_script_explains_itself():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--context" in out.stdout and "--no-triton" in out.stdout
