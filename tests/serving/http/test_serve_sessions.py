@@ -172,22 +172,30 @@ def test_unknown_busy_deleted_and_empty_sessions(make_server):
     assert r.status_code == 400 and "has no text yet" in r.json()["error"]["message"]
     assert httpx.post(srv.url + "/v1/sessions", json={"id": sid}).status_code == 409
     # one request at a time per session
-    started = threading.Event()
+    started, leave = threading.Event(), threading.Event()
 
-    def long_request():
+    def long_request():  # streams until told to go away (the client disconnects: the request ends)
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                "prompt": A, "max_tokens": 400, "temperature": 0, "stream": True, "session_id": sid}) as r:
-            for line in r.iter_lines():
+                "prompt": A, "max_tokens": 4000, "temperature": 0, "stream": True, "session_id": sid}) as r:
+            for _ in r.iter_lines():
                 started.set()
-            return r.status_code
+                if leave.is_set():
+                    break
 
     t = threading.Thread(target=long_request)
     t.start()
-    assert started.wait(30)
-    r = httpx.post(srv.url + "/v1/completions", json={"prompt": B, "session_id": sid})
-    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
-    assert httpx.delete(srv.url + f"/v1/sessions/{sid}").status_code == 409  # not while it runs
-    t.join(60)
+    try:
+        assert started.wait(30)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": B, "session_id": sid})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+        assert httpx.delete(srv.url + f"/v1/sessions/{sid}").status_code == 409  # not while it runs
+    finally:
+        leave.set()
+        t.join(60)
+    end = time.monotonic() + 30
+    while httpx.get(srv.url + f"/v1/sessions/{sid}").json()["busy"]:  # the disconnect ends the request
+        assert time.monotonic() < end
+        time.sleep(0.02)
     assert httpx.delete(srv.url + f"/v1/sessions/{sid}").json() == {"id": sid, "object": "session", "deleted": True}
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": B, "session_id": sid})
     assert r.status_code == 404 and "was deleted" in r.json()["error"]["message"]
