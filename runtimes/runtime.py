@@ -22,12 +22,13 @@ import numpy as np
 from txl_deploy.contract.io_spec import MEM_COUNT
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
-from txl_deploy.runtimes.arguments import is_real, whole
+from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.registry import open_backend
-from txl_deploy.runtimes.sampling import sample
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.vocab import CONTINUING
 
+GENERATE_DEFAULTS = dict(max_new_tokens=100, temperature=1.0, top_k=None, top_p=None, seed=None, stop=None)
 # Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
 
@@ -341,12 +342,17 @@ class TxlRuntime:
         return _text_pieces(tokens, self.vocab.stream_decoder(after))
 
     def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, stop=None) -> Iterator[int]:
+                 top_p: float | None = None, seed: int | None = None, stop=None, *,
+                 params: SamplingParams | None = None, **controls) -> Iterator[int]:
         """Yield new token ids one at a time (batch of one stream), continuing the current memory.
 
         prompt: text (needs the vocabulary) or token ids; None continues from the last call.
         temperature 0 is greedy; top_k / top_p filter before sampling; `seed` makes sampling reproducible.
         stop: token ids that end generation (yielded, then stop).
+        controls: the other token-level sampling parameters by name (min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens; see runtimes/sampling.py), or all of them
+        as one `params=SamplingParams(...)` (whose max_tokens and stop_token_ids then apply). Stop strings and
+        log-probs belong to text responses: asking for them here is an error.
 
         Every argument, the prompt and the stream are checked here, when generate() is called, before anything
         touches the memory: a rejected call raises InputError at once and leaves the memory as it was. The prompt
@@ -354,13 +360,10 @@ class TxlRuntime:
         generator left suspended (abandoned, or driven from another thread) never blocks other callers; their
         calls between two tokens advance the same memory, as any call on a shared runtime does."""
         max_new_tokens = whole("max_new_tokens", max_new_tokens, lo=0)
-        if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
-            raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        top_k = None if top_k is None else whole("top_k", top_k, lo=1)
-        if top_p is not None and (not is_real(top_p) or not 0 < top_p <= 1):
-            raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
-        seed = None if seed is None else whole("seed", seed, lo=0)
-        stop_ids = set() if stop is None else {whole("stop token id", s, lo=0) for s in np.atleast_1d(stop).tolist()}
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                     stop=stop)
+        params = generation_params("TxlRuntime.generate()", params, given, GENERATE_DEFAULTS, controls)
+        params.check_vocabulary(self.n_token)
         ids = None
         if prompt is not None:
             ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
@@ -375,7 +378,7 @@ class TxlRuntime:
                 ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
             else:
                 self._check_can_continue()
-        return self._generate(ids, max_new_tokens, float(temperature), top_k, top_p, seed, stop_ids)
+        return self._generate(ids, Sampler(params, self.n_token, context=() if ids is None else ids[0]))
 
     def _check_can_continue(self):
         if self._last_log_probs is None or self.batch_size is None:
@@ -386,8 +389,7 @@ class TxlRuntime:
         if np.isnan(self._last_log_probs[0]).any():
             raise InputError("generate() needs a prompt (this stream was reset since its last call)")
 
-    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop) -> Iterator[int]:
-        rng = np.random.default_rng(seed)
+    def _generate(self, ids, sampler: Sampler) -> Iterator[int]:
         with self._lock:
             # Checked again: another caller may have changed the memory since generate() was called.
             if ids is not None:
@@ -395,10 +397,10 @@ class TxlRuntime:
             else:
                 self._check_can_continue()
                 log_probs = self._last_log_probs[0]
-        for _ in range(max_new_tokens):
-            tok = sample(log_probs, temperature, top_k, top_p, rng)
+        for _ in range(sampler.params.max_tokens):
+            tok = sampler.choose(log_probs)
             yield tok  # no lock held here
-            if tok in stop:
+            if sampler.stopped_by_token(tok):
                 return
             # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
             log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step

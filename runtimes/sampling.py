@@ -1,27 +1,316 @@
-"""Choosing the next token from a distribution of log-probabilities."""
+"""Choosing the next token: one validated set of sampling parameters (`SamplingParams`) and one sampler.
+
+Every path that generates uses this module: `TxlRuntime.generate`, the HTTP server (`txl-deploy serve`, also over a
+Triton fleet), and the Triton client (`serve-client`; the Triton model returns log-probs and the client samples).
+`exporters/web/static/txl.js` implements the same steps in the same order for the browser page, and draws the same
+uniform numbers from the same seeded generator, so a seeded page samples the tokens Python samples.
+
+As vLLM's `SamplingParams`, the parameters are built once from a request, checked once (`SamplingParams(...)` raises
+InputError naming the first bad value) and handed to the engine; a `Sampler` is one stream's state (its generator,
+the context the penalties look at). A path that cannot honour a parameter refuses it (`only`): nothing is ignored.
+
+The scores every control acts on are the model's log-probabilities (the log-softmax of its logits), as in
+HuggingFace's TransfoXLLMHeadModel, whose scores are log-probabilities too. The steps, in HuggingFace `generate`'s
+order:
+
+1. `logit_bias`: added to the scores of the tokens named (OpenAI).
+2. `repetition_penalty` (HuggingFace, CTRL paper): the score s of every token in the context (the prompt of this
+   request and the tokens generated so far) becomes s * p if s < 0, else s / p.
+3. `presence_penalty`, `frequency_penalty` (OpenAI's formula): s[j] - c[j] * frequency - (c[j] > 0) * presence,
+   with c[j] the number of times token j was generated so far in this request.
+4. `no_repeat_ngram_size` n (HuggingFace): a token that would repeat an n-gram of the context gets -inf.
+5. `min_tokens`: the stop token ids get -inf until that many tokens have been generated.
+6. `temperature` 0: greedy, the first maximum of these scores (nothing is drawn). Otherwise the scores / T, then
+7. `top_k` (ties with the k-th score stay), `top_p` (a token stays while the probability of the more likely ones,
+   ties in id order, is below p: the most likely always stays), `min_p` (a token stays if its probability is at
+   least min_p times the most likely one's), each on the distribution the previous one left;
+8. one uniform number u in [0, 1) from numpy's PCG64 seeded with `seed` (`np.random.default_rng(seed)`, one draw
+   per sampled token): the token is the first whose running sum of weights exceeds u times their total. The weights
+   are exp(score - max) of the tokens left; sums are running sums in id order (no pairwise summation), so the
+   browser's loop adds in the same order.
+
+The log-probs reported with a token (`top_logprobs`) are the model's own, before these steps.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Iterable, Mapping
+
 import numpy as np
 
+from txl_deploy.errors import InputError
+from txl_deploy.runtimes.arguments import is_real, whole
 
-def sample(log_probs: np.ndarray, temperature: float, top_k, top_p, rng: np.random.Generator) -> int:
-    """One token from a log-distribution. Deterministic for a given rng state on every platform (no BLAS)."""
-    lp = np.asarray(log_probs, dtype=np.float64)
-    if temperature == 0:
-        return int(np.argmax(lp))
-    logits = lp / temperature
-    if top_k is not None and top_k < logits.size:
-        kth = np.partition(logits, -top_k)[-top_k]
-        logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order])
-        keep = cum - probs[order] < top_p  # always keeps the most likely token
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    return int(min(np.searchsorted(np.cumsum(probs), rng.random(), side="right"), probs.size - 1))
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_LOGPROBS = 20  # alternatives reported per token
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: a bias lies in [-100, 100]
+PENALTY_LIMIT = 2.0  # OpenAI: presence and frequency penalties lie in [-2, 2]
+
+# What each path can do, for `SamplingParams.only`: token-level controls every sampler has, and the parts of a text
+# response that only a path producing text can give.
+TOKEN_CONTROLS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                            "frequency_penalty", "no_repeat_ngram_size", "logit_bias", "seed", "stop_token_ids",
+                            "max_tokens", "min_tokens"})
+TEXT_CONTROLS = frozenset({"stop", "logprobs"})
+
+
+def _real(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
+    if not is_real(value) or not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
+        left = "(" if lo_open else "["
+        raise InputError(f"{name} must be in {left}{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to choose tokens and when to stop; checked when built. Defaults change nothing (greedy is temperature 0)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None  # None: every token
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # report the chosen token's log-prob and this many alternatives
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        set_("temperature", float(self.temperature))
+        if self.top_k is not None:
+            set_("top_k", whole("top_k", self.top_k, lo=1))
+        set_("top_p", _real("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        set_("min_p", _real("min_p", self.min_p, 0.0, 1.0))
+        rp = self.repetition_penalty
+        if not is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            raise InputError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        set_("repetition_penalty", float(rp))
+        set_("presence_penalty", _real("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT))
+        set_("frequency_penalty", _real("frequency_penalty", self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT))
+        set_("no_repeat_ngram_size", whole("no_repeat_ngram_size", self.no_repeat_ngram_size, lo=0))
+        if not isinstance(self.logit_bias, Mapping):
+            raise InputError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            tok = _token_key(key)
+            bias[tok] = _real(f"logit_bias[{tok}]", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        set_("logit_bias", bias)
+        set_("seed", None if self.seed is None else whole("seed", self.seed, lo=0))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stop) > MAX_STOP:
+            raise InputError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InputError("stop strings must be non-empty strings")
+        set_("stop", stop)
+        ids = np.atleast_1d(np.asarray(self.stop_token_ids if self.stop_token_ids is not None else (), dtype=object))
+        set_("stop_token_ids", tuple(whole("stop token id", s, lo=0) for s in ids.tolist()))
+        set_("max_tokens", whole("max_tokens", self.max_tokens, lo=0))
+        set_("min_tokens", whole("min_tokens", self.min_tokens, lo=0))
+        if self.min_tokens > self.max_tokens:
+            raise InputError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            n = self.logprobs
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
+                raise InputError(f"logprobs must be a whole number in [0, {MAX_LOGPROBS}], got {n!r}")
+            set_("logprobs", int(n))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def changed(self) -> set[str]:
+        """The parameters given other values than their defaults."""
+        defaults = SamplingParams()
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(defaults, f.name)}
+
+    def only(self, supported: Iterable[str], where: str):
+        """Refuse (InputError) any parameter set here that `where` cannot honour."""
+        extra = sorted(self.changed() - set(supported))
+        if extra:
+            raise InputError(f"{where} does not support {', '.join(extra)}: it produces token ids, not text "
+                             "(the HTTP server does: txl-deploy serve)" if set(extra) <= TEXT_CONTROLS
+                             else f"{where} does not support {', '.join(extra)}")
+
+    def check_vocabulary(self, n_token: int):
+        """Token ids named here (logit_bias, stop_token_ids) must exist in a vocabulary of n_token."""
+        for what, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= n_token]
+            if bad:
+                raise InputError(f"{what} names token id {bad[0]}, outside the vocabulary [0, {n_token})")
+
+
+def _token_key(key) -> int:
+    """A logit_bias key: a token id, also as a JSON object key (a string of digits)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+        raise InputError(f"logit_bias keys must be token ids (whole numbers >= 0), got {key!r}")
+    return int(key)
+
+
+# -- the steps, each a pure function (the tests hold each against its HuggingFace or OpenAI definition) ------------
+def repetition_penalty(scores: np.ndarray, context, penalty: float) -> np.ndarray:
+    """HuggingFace's RepetitionPenaltyLogitsProcessor: tokens of the context get s * p (s < 0) or s / p."""
+    out = np.array(scores, dtype=np.float64)
+    seen = np.unique(np.asarray(context, dtype=np.int64))
+    if penalty != 1 and seen.size:
+        s = out[seen]
+        out[seen] = np.where(s < 0, s * penalty, s / penalty)
+    return out
+
+
+def openai_penalties(scores: np.ndarray, counts: np.ndarray, presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's formula: mu[j] - c[j] * frequency_penalty - float(c[j] > 0) * presence_penalty."""
+    return np.asarray(scores, dtype=np.float64) - counts * frequency - (counts > 0) * presence
+
+
+def banned_ngram_tokens(ids, n: int) -> list[int]:
+    """HuggingFace's NoRepeatNGramLogitsProcessor: the tokens that would complete an n-gram already in `ids`."""
+    ids = [int(i) for i in ids]
+    if n < 1 or len(ids) + 1 < n:
+        return []
+    prefix = tuple(ids[len(ids) - n + 1:]) if n > 1 else ()
+    return sorted({ids[i + n - 1] for i in range(len(ids) - n + 1) if tuple(ids[i:i + n - 1]) == prefix})
+
+
+def filtered_weights(scores: np.ndarray, temperature: float, top_k=None, top_p: float = 1.0,
+                     min_p: float = 0.0) -> np.ndarray:
+    """Steps 6-7: the unnormalised probabilities exp((s - max) / T) of the tokens top_k, top_p and min_p leave (the
+    others 0). The most likely token always stays."""
+    s = np.asarray(scores, dtype=np.float64) / temperature
+    if top_k is not None and top_k < s.size:
+        kth = np.partition(s, s.size - top_k)[s.size - top_k]
+        s = np.where(s < kth, -np.inf, s)
+    w = np.exp(s - s.max())
+    if top_p < 1:
+        order = np.lexsort((np.arange(w.size), -w))  # most likely first, ties in id order
+        ranked = np.cumsum(w[order])
+        before = np.concatenate([[0.0], ranked[:-1]])  # the weight of the more likely tokens
+        cut = np.zeros(w.size, dtype=bool)
+        cut[order] = before >= top_p * ranked[-1]
+        w = np.where(cut, 0.0, w)
+    if min_p > 0:
+        w = np.where(w < min_p * w.max(), 0.0, w)
+    return w
+
+
+def draw(weights: np.ndarray, u: float) -> int:
+    """Step 8: the first token whose running sum of weights exceeds u times their total."""
+    cum = np.cumsum(weights)
+    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), weights.size - 1))
+
+
+def top_logprobs(log_probs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens and their log-probs, most likely first (ties in id order)."""
+    lp = np.asarray(log_probs)
+    if n <= 0:
+        return []
+    n = min(n, lp.size)
+    part = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)
+    part = part[np.lexsort((part, -lp[part]))]
+    return [(int(i), float(lp[i])) for i in part]
+
+
+class Sampler:
+    """One stream's sampling: its generator (seeded), the context the penalties see, the tokens it generated.
+
+    `context`: the token ids the stream was given (the prompt of this request); the repetition penalty and the
+    n-gram bans look at them and at the generated tokens, the presence and frequency penalties at the generated
+    tokens only."""
+
+    def __init__(self, params: SamplingParams, n_token: int, context=()):
+        params.check_vocabulary(n_token)
+        self.params, self.n_token = params, n_token
+        self.rng = np.random.default_rng(params.seed)
+        self.context = [int(t) for t in np.asarray(context, dtype=np.int64).reshape(-1)]
+        self.generated: list[int] = []
+        self.counts = np.zeros(n_token, dtype=np.int64)
+        self._plain = not (params.logit_bias or params.repetition_penalty != 1 or params.presence_penalty
+                           or params.frequency_penalty or params.no_repeat_ngram_size or
+                           (params.min_tokens and params.stop_token_ids))
+
+    def scores(self, log_probs: np.ndarray) -> np.ndarray:
+        """Steps 1-5 on one distribution [V]: the scores that temperature and the filters act on (float64)."""
+        p = self.params
+        s = np.array(log_probs, dtype=np.float64).reshape(-1)
+        if s.size != self.n_token:
+            raise InputError(f"log-probs have {s.size} entries, the vocabulary {self.n_token}")
+        if self._plain:
+            return s
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias, dtype=np.int64)
+            s[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
+        if p.repetition_penalty != 1:
+            s = repetition_penalty(s, self.context + self.generated, p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            s = openai_penalties(s, self.counts, p.presence_penalty, p.frequency_penalty)
+        if p.no_repeat_ngram_size:
+            s[banned_ngram_tokens(self.context + self.generated, p.no_repeat_ngram_size)] = -np.inf
+        if p.min_tokens and len(self.generated) < p.min_tokens and p.stop_token_ids:
+            s[list(p.stop_token_ids)] = -np.inf
+        return s
+
+    def choose(self, log_probs: np.ndarray) -> int:
+        """The next token for these log-probs [V]; it becomes part of the stream's history."""
+        p = self.params
+        if self._plain and p.greedy:  # the common case, without the float64 copy
+            tok = int(np.argmax(log_probs))
+            self.generated.append(tok)
+            self.counts[tok] += 1
+            return tok
+        s = self.scores(log_probs)
+        if not np.isfinite(s.max()):
+            raise InputError("no token is left to choose: the sampling parameters exclude every token")
+        if p.greedy:
+            tok = int(np.argmax(s))
+        else:
+            tok = draw(filtered_weights(s, p.temperature, p.top_k, p.top_p, p.min_p), self.rng.random())
+        self.generated.append(tok)
+        self.counts[tok] += 1
+        return tok
+
+    def stopped_by_token(self, token: int) -> bool:
+        return token in self.params.stop_token_ids
+
+
+def generation_params(where: str, params, given: dict, defaults: dict, controls: dict) -> SamplingParams:
+    """The SamplingParams of a token generator with the classic arguments (`given`: max_new_tokens, temperature,
+    top_k, top_p (None: 1), seed, stop (token ids)), the other controls by name, or one `params`; never both.
+    Refuses what a token generator cannot do (stop strings, log-probs)."""
+    if params is None:
+        kw = dict(given, **controls)
+        kw["max_tokens"] = kw.pop("max_new_tokens")
+        stop = kw.pop("stop")
+        kw["stop_token_ids"] = () if stop is None else stop
+        kw["top_p"] = 1.0 if kw["top_p"] is None else kw["top_p"]
+        try:
+            params = SamplingParams(**kw)
+        except TypeError as e:  # an unknown keyword
+            raise InputError(f"{where}: {e}") from None
+    elif not isinstance(params, SamplingParams):
+        raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    elif controls or given != defaults:
+        raise InputError(f"{where} takes the sampling parameters either as params=SamplingParams(...) or as keyword "
+                         "arguments, not both")
+    params.only(TOKEN_CONTROLS, where)
+    return params
+
+
+def sample(log_probs: np.ndarray, params: SamplingParams, rng: np.random.Generator | None = None) -> int:
+    """One token from one distribution with no history (no penalties apply): steps 1, 6-8. `rng` defaults to one
+    seeded with params.seed."""
+    sampler = Sampler(params, np.asarray(log_probs).size)
+    if rng is not None:
+        sampler.rng = rng
+    return sampler.choose(log_probs)

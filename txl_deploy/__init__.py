@@ -50,10 +50,10 @@ _map_checkout_folders()
 # The public names. Imported after the checkout mapping above, which `txl_deploy.runtimes` needs in a checkout.
 from txl_deploy.config import PUBLISHED_SHAPES, TxlConfig, published_config  # noqa: E402
 from txl_deploy.errors import CheckpointError, ExportError, InputError, TxlError  # noqa: E402
-from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.runtimes import SamplingParams, TxlRuntime  # noqa: E402
 from txl_deploy.vocab import Vocab  # noqa: E402
 
 __all__ = [
     "TxlConfig", "PUBLISHED_SHAPES", "published_config", "TxlError", "CheckpointError", "InputError",
-    "ExportError", "TxlRuntime", "Vocab", "__version__",
+    "ExportError", "TxlRuntime", "SamplingParams", "Vocab", "__version__",
 ]

@@ -19,6 +19,9 @@ LIBRARY = ("txl_deploy", "exporters", "runtimes")
 OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
             "matplotlib", "openvino"}
 TORCH_MODULES = "txl_deploy.model"
+# The HTTP server imports its extra (FastAPI, uvicorn, sse-starlette, prometheus-client) at the top of its modules;
+# the `serve` command imports it when it runs, so the command line works on a base install.
+SERVE_MODULES = "txl_deploy.serving.http"
 
 
 def _late_imports():
@@ -42,8 +45,8 @@ def test_the_optional_list_holds_no_base_dependency():
 
 def test_function_level_imports_are_optional_and_say_why():
     wrong = [f"{path}:{line}: {module}" for path, line, module, _ in _late_imports()
-             if module.split(".")[0] not in OPTIONAL and not (module == TORCH_MODULES
-                                                                 or module.startswith(TORCH_MODULES + "."))]
+             if module.split(".")[0] not in OPTIONAL and not any(module == m or module.startswith(m + ".")
+                                                                 for m in (TORCH_MODULES, SERVE_MODULES))]
     assert not wrong, "function-level imports of modules every install has; move them to the top:\n" + "\n".join(wrong)
     silent = [f"{path}:{line}: {module}" for path, line, module, commented in _late_imports() if not commented]
     assert not silent, "function-level imports without a comment saying why:\n" + "\n".join(silent)
@@ -52,7 +55,8 @@ def test_function_level_imports_are_optional_and_say_why():
 def test_the_base_install_paths_import_no_torch():
     code = ("import sys, txl_deploy, txl_deploy.cli, txl_deploy.runtimes.backends.onnxruntime, "
             "txl_deploy.runtimes.backends.tensorrt, txl_deploy.serving.triton.client, txl_deploy.exporters.web.site; "
-            "heavy = sorted(m for m in ('torch', 'tensorrt', 'onnxruntime', 'transformers', 'tritonclient') "
+            "heavy = sorted(m for m in ('torch', 'tensorrt', 'onnxruntime', 'transformers', 'tritonclient', "
+            "'fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client') "
             "if m in sys.modules); print(heavy); sys.exit(1 if heavy else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

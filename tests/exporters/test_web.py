@@ -373,3 +373,100 @@ def test_page_streams_text_and_screenshot_shows_it(served, browser, demo_exports
     before = browser.evaluate(ink % json.dumps(base64.b64encode(blank).decode()))
     after = browser.evaluate(ink % json.dumps(base64.b64encode(shot).decode()))
     assert before == 0 and after > 500, (before, after)
+
+
+# -- the page's sampler: the Python sampler's twin ------------------------------------------------------------------
+SAMPLING_CASES = [
+    dict(temperature=1.0, seed=3),
+    dict(temperature=0.7, top_k=10, seed=4),
+    dict(temperature=1.1, top_p=0.8, seed=5),
+    dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5,
+         frequency_penalty=0.4, no_repeat_ngram_size=2, logit_bias={"3": -100.0, "5": 4.5}, seed=6),
+    dict(temperature=0, repetition_penalty=1.5, no_repeat_ngram_size=3),
+    dict(temperature=1.0, seed=2**53 - 1, min_tokens=5, stop_token_ids=[1, 2], max_tokens=60),
+]
+
+
+def _camel(fields: dict) -> dict:
+    return {"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v for k, v in fields.items()}
+
+
+def _python_tokens(rows, fields, context):
+    from txl_deploy.runtimes.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(SamplingParams(**{"max_tokens": 100, **fields}), len(rows[0]), context)
+    return [sampler.choose(np.asarray(r, dtype=np.float32)) for r in rows]
+
+
+def test_page_sampler_draws_numpys_uniforms_and_chooses_pythons_tokens(served, browser, demo_exports):
+    """Equality by construction: the page's Pcg64 is numpy's default_rng (SeedSequence + PCG64), every step is the
+    Python sampler's in the same order and float64, so the same log-probs give the same tokens."""
+    browser.open(served + "fp32/index.html?ep=wasm")
+    for seed in (0, 42, 2**40 + 3, 2**53 - 1):
+        got = browser.evaluate(f"txlDemo.uniforms({seed}, 8)")
+        assert got == np.random.default_rng(seed).random(8).tolist(), seed
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, size=(40, 73))
+    random_rows = (logits - np.log(np.exp(logits).sum(-1, keepdims=True))).astype(np.float32)
+    with TxlRuntime.load(demo_exports["fp32"], providers=["cpu"]) as rt:
+        text = "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say unto the children"
+        real_rows = rt.step(rt.encode(text)[None])[0][:40]
+    for rows in (random_rows, real_rows):
+        for fields in SAMPLING_CASES:
+            context = rng.integers(0, 73, size=10).tolist()
+            page = browser.evaluate(f"txlDemo.sampleRows({json.dumps(rows.tolist())}, "
+                                    f"{json.dumps(_camel(fields))}, {json.dumps(context)})")
+            assert page == _python_tokens(rows, fields, context), fields
+
+
+def test_page_controls_sample_what_the_server_samples(served, browser, demo_exports):
+    """The page's controls drive the shared sampler: its text equals the HTTP server's (the same Completion: the
+    sampler and the stop string) on the page's own log-probs, and a value out of range is an error on the page."""
+    from txl_deploy.runtimes.sampling import SamplingParams
+    from txl_deploy.serving.http.completion import Completion
+
+    browser.open(served + "fp32/index.html?ep=wasm")
+    fields = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.3,
+                  frequency_penalty=0.2, no_repeat_ngram_size=3, seed=7, max_tokens=80)
+    stop = "LORD"
+    set_controls = """(() => {
+        const set = (id, v) => { document.getElementById(id).value = String(v); };
+        set('prompt', %s); set('temperature', 0.9); set('top-k', 20); set('top-p', 0.9); set('min-p', 0.02);
+        set('repetition-penalty', 1.2); set('presence-penalty', 0.3); set('frequency-penalty', 0.2);
+        set('no-repeat-ngram', 3); set('seed', 7); set('max-new', 80); set('stop-text', %s);
+        document.getElementById('generate').click(); return true; })()""" % (json.dumps(PROMPT), json.dumps(stop))
+    browser.evaluate(set_controls)
+    end = time.monotonic() + 120
+    while browser.evaluate("document.body.dataset.state") != "done":
+        assert time.monotonic() < end, "generation did not finish"
+        time.sleep(0.2)
+    on_page = browser.evaluate("document.getElementById('generated').textContent")
+    ids, text = browser.evaluate(f"txlDemo.generate({json.dumps(PROMPT)}, {json.dumps(_camel(fields))}, "
+                                 f"{json.dumps([stop])})")
+    assert on_page == text  # the controls are these parameters
+    # the server's Completion over the page's own log-probs gives the same tokens and text
+    with TxlRuntime.load(demo_exports["fp32"], providers=["cpu"]) as rt:
+        vocab = rt.vocab
+    prompt_ids = vocab.encode(PROMPT).tolist()
+    segments = [prompt_ids] + [[t] for t in ids[:-1]]
+    rows = browser.evaluate(f"txlDemo.logProbs({json.dumps(segments)})")
+    rows = [np.array(rows[0], dtype=np.float32).reshape(len(prompt_ids), -1)[-1]] + \
+        [np.array(r, dtype=np.float32) for r in rows[1:]]
+    completion = Completion(SamplingParams(**fields, stop=[stop]), vocab, len(vocab), context=prompt_ids)
+    want_ids, want_text = [], ""
+    for row in rows:
+        out = completion.next(row)
+        want_ids.append(out.token)
+        want_text += out.text
+        if completion.finish:
+            break
+    assert (want_ids, want_text) == (ids, text)
+    # a control out of range is refused, on the page, with the sampler's message
+    browser.evaluate("(() => { document.getElementById('top-p').value = '2'; "
+                     "document.getElementById('generate').click(); return true; })()")
+    end = time.monotonic() + 30
+    while "top_p" not in browser.evaluate("document.getElementById('status').textContent"):
+        assert time.monotonic() < end, "no error shown"
+        time.sleep(0.1)
+    assert browser.evaluate("document.getElementById('status').textContent") == \
+        "error: top_p must be in (0, 1], got 2"

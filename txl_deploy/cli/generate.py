@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from txl_deploy.cli.options import threads_option
+from txl_deploy.cli.options import sampling_options, threads_option
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -16,25 +16,22 @@ from txl_deploy.runtimes import TxlRuntime
 @click.option("--prompt", required=True, help="Text to start from. For a byte-level (enwik8) model it is read as "
               "UTF-8 with newlines dropped, as the model was trained; for text8, lowercase a-z and spaces.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely tokens.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus sampling threshold.")
-@click.option("--seed", type=int, help="Seed for reproducible sampling.")
+@sampling_options(temperature=1.0)
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @threads_option
-def generate_cmd(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, providers, threads):
+def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, threads):
     """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT.
 
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
-    several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD."""
+    several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. The sampling options are
+    those of the HTTP server (`txl-deploy serve`) and of `TxlRuntime.generate`."""
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
-        pieces = rt.generate_text(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed)
+        pieces = rt.generate_text(prompt, max_new_tokens, **sampling)  # checked here, before the prompt is echoed
         click.echo(prompt, nl=False)
         for piece in pieces:  # decoded incrementally: a character over several byte tokens prints once whole
             click.echo(piece, nl=False)

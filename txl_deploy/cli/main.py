@@ -22,6 +22,7 @@ from txl_deploy.cli import (
     export,
     generate,
     info,
+    serve,
     serve_client,
     triton_repo,
     triton_server,
@@ -32,7 +33,7 @@ from txl_deploy.cli.output import command_output
 from txl_deploy.errors import TxlError
 
 COMMAND_MODULES = (convert, info, export, verify, generate, evaluate, bench, build_engine, triton_repo,
-                   triton_server, serve_client, web_demo, demo)
+                   triton_server, serve, serve_client, web_demo, demo)
 
 
 class _Group(click.Group):

@@ -1,5 +1,6 @@
-"""Options shared by several commands: --threads, and how a checkpoint is read."""
+"""Options shared by several commands: --threads, how a checkpoint is read, and the sampling parameters."""
 
+import functools
 from pathlib import Path
 
 import click
@@ -50,3 +51,60 @@ def vocab_options(f):
     f = click.option("--preset", type=click.Choice(["enwik8-large", "text8-large", "wt103-large", "lm1b-large"]),
                      default=None, help=PRESET_HELP)(f)
     return f
+
+
+def _logit_bias(ctx, param, values):
+    bias = {}
+    for item in values:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: expected TOKEN_ID=BIAS, e.g. 17=-100") from None
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected TOKEN_ID=BIAS, e.g. 17=-100")
+    return bias
+
+
+def sampling_options(temperature: float):
+    """The token-level sampling parameters (runtimes/sampling.py's SamplingParams, which checks them), with
+    --max-new-tokens and --temperature defaulting as the command always did. The command gets `sampling`: a dict of
+    SamplingParams keyword arguments (max_new_tokens is passed on as its own argument)."""
+    options = [
+        click.option("--temperature", type=float, default=temperature, show_default=True, help="0 is greedy."),
+        click.option("--top-k", type=int, default=None, help="Sample only among the k most likely tokens."),
+        click.option("--top-p", type=float, default=1.0, show_default=True,
+                     help="Sample only within this probability mass (nucleus), in (0, 1]."),
+        click.option("--min-p", type=float, default=0.0, show_default=True,
+                     help="Drop tokens less likely than this fraction of the most likely one, in [0, 1]."),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+                     help="HuggingFace's penalty on tokens of the prompt and the generated text (> 1 discourages)."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                     help="OpenAI's penalty on tokens generated at least once, in [-2, 2]."),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                     help="OpenAI's penalty per time a token was generated, in [-2, 2]."),
+        click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True,
+                     help="Never repeat an n-gram of the prompt and the generated text (0: off)."),
+        click.option("--logit-bias", multiple=True, callback=_logit_bias, metavar="ID=BIAS",
+                     help="Add BIAS (in [-100, 100]) to token ID's score; repeatable."),
+        click.option("--min-tokens", type=int, default=0, show_default=True,
+                     help="Generate at least this many tokens before a --stop-token-id may end the text."),
+        click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
+                     help="A token id that ends generation; repeatable."),
+        click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output)."),
+    ]
+
+    def decorate(f):
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "no_repeat_ngram_size", "logit_bias", "min_tokens", "stop_token_ids", "seed")
+
+        def wrapper(*args, **kwargs):
+            kwargs["sampling"] = {name: kwargs.pop(name) for name in names}
+            return f(*args, **kwargs)
+
+        wrapper = functools.update_wrapper(wrapper, f)
+        for option in reversed(options):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from txl_deploy.cli.options import sampling_options
 from txl_deploy.errors import InputError
 from txl_deploy.serving.triton.client import TxlTritonClient
 
@@ -15,22 +16,19 @@ from txl_deploy.serving.triton.client import TxlTritonClient
 @click.option("--prompt", required=True, help="Text that starts the conversation.")
 @click.option("--model", default="txl", show_default=True, help="Model name in the Triton repository.")
 @click.option("--max-new-tokens", type=int, default=50, show_default=True, help="Tokens to generate.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy decoding.")
-@click.option("--top-k", type=int, default=None, help="Sample only among the k most likely tokens.")
-@click.option("--top-p", type=float, default=None, help="Sample only within this probability mass (nucleus).")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@sampling_options(temperature=0.0)
 @click.option("--vocab", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Vocabulary file (REPO/MODEL/vocab.json) when the server's model config does not carry it.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for each request.")
-def serve_client(url, prompt, model, max_new_tokens, temperature, top_k, top_p, seed, vocab, timeout):
+def serve_client(url, prompt, model, max_new_tokens, sampling, vocab, timeout):
     """Generate text from a Triton server at URL (http://HOST:PORT or grpc://HOST:PORT), streaming tokens as
-    they arrive. The conversation is one Triton sequence, ended when generation stops."""
+    they arrive. The conversation is one Triton sequence, ended when generation stops. The server returns
+    log-probs; this client samples them with the sampler every txl-deploy path uses (the options of `generate`)."""
     client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout)
     if client.vocab is None:
         raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
     decoder = client.vocab.stream_decoder()  # a character over several byte tokens prints once complete
-    for tok in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed):
+    for tok in client.generate(prompt, max_new_tokens=max_new_tokens, **sampling):
         sys.stdout.write(decoder.feed(tok))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")

@@ -1,7 +1,7 @@
 // The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
 // The model-specific part is txl.js; this file is only the page around it.
 import * as ort from "onnxruntime-web";
-import { TxlStream, Vocab, sample } from "./txl.js";
+import { Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
 
 const $ = (id) => document.getElementById(id);
 const site = JSON.parse($("site-config").textContent);
@@ -31,24 +31,58 @@ async function start() {
 const ready = start();
 let stopRequested = false;
 
-// Generate after `prompt` into a fresh memory; calls onToken(id, ms) as each token arrives.
-async function generate(prompt, maxNew, temperature, topK, onToken) {
-  const { stream, vocab } = await ready;
+// Generate after `prompt` into a fresh memory with the shared sampler (txl.js, the Python sampler's twin): tokens
+// until params.maxTokens, a stop token id or a stop string. Calls onToken(id, text, ms) as each token arrives, with
+// the text that may be shown now (decoded incrementally; a possible stop string is held back, the match itself is
+// never shown), and once more with id null for what is left when the page's Stop ended it early.
+async function generate(prompt, params, stops, onToken) {
+  const { stream, spec, vocab } = await ready;
   stream.reset();
   const ids = vocab.encode(prompt);
   if (ids.length === 0) throw new Error("the prompt is empty");
+  const sampler = new Sampler(params, spec.n_token, ids);
+  const stopText = new StopText(stops);
+  const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
+  const finish = () => { // the decoder's rest (an incomplete last character) and what the stop check held back
+    const [rest, hit] = stopText.push(decoder.flush(), true);
+    return hit ? rest : rest + stopText.flush();
+  };
   let t = performance.now();
   let logProbs = await stream.step(ids, { lastOnly: true });
   const out = [];
-  for (let n = 0; n < maxNew && !stopRequested; n++) {
-    const id = sample(logProbs, temperature, topK);
+  let finished = false;
+  for (let n = 0; n < params.maxTokens && !stopRequested; n++) {
+    const id = sampler.choose(logProbs);
     out.push(id);
+    let text, hit;
+    if (params.stopTokenIds.includes(id)) [text, hit] = [finish(), true];
+    else [text, hit] = stopText.push(decoder.feed(id), out.length >= params.minTokens);
+    if (!hit && n + 1 === params.maxTokens) text += finish();
+    finished = hit || n + 1 === params.maxTokens;
     const now = performance.now();
-    await onToken(id, now - t);
+    await onToken(id, text, now - t);
     t = performance.now();
-    if (n + 1 < maxNew) logProbs = await stream.step([id]);
+    if (hit) break;
+    if (n + 1 < params.maxTokens) logProbs = await stream.step([id]);
+  }
+  if (!finished) { // stopped from the page: what is left, with no new token (id null)
+    const rest = finish();
+    if (rest) await onToken(null, rest, 0);
   }
   return out;
+}
+
+// The page's controls as sampling parameters; a value out of range throws (and the page says so).
+function readControls() {
+  const num = (id) => Number($(id).value);
+  const seed = $("seed").value.trim();
+  const params = new SamplingParams({
+    temperature: num("temperature"), topK: num("top-k") || null, topP: num("top-p"), minP: num("min-p"),
+    repetitionPenalty: num("repetition-penalty"), presencePenalty: num("presence-penalty"),
+    frequencyPenalty: num("frequency-penalty"), noRepeatNgramSize: num("no-repeat-ngram"),
+    seed: seed === "" ? null : Number(seed), maxTokens: num("max-new"),
+  });
+  return { params, stops: $("stop-text").value ? [$("stop-text").value] : [] };
 }
 
 const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => resolve()));
@@ -67,11 +101,8 @@ function drawLatency(ms) {
 }
 
 async function onGenerate() {
-  const { vocab } = await ready;
+  await ready;
   const prompt = $("prompt").value;
-  const temperature = Number($("temperature").value);
-  const topK = Number($("top-k").value);
-  const maxNew = Number($("max-new").value);
   $("prompt-echo").textContent = prompt;
   $("generated").textContent = "";
   $("generate").disabled = true;
@@ -79,10 +110,11 @@ async function onGenerate() {
   document.body.dataset.state = "generating";
   stopRequested = false;
   const ms = [];
-  const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
   try {
-    await generate(prompt, maxNew, temperature, topK, async (id, elapsed) => {
-      $("generated").textContent += decoder.feed(id);
+    const { params, stops } = readControls();
+    await generate(prompt, params, stops, async (id, text, elapsed) => {
+      $("generated").textContent += text;
+      if (id === null) return;
       ms.push(elapsed);
       const sorted = [...ms].sort((a, b) => a - b);
       const median = sorted[Math.floor(sorted.length / 2)];
@@ -91,7 +123,6 @@ async function onGenerate() {
       drawLatency(ms);
       await nextFrame(); // let the browser paint each token as it comes
     });
-    $("generated").textContent += decoder.flush();
   } catch (e) {
     $("status").textContent = `error: ${e.message}`;
   } finally {
@@ -110,14 +141,27 @@ ready.then(() => { $("generate").disabled = false; document.body.dataset.state =
 window.txlDemo = {
   ready: ready.then(({ spec, provider }) => ({ precision: spec.precision, provider })),
   async greedy(prompt, maxNew) {
-    return generate(prompt, maxNew, 0, 0, async () => {});
+    return generate(prompt, new SamplingParams({ temperature: 0, maxTokens: maxNew }), [], async () => {});
+  },
+  // the page's generation with any sampling parameters (SamplingParams' fields) and stop strings: [ids, text]
+  async generate(prompt, fields, stops = []) {
+    let text = "";
+    const ids = await generate(prompt, new SamplingParams(fields), stops, async (id, piece) => { text += piece; });
+    return [ids, text];
+  },
+  // the sampler alone: tokens chosen from given log-prob rows; the generator's first uniform numbers
+  sampleRows(rows, fields, context = []) {
+    const sampler = new Sampler(new SamplingParams(fields), rows[0].length, context);
+    return rows.map((row) => sampler.choose(row));
+  },
+  uniforms(seed, n) {
+    const g = new Pcg64(seed);
+    return Array.from({ length: n }, () => g.random());
   },
   async greedyText(prompt, maxNew) { // the text the page shows for greedy generation, piece by piece
-    const { vocab } = await ready;
-    const decoder = vocab.streamDecoder(prompt);
     const pieces = [];
-    await generate(prompt, maxNew, 0, 0, async (id) => { pieces.push(decoder.feed(id)); });
-    pieces.push(decoder.flush());
+    await generate(prompt, new SamplingParams({ temperature: 0, maxTokens: maxNew }), [],
+                   async (id, text) => { pieces.push(text); });
     return pieces;
   },
   async encode(text) {

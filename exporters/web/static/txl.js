@@ -253,21 +253,264 @@ export class StreamDecoder {
   }
 }
 
-// One token from log-probs: temperature 0 is greedy (the first maximum, as numpy's argmax); topK keeps the k
-// most likely tokens. `random` returns uniform numbers in [0, 1).
-export function sample(logProbs, temperature, topK = 0, random = Math.random) {
-  let best = 0;
-  for (let i = 1; i < logProbs.length; i++) if (logProbs[i] > logProbs[best]) best = i;
-  if (temperature === 0) return best;
-  let kth = -Infinity;
-  if (topK > 0 && topK < logProbs.length) kth = Float32Array.from(logProbs).sort()[logProbs.length - topK];
-  const top = logProbs[best] / temperature;
-  const weights = new Float64Array(logProbs.length);
-  let total = 0;
-  for (let i = 0; i < logProbs.length; i++) {
-    if (logProbs[i] >= kth) total += weights[i] = Math.exp(logProbs[i] / temperature - top);
+// -- sampling: txl_deploy/runtimes/sampling.py, step for step ----------------------------------------------------
+// The same parameters, checked the same way (a bad value throws RangeError), the same steps in the same order, in
+// float64, with running sums in the same order, and the same uniform numbers: `Pcg64` is numpy's default_rng(seed)
+// (SeedSequence, then PCG64 XSL-RR, random() = (next64 >> 11) / 2^53), so a seeded page samples the tokens that
+// TxlRuntime.generate and the HTTP server sample from the same log-probs.
+
+const MASK32 = 0xffffffff;
+const M128 = (1n << 128n) - 1n;
+const M64 = (1n << 64n) - 1n;
+const PCG_MULT = (2549297995355413924n << 64n) + 4865540595714422341n;
+
+// numpy's SeedSequence(seed).generate_state(4, uint64) for a whole-number seed (pool of 4 uint32 words).
+function seedSequenceState(seed) {
+  const u32 = (x) => x >>> 0;
+  const mul = (a, b) => u32(Math.imul(a, b));
+  let entropy = [];
+  for (let v = BigInt(seed); v > 0n; v >>= 32n) entropy.push(Number(v & 0xffffffffn));
+  if (entropy.length === 0) entropy = [0];
+  let hashA = 0x43b0d7e5;
+  const hashmix = (value) => {
+    value = u32(value ^ hashA);
+    hashA = mul(hashA, 0x931e8875);
+    value = mul(value, hashA);
+    return u32(value ^ (value >>> 16));
+  };
+  const mix = (x, y) => {
+    const r = u32(mul(0xca01f9dd, x) - mul(0x4973f715, y));
+    return u32(r ^ (r >>> 16));
+  };
+  const pool = [0, 0, 0, 0].map((_, i) => hashmix(i < entropy.length ? entropy[i] : 0));
+  for (let src = 0; src < 4; src++) {
+    for (let dst = 0; dst < 4; dst++) if (src !== dst) pool[dst] = mix(pool[dst], hashmix(pool[src]));
   }
-  let r = random() * total;
-  for (let i = 0; i < weights.length; i++) if (weights[i] > 0 && (r -= weights[i]) < 0) return i;
-  return best;
+  for (let src = 4; src < entropy.length; src++) {
+    for (let dst = 0; dst < 4; dst++) pool[dst] = mix(pool[dst], hashmix(entropy[src]));
+  }
+  let hashB = 0x8b51f9dd;
+  const words = [];
+  for (let i = 0; i < 8; i++) {
+    let v = u32(pool[i % 4] ^ hashB);
+    hashB = mul(hashB, 0x58f38ded);
+    v = mul(v, hashB);
+    words.push(u32(v ^ (v >>> 16)));
+  }
+  return [0, 1, 2, 3].map((k) => (BigInt(words[2 * k + 1]) << 32n) | BigInt(words[2 * k]));
+}
+
+// numpy's PCG64 bit generator: random() gives what np.random.default_rng(seed).random() gives, draw by draw.
+export class Pcg64 {
+  constructor(seed) {
+    if (!Number.isSafeInteger(seed) || seed < 0) throw new RangeError(`seed must be a whole number in [0, 2^53), got ${seed}`);
+    const [s0, s1, i0, i1] = seedSequenceState(seed);
+    this.inc = ((((i0 << 64n) | i1) << 1n) | 1n) & M128;
+    this.state = 0n;
+    this.step();
+    this.state = (this.state + ((s0 << 64n) | s1)) & M128;
+    this.step();
+  }
+
+  step() {
+    this.state = (this.state * PCG_MULT + this.inc) & M128;
+  }
+
+  next64() {
+    this.step();
+    const x = ((this.state >> 64n) ^ this.state) & M64;
+    const rot = this.state >> 122n;
+    return ((x >> rot) | (x << ((64n - rot) & 63n))) & M64;
+  }
+
+  random() {
+    return Number(this.next64() >> 11n) / 9007199254740992;
+  }
+}
+
+const whole = (name, v, lo) => {
+  if (!Number.isInteger(v) || v < lo) throw new RangeError(`${name} must be a whole number >= ${lo}, got ${v}`);
+  return v;
+};
+const inRange = (name, v, lo, hi, loOpen = false) => {
+  if (typeof v !== "number" || !Number.isFinite(v) || v < lo || v > hi || (loOpen && v === lo)) {
+    throw new RangeError(`${name} must be in ${loOpen ? "(" : "["}${lo}, ${hi}], got ${v}`);
+  }
+  return v;
+};
+
+// What SamplingParams holds (the token-level controls), under the same names in camelCase.
+export class SamplingParams {
+  constructor({ temperature = 1, topK = null, topP = 1, minP = 0, repetitionPenalty = 1, presencePenalty = 0,
+                frequencyPenalty = 0, noRepeatNgramSize = 0, logitBias = {}, seed = null, stopTokenIds = [],
+                maxTokens = 16, minTokens = 0 } = {}) {
+    if (typeof temperature !== "number" || !Number.isFinite(temperature) || temperature < 0) {
+      throw new RangeError(`temperature must be a finite number >= 0, got ${temperature}`);
+    }
+    this.temperature = temperature;
+    this.topK = topK === null ? null : whole("top_k", topK, 1);
+    this.topP = inRange("top_p", topP, 0, 1, true);
+    this.minP = inRange("min_p", minP, 0, 1);
+    if (typeof repetitionPenalty !== "number" || !Number.isFinite(repetitionPenalty) || repetitionPenalty <= 0) {
+      throw new RangeError(`repetition_penalty must be a finite number > 0, got ${repetitionPenalty}`);
+    }
+    this.repetitionPenalty = repetitionPenalty;
+    this.presencePenalty = inRange("presence_penalty", presencePenalty, -2, 2);
+    this.frequencyPenalty = inRange("frequency_penalty", frequencyPenalty, -2, 2);
+    this.noRepeatNgramSize = whole("no_repeat_ngram_size", noRepeatNgramSize, 0);
+    this.logitBias = new Map(Object.entries(logitBias).map(([k, b]) => {
+      const id = Number(k);
+      whole("a logit_bias key", id, 0);
+      return [id, inRange(`logit_bias[${id}]`, b, -100, 100)];
+    }));
+    this.seed = seed === null ? null : whole("seed", seed, 0);
+    this.stopTokenIds = stopTokenIds.map((id) => whole("stop token id", id, 0));
+    this.maxTokens = whole("max_tokens", maxTokens, 0);
+    this.minTokens = whole("min_tokens", minTokens, 0);
+    if (this.minTokens > this.maxTokens) {
+      throw new RangeError(`min_tokens (${this.minTokens}) must not exceed max_tokens (${this.maxTokens})`);
+    }
+  }
+}
+
+// The tokens that would complete an n-gram already in `ids` (HuggingFace's no_repeat_ngram_size).
+export function bannedNgramTokens(ids, n) {
+  if (n < 1 || ids.length + 1 < n) return [];
+  const prefix = ids.slice(ids.length - n + 1);
+  const out = new Set();
+  for (let i = 0; i + n <= ids.length; i++) {
+    let same = true;
+    for (let j = 0; j < n - 1 && same; j++) same = ids[i + j] === prefix[j];
+    if (same) out.add(ids[i + n - 1]);
+  }
+  return [...out].sort((a, b) => a - b);
+}
+
+// One stream's sampling: choose(logProbs) -> token id. `random` (uniform in [0, 1)) defaults to Pcg64(seed), or
+// Math.random without a seed.
+export class Sampler {
+  constructor(params, nToken, context = [], random = null) {
+    for (const [what, ids] of [["logit_bias", [...params.logitBias.keys()]], ["stop_token_ids", params.stopTokenIds]]) {
+      const bad = ids.find((id) => id >= nToken);
+      if (bad !== undefined) throw new RangeError(`${what} names token id ${bad}, outside the vocabulary [0, ${nToken})`);
+    }
+    this.params = params;
+    this.nToken = nToken;
+    this.context = Array.from(context);
+    this.generated = [];
+    this.counts = new Float64Array(nToken);
+    if (random) this.random = random;
+    else if (params.seed !== null) { const g = new Pcg64(params.seed); this.random = () => g.random(); }
+    else this.random = Math.random;
+  }
+
+  scores(logProbs) {
+    const p = this.params;
+    const s = Float64Array.from(logProbs);
+    for (const [id, b] of p.logitBias) s[id] += b;
+    if (p.repetitionPenalty !== 1) {
+      for (const id of new Set([...this.context, ...this.generated])) {
+        s[id] = s[id] < 0 ? s[id] * p.repetitionPenalty : s[id] / p.repetitionPenalty;
+      }
+    }
+    if (p.presencePenalty || p.frequencyPenalty) {
+      for (let j = 0; j < s.length; j++) {
+        const c = this.counts[j];
+        s[j] = s[j] - c * p.frequencyPenalty - (c > 0 ? p.presencePenalty : 0);
+      }
+    }
+    if (p.noRepeatNgramSize) {
+      for (const id of bannedNgramTokens([...this.context, ...this.generated], p.noRepeatNgramSize)) s[id] = -Infinity;
+    }
+    if (p.minTokens && this.generated.length < p.minTokens) for (const id of p.stopTokenIds) s[id] = -Infinity;
+    return s;
+  }
+
+  choose(logProbs) {
+    const p = this.params;
+    const s = this.scores(logProbs);
+    let best = 0;
+    for (let i = 1; i < s.length; i++) if (s[i] > s[best]) best = i;
+    if (!(s[best] > -Infinity)) throw new RangeError("no token is left to choose: the sampling parameters exclude every token");
+    const id = p.temperature === 0 ? best : draw(filteredWeights(s, p), this.random());
+    this.generated.push(id);
+    this.counts[id] += 1;
+    return id;
+  }
+}
+
+// Temperature, then top-k (ties with the k-th stay), top-p (a token stays while the more likely ones, ties in id
+// order, weigh less than p of the total), min-p: the unnormalised probabilities of the tokens left.
+export function filteredWeights(scores, { temperature, topK = null, topP = 1, minP = 0 }) {
+  const n = scores.length;
+  const s = scores.map((v) => v / temperature);
+  if (topK !== null && topK < n) {
+    const kth = Float64Array.from(s).sort()[n - topK];
+    for (let i = 0; i < n; i++) if (s[i] < kth) s[i] = -Infinity;
+  }
+  let max = -Infinity;
+  for (let i = 0; i < n; i++) if (s[i] > max) max = s[i];
+  const w = s.map((v) => Math.exp(v - max));
+  if (topP < 1) {
+    const order = Array.from(w.keys()).sort((a, b) => (w[b] - w[a]) || (a - b));
+    let total = 0;
+    for (const i of order) total += w[i];
+    const limit = topP * total;
+    let before = 0;
+    const cut = [];
+    for (const i of order) {
+      if (before >= limit) cut.push(i);
+      before += w[i];
+    }
+    for (const i of cut) w[i] = 0;
+  }
+  if (minP > 0) {
+    let top = 0;
+    for (let i = 0; i < n; i++) if (w[i] > top) top = w[i];
+    for (let i = 0; i < n; i++) if (w[i] < minP * top) w[i] = 0;
+  }
+  return w;
+}
+
+// The first token whose running sum of weights exceeds u times their total.
+export function draw(weights, u) {
+  const cum = new Float64Array(weights.length);
+  let total = 0;
+  for (let i = 0; i < weights.length; i++) cum[i] = total += weights[i];
+  const x = u * total;
+  for (let i = 0; i < cum.length; i++) if (cum[i] > x) return i;
+  return weights.length - 1;
+}
+
+// Stop strings over a stream of text pieces (txl_deploy/serving/http/completion.py's StopText): push(piece, check)
+// -> [text safe to show, whether a stop string was found]; the match itself is never shown, and text that may still
+// become one is held back until it cannot (flush() gives it).
+export class StopText {
+  constructor(stops = []) {
+    this.stops = stops.filter((x) => x.length > 0);
+    this.held = "";
+  }
+
+  push(piece, check = true) {
+    const text = this.held + piece;
+    const start = this.held.length;
+    const hits = check ? this.stops.map((x) => text.indexOf(x, Math.max(0, start - x.length + 1))) : [];
+    if (hits.some((i) => i >= 0)) {
+      this.held = "";
+      return [text.slice(0, Math.min(...hits.filter((i) => i >= 0))), true];
+    }
+    const longest = Math.max(1, ...this.stops.map((x) => x.length)) - 1;
+    let keep = 0;
+    for (let k = Math.min(longest, text.length); k > 0; k--) {
+      if (this.stops.some((x) => x.startsWith(text.slice(text.length - k)))) { keep = k; break; }
+    }
+    this.held = text.slice(text.length - keep);
+    return [text.slice(0, text.length - keep), false];
+  }
+
+  flush() {
+    const out = this.held;
+    this.held = "";
+    return out;
+  }
 }

@@ -35,7 +35,7 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
-from txl_deploy.runtimes.sampling import sample
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.serving.triton.protocol import (
     PARAM_PREFIX,
     RESUME_INPUT,
@@ -45,6 +45,7 @@ from txl_deploy.serving.triton.protocol import (
 )
 from txl_deploy.vocab import CONTINUING, Vocab
 
+GENERATE_DEFAULTS = dict(max_new_tokens=50, temperature=0.0, top_k=None, top_p=None, seed=None, stop=None)
 LOST_RETRY_S = 30.0  # a server that could not be reached gets no new conversations for this long (if others can)
 
 
@@ -372,23 +373,35 @@ class Conversation:
             return self.last_log_probs
 
     def generate(self, prompt=None, max_new_tokens: int = 50, temperature: float = 0.0, top_k=None, top_p=None,
-                 seed=None, stop=None) -> Iterator[int]:
-        """Yield new token ids as they are produced (temperature 0: greedy), continuing this conversation."""
+                 seed=None, stop=None, *, params: SamplingParams | None = None, **controls) -> Iterator[int]:
+        """Yield new token ids as they are produced (temperature 0: greedy), continuing this conversation. The
+        sampling parameters are `TxlRuntime.generate`'s (the same sampler, runtimes/sampling.py): the classic ones,
+        the others by name, or one `params=SamplingParams(...)`; the stop token is yielded, then generation ends."""
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                     stop=stop)
+        params = generation_params("Conversation.generate()", params, given, GENERATE_DEFAULTS, controls)
+        if self.client.n_token is not None:
+            params.check_vocabulary(self.client.n_token)
+        ids = None
         if prompt is not None:
             ids = self.client.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int64)
-            if ids.size:
-                self.feed(ids)
+        return self._generate(ids, params)
+
+    def _generate(self, ids, params: SamplingParams) -> Iterator[int]:
+        if ids is not None and ids.size:
+            self.feed(ids)
         if self.last_log_probs is None and self.pending is None:
             raise InputError("generate() needs a prompt: nothing has been sent in this conversation yet")
-        stop = set() if stop is None else {int(s) for s in np.atleast_1d(stop)}
-        rng = np.random.default_rng(seed)
-        for n in range(max_new_tokens):
+        sampler = None
+        for _ in range(params.max_tokens):
             if self.pending is not None:
                 self.feed([])
-            tok = sample(self.last_log_probs, temperature, top_k, top_p, rng)
+            if sampler is None:
+                sampler = Sampler(params, self.last_log_probs.size, context=() if ids is None else ids.reshape(-1))
+            tok = sampler.choose(self.last_log_probs)
             self.pending = tok
             yield tok
-            if tok in stop:
+            if sampler.stopped_by_token(tok):
                 return
 
     def generate_text(self, prompt=None, max_new_tokens: int = 50, **sampling) -> Iterator[str]:

@@ -5,10 +5,10 @@ Python-backend stub, never inside txl-deploy itself. Every conversation is a Tri
 CORRID): START gives it a fresh memory (or the memory of a parked conversation), each request continues it, END
 forgets it.
 
-The memories live as the rows of ONE batched backend state per model instance (`RowPool`): a conversation owns a
-row from START to END. `execute()` gets the requests the sequence batcher put together (at most one per
-conversation), groups them by segment length (a shorter segment cannot be padded with tokens: every token fed
-enters the memory), pads their `out_positions` to the longest in the group (repeating the last position, sliced
+The memories live as the rows of ONE batched backend state per model instance (`RowPool`, in
+txl_deploy/serving/rows.py, which the HTTP server uses too): a conversation owns a row from START to END.
+`execute()` gets the requests the sequence batcher put together (at most one per conversation), groups them by
+segment length (a shorter segment cannot be padded with tokens: every token fed enters the memory), pads their `out_positions` to the longest in the group (repeating the last position, sliced
 off afterwards) and runs each group as one batched call. The rows of a group go to the backend as a view of the
 pool (no copy: ONNX Runtime reads them in place and the ring write lands in the pool); rows that are not contiguous
 are covered by spans with hole rows, computed with a dummy token and then put back exactly (see RowPool.spans),
@@ -33,9 +33,11 @@ with the input `resume_state` (such bytes) starts the conversation from that mem
 state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the
 conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
 A bad request gets an error response and changes no memory.
+
+The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
+uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
 """
 
-import heapq
 import io
 import json
 import os
@@ -62,8 +64,8 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 # txl_deploy is found through PYTHONPATH, applied just above.
-from txl_deploy.contract import io_spec  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
     RESUME_INPUT,
     SAVED_OUTPUT,
@@ -101,131 +103,6 @@ def _input(request, name):
 
 def _output(name, array):
     return pb_utils.Tensor.from_dlpack(name, np.ascontiguousarray(array))
-
-
-# -- where the memories live --------------------------------------------------------------------------------------
-class RowPool:
-    """The memories of up to `capacity` conversations as the rows of one batched state (dict of numpy arrays, as
-    the ONNX Runtime CPU backend keeps it). Rows are handed out lowest first, so conversations that start together
-    hold neighbouring rows and their batches are contiguous views."""
-
-    def __init__(self, backend, capacity):
-        self.backend = backend
-        self.state = backend.new_state(capacity)  # np.zeros: pages are only touched once a row is used
-        self.free = list(range(capacity))
-        heapq.heapify(self.free)
-        self.with_holes = self.viewed = 0  # spans run with / without hole rows (logged at finalize)
-        self.incremental = getattr(getattr(backend, "spec", None), "state", "full") == "incremental"
-
-    def start(self):
-        row = heapq.heappop(self.free)
-        self.backend.reset_rows(self.state, np.array([row], dtype=np.int64))
-        return row
-
-    def release(self, row):
-        heapq.heappush(self.free, row)
-
-    def load(self, row, arrays):
-        for name, value in arrays.items():
-            self.state[name][row] = value[0]
-
-    def save(self, row):
-        return {name: np.array(value[row:row + 1]) for name, value in self.state.items()}
-
-    def spans(self, rows):
-        """Contiguous row ranges [lo, hi) covering `rows` (sorted, unique) and which of them each holds. Runs of
-        rows merge across a gap while the gap rows are no more than the member rows: a hole costs one wasted row
-        of compute, a separate call re-reads every weight (and a gather would copy whole memories)."""
-        spans = []
-        for i, row in enumerate(rows):
-            if spans and row == spans[-1][1]:
-                spans[-1][1] += 1
-                spans[-1][2].append(i)
-                continue
-            if spans:
-                lo, hi, members = spans[-1]
-                if (row + 1 - lo) - (len(members) + 1) <= len(members) + 1:
-                    spans[-1][1] = row + 1
-                    members.append(i)
-                    continue
-            spans.append([row, row + 1, [i]])
-        return spans
-
-    def run(self, rows, tokens, positions):
-        """One batched call per span of rows (see spans); rows must be sorted. Rows inside a span that are not in
-        `rows` (holes) are computed with token 0 and then put back exactly as they were."""
-        rows = np.asarray(rows, dtype=np.int64)
-        out = [None] * rows.size
-        for lo, hi, members in self.spans(rows):
-            mine = rows[members]
-            n = hi - lo
-            if n == len(members):
-                tok, pos = tokens[members], positions[members]
-                holes = ()
-                self.viewed += 1
-            else:
-                tok = np.zeros((n, tokens.shape[1]), np.int64)
-                pos = np.zeros((n, positions.shape[1]), np.int64)
-                tok[mine - lo], pos[mine - lo] = tokens[members], positions[members]
-                holes = np.setdiff1d(np.arange(lo, hi), mine)
-                self.with_holes += 1
-            sub = {name: value[lo:hi] for name, value in self.state.items()}  # views: no copy
-            before = dict(sub)
-            undo = self._keep(holes, tokens.shape[1]) if len(holes) and self.incremental else None
-            log_probs = self.backend.run(sub, tok, pos)
-            for name, value in sub.items():
-                if value is not before[name]:  # a full-state graph returns new arrays: take the members' rows
-                    self.state[name][mine] = value[mine - lo]
-            if undo is not None:
-                self._restore(undo)
-            for j, m in enumerate(members):
-                out[m] = log_probs[mine[j] - lo]
-        return np.stack(out)
-
-    def _keep(self, holes, q):
-        """What the ring write of a q-token segment will overwrite in the hole rows (the backend writes rows in
-        place: see runtimes/onnxruntime.write_ring), so it can be put back."""
-        m = self.backend.spec.mem_len
-        keep = min(q, m)
-        kept = []
-        count = self.state[io_spec.MEM_COUNT]
-        for h in holes:
-            slots = (int(count[h]) + q - keep + np.arange(keep)) % m
-            layers = [(self.state[io_spec.mem_k(i)][h][..., slots].copy(),
-                       self.state[io_spec.mem_v(i)][h][:, slots].copy()) for i in range(self.backend.spec.n_layer)]
-            kept.append((h, int(count[h]), slots, layers))
-        return kept
-
-    def _restore(self, kept):
-        for h, count, slots, layers in kept:
-            for i, (k, v) in enumerate(layers):
-                self.state[io_spec.mem_k(i)][h][..., slots] = k
-                self.state[io_spec.mem_v(i)][h][:, slots] = v
-            self.state[io_spec.MEM_COUNT][h] = count
-
-
-class SeparateStates:
-    """One state per conversation, run one after another: for backends whose state is not host numpy arrays
-    (TensorRT engines, ONNX Runtime on CUDA keep it on the device, where a gather would cost a device copy)."""
-
-    def __init__(self, backend, capacity):
-        self.backend = backend
-
-    def start(self):
-        return [self.backend.new_state(1)]  # a list: the handle stays the same object when the state is replaced
-
-    def release(self, handle):
-        handle[0] = None
-
-    def load(self, handle, arrays):
-        handle[0] = self.backend.state_from_arrays(arrays)
-
-    def save(self, handle):
-        return {k: np.array(v) for k, v in self.backend.state_arrays(handle[0]).items()}
-
-    def run(self, handles, tokens, positions):
-        return np.concatenate([self.backend.run(h[0], tokens[j:j + 1], positions[j:j + 1])
-                               for j, h in enumerate(handles)])
 
 
 class Conversation:
@@ -269,11 +146,7 @@ class TritonPythonModel:
         self.max_sequences = int(config["sequence_batching"]["oldest"]["max_candidate_sequences"])
         idle_us = int(config["sequence_batching"].get("max_sequence_idle_microseconds", 0) or 0)
         self.idle_timeout = idle_us / 1e6 if idle_us > 0 else None
-        probe = self.backend.new_state(1)
-        kind = RowPool if isinstance(probe, dict) and all(isinstance(v, np.ndarray) for v in probe.values()) \
-            else SeparateStates
-        del probe
-        self.states = kind(self.backend, self.max_sequences)
+        self.states = row_store(self.backend, self.max_sequences)
         self.conversations = OrderedDict()  # corrid -> Conversation, least recently used first
         self.fingerprint = self.backend.fingerprint()
 

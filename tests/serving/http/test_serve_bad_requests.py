@@ -1,0 +1,109 @@
+"""Bad input: a corpus of malformed and out-of-range requests, each answered with a 4xx and OpenAI's error object,
+sent while other streams run; the running streams finish with exactly their tokens and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+JSON = {"Content-Type": "application/json"}
+
+# (method, path, keyword arguments for httpx, the status expected, a fragment of the message or the param)
+CORPUS = [
+    ("POST", "/v1/completions", dict(content=b"{not json", headers=JSON), 400, "not valid JSON"),
+    ("POST", "/v1/completions", dict(content=b"[1, 2]", headers=JSON), 400, None),
+    ("POST", "/v1/completions", dict(json={}), 400, "prompt"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "frobnicate": True}), 400, "unknown field 'frobnicate'"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "max_tokens": "10"}), 400, "max_tokens"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "max_tokens": -1}), 400, "max_tokens"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "max_tokens": 10**6}), 400, "--max-tokens"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "temperature": -0.5}), 400, "temperature"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "top_p": 1.5}), 400, "top_p"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "top_k": 0}), 400, "top_k"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "min_p": 2}), 400, "min_p"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "presence_penalty": 3}), 400, "presence_penalty"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "repetition_penalty": 0}), 400, "repetition_penalty"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "logprobs": 21}), 400, "logprobs"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "logit_bias": {"999": 1}}), 400, "outside the vocabulary"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "logit_bias": {"3": 500}}), 400, "logit_bias"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}), 400, "at most 4"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "stop_token_ids": [60]}), 400, "outside the vocabulary"),
+    ("POST", "/v1/completions", dict(json={"prompt": [1, 2, 60]}), 400, "outside the vocabulary"),
+    ("POST", "/v1/completions", dict(json={"prompt": [1, -2]}), 400, "outside the vocabulary"),
+    ("POST", "/v1/completions", dict(json={"prompt": [1.5, 2]}), 400, "prompt"),
+    ("POST", "/v1/completions", dict(json={"prompt": ["w1", "w2"]}), 400, "one prompt per request"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1 " * 300}), 400, "--max-prompt-tokens"),
+    ("POST", "/v1/completions", dict(json={"prompt": ""}), 400, "prompt is empty"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "n": 2}), 400, "n must be 1"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "best_of": 3}), 400, "best_of"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "echo": True}), 400, "echo"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "suffix": "x"}), 400, "suffix"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "stream_options": {"include_usage": True}}), 400,
+     "stream_options"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "model": "gpt-4"}), 404, "not served here"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "session_id": "no such"}), 400, "session_id"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "session_id": "nobody"}), 404, "does not exist"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "max_tokens": 3, "min_tokens": 5}), 400, "min_tokens"),
+    ("POST", "/v1/completions", dict(content=b"x" * (2 << 20), headers=JSON), 413, "larger than"),
+    ("GET", "/v1/completions", {}, 405, None),
+    ("GET", "/v1/nothing-here", {}, 404, None),
+    ("DELETE", "/v1/sessions/ghost", {}, 404, "does not exist"),
+    ("POST", "/v1/sessions/ghost/park", {}, 404, "does not exist"),
+]
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CORPUS) >= 15
+
+
+def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, alone):
+    good = [[1, 2, 3], [7, 8], list(range(20))]
+    n = 60
+
+    def stream(prompt):
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, "stream": True}
+        ids = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return ids
+
+    with ThreadPoolExecutor(len(good)) as pool:
+        running = [pool.submit(stream, p) for p in good]
+        answers = []
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for method, path, kwargs, status, fragment in CORPUS:
+                r = c.request(method, path, **kwargs)
+                answers.append((method, path, kwargs, status, fragment, r))
+        results = [f.result(timeout=120) for f in running]
+    for method, path, kwargs, status, fragment, r in answers:
+        what = f"{method} {path} {kwargs}"[:120]
+        assert r.status_code == status, (what, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, what
+        if fragment is not None:
+            assert fragment in err["message"] or fragment == err["param"], (what, err)
+    for prompt, ids in zip(good, results):
+        assert ids == alone(prompt, n)[0]
+    # and it still serves
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "w1", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_refused_before_it_is_read_whole(make_server, chunked):
+    srv = make_server(settings={"max_body_bytes": 4096})
+    body = b'{"prompt": "' + b"w1 " * 3000 + b'"}'
+
+    def pieces():
+        for i in range(0, len(body), 1000):
+            yield body[i:i + 1000]
+
+    r = httpx.post(srv.url + "/v1/completions", content=pieces() if chunked else body, headers=JSON)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "w1", "max_tokens": 1}).status_code == 200

@@ -1,0 +1,199 @@
+"""Continuous batching: 32 concurrent streams are rows of one batched call and each gets exactly its tokens alone;
+streams join and leave between steps; a long prompt goes in chunks between decode steps; a client that disconnects
+frees its row within one step; beyond the queue, 429 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from txl_deploy.runtimes import SamplingParams, TxlRuntime
+from txl_deploy.serving.http.scheduler import Job, Scheduler
+
+
+def _prompts(count, seed=0):
+    rng = np.random.default_rng(seed)
+    # different lengths, several longer than one chunk (the tiny model's max_segment is 16)
+    return [rng.integers(0, 58, size=int(rng.integers(1, 40))).tolist() for _ in range(count)]
+
+
+def test_32_concurrent_streams_each_get_their_tokens_alone(server, alone):
+    prompts = _prompts(32)
+    n = 10
+    barrier = threading.Barrier(32)
+    batches = []
+    engine = server.engine
+    observe = engine.on_batch
+    engine.on_batch = lambda size: (batches.append(size), observe(size))
+
+    def one(prompt):
+        barrier.wait(timeout=60)
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, prompts))
+    finally:
+        engine.on_batch = observe
+    for prompt, choice in zip(prompts, results):
+        toks, lps = alone(prompt, n)
+        assert choice["token_ids"] == toks
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], [lp[t] for lp, t in zip(lps, toks)],
+                                   rtol=0, atol=1e-5)
+    assert max(batches) > 8, batches  # the streams really ran as rows of shared calls
+
+
+class _Recorder:
+    """The engine's collector: events per job."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def emit(self, kind, payload):
+        self.events.append((kind, payload))
+        if kind != "token":
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [p.token for k, p in self.events if k == "token"]
+
+
+@pytest.fixture
+def engine(tiny_onnx):
+    """A scheduler with its backend calls recorded: (segment length, rows)."""
+    eng = Scheduler(TxlRuntime.load(tiny_onnx), max_batch=4, max_sessions=2, max_queue=8, prefill_chunk=4)
+    calls = []
+    run = eng.rows.run
+
+    def spy(handles, tokens, positions):
+        calls.append((tokens.shape[1], tuple(int(h) for h in handles)))
+        time.sleep(0.002)  # slow enough that a cancellation lands between steps
+        return run(handles, tokens, positions)
+
+    eng.rows.run = spy
+    eng.calls = calls
+    eng.start()
+    yield eng
+    eng.stop(10)
+
+
+def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, alone):
+    short, long_ = _prompts(1, seed=3)[0][:3], list(range(40)) + list(range(10))  # 50 tokens: 13 chunks of <= 4
+    a, b = _Recorder(), _Recorder()
+    engine.submit(Job(short, SamplingParams(temperature=0, max_tokens=30), a.emit))
+    while not a.tokens:
+        time.sleep(0.001)
+    engine.submit(Job(long_, SamplingParams(temperature=0, max_tokens=5), b.emit))
+    assert a.done.wait(30) and b.done.wait(30)
+    assert a.tokens == alone(short, 30)[0]
+    # the long prompt's chunks, and between every two of them a decode step of the running stream
+    chunk_calls = [i for i, (q, rows) in enumerate(engine.calls) if rows == (1,) and q > 1]
+    assert len(chunk_calls) >= 12  # 50 tokens in chunks of 4 (the last chunk of 2)
+    for i, j in zip(chunk_calls, chunk_calls[1:]):
+        between = engine.calls[i + 1:j]
+        assert any(q == 1 and 0 in rows for q, rows in between), engine.calls[i:j + 1]
+    # and the long one got what it gets alone when fed in the same chunks
+    rt = TxlRuntime.load(engine.rt.backend.path)
+    for lo in range(0, len(long_), 4):
+        lp = rt.prefill(np.array([long_[lo:lo + 4]]))[0]
+    toks = []
+    for _ in range(5):
+        toks.append(int(np.argmax(lp)))
+        lp = rt.prefill(np.array([[toks[-1]]]))[0]
+    assert b.tokens == toks
+
+
+def test_streams_join_and_leave_between_steps(engine, alone):
+    recs = [_Recorder() for _ in range(6)]
+    prompts = _prompts(6, seed=5)
+    lengths = [3, 12, 5, 20, 1, 8]
+    for i, (rec, prompt, n) in enumerate(zip(recs, prompts, lengths)):
+        engine.submit(Job(prompt, SamplingParams(temperature=0, max_tokens=n), rec.emit))
+        time.sleep(0.01 * i)
+    for rec in recs:
+        assert rec.done.wait(30)
+    for rec, prompt, n in zip(recs, prompts, lengths):
+        assert rec.tokens == alone(prompt, n)[0]
+        assert rec.events[-1] == ("done", {"finish_reason": "length", "prompt_tokens": len(prompt),
+                                           "completion_tokens": n})
+    assert max(len(rows) for q, rows in engine.calls if q == 1) > 1  # decode steps were shared
+    assert engine.running == 0 and engine.queue_depth == 0
+    assert sorted(engine.rows.free) == list(range(6))  # every row went back
+
+
+def test_a_cancelled_stream_frees_its_row_within_one_step(engine):
+    rec, other = _Recorder(), _Recorder()
+    job = Job([1, 2, 3], SamplingParams(temperature=0, max_tokens=500), rec.emit)
+    engine.submit(job)
+    engine.submit(Job([4, 5], SamplingParams(temperature=0, max_tokens=500), other.emit))
+    while len(rec.tokens) < 5:
+        time.sleep(0.001)
+    row = next(rows[0] for q, rows in engine.calls if q == 3)
+    engine.cancel(job)
+    mark = len(engine.calls)
+    while len(engine.calls) < mark + 3:
+        time.sleep(0.001)
+    # at most the step already running when cancel() arrived still carries the row; the next ones do not
+    assert all(row not in rows for q, rows in engine.calls[mark + 1:mark + 3])
+    assert row in engine.rows.free and engine.running == 1
+    assert not rec.done.is_set()  # a cancelled job sends nothing more
+
+
+def test_disconnect_over_http_frees_the_row(make_server):
+    srv = make_server(max_batch=2)
+    eng = srv.engine
+
+    async def disconnect(stream):
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+            body = {"prompt": "w1 w2", "max_tokens": 3000, "temperature": 0, "stream": stream}
+            if stream:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # one token, then the client goes away
+            else:
+                task = asyncio.ensure_future(c.post("/v1/completions", json=body))
+                while eng.running == 0:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+    for stream in (True, False):
+        asyncio.run(disconnect(stream))
+        end = time.monotonic() + 10
+        while eng.running and time.monotonic() < end:
+            time.sleep(0.01)
+        assert eng.running == 0, f"stream={stream}: the row is still busy"
+    assert sorted(eng.rows.free) == list(range(2 + 8))  # every row of the pool is free again
+
+
+def test_overload_gets_429_with_retry_after(make_server):
+    srv = make_server(max_batch=1, max_queue=2)
+    body = {"prompt": "w1", "max_tokens": 400, "temperature": 0}
+    statuses = []
+
+    def send(_):
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        statuses.append(r.status_code)
+        return r
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, range(8)))
+    refused = [r for r in results if r.status_code == 429]
+    assert statuses.count(200) >= 3 and refused  # one running, two waiting; the rest refused
+    assert refused[0].headers["Retry-After"] == "1"
+    assert refused[0].json()["error"]["type"] == "rate_limit_error"
+    assert httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}).status_code == 200

@@ -1,0 +1,163 @@
+"""`txl-deploy serve --triton`: the same API, served through Triton servers (the bundled tritonserver on loopback,
+two of them): completions equal the local server's and TxlRuntime's, sessions stay on one server and continue
+exactly, park and restore go through the Triton model's parked states."""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+
+from txl_deploy.runtimes import SamplingParams, TxlRuntime  # noqa: E402
+from txl_deploy.serving.http.app import ServeSettings  # noqa: E402
+from txl_deploy.serving.http.fleet import FleetEngine, sequence_id  # noqa: E402
+from txl_deploy.serving.http.server import BackgroundServer  # noqa: E402
+from txl_deploy.serving.triton.client import rendezvous_order  # noqa: E402
+from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # longer than one request (16 tokens)
+
+
+@pytest.fixture(scope="module")
+def tritons(tiny_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+
+    try:
+        find_tritonserver()
+    except TritonLaunchError as e:
+        pytest.skip(str(e))
+    repo = write_repository(tiny_onnx, tmp_path_factory.mktemp("fleet") / "repo", backend="python", max_batch=4,
+                            max_sequences=16, idle_timeout=120, threads=1)
+    started = [TritonServer(repo) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.start(), started))
+        yield started
+    finally:
+        for srv in started:
+            srv.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def fleet(tritons):
+    urls = [s.grpc_url for s in tritons]
+    load = functools.partial(FleetEngine.connect, urls, model="txl", max_batch=4, max_sessions=4, max_queue=16)
+    with BackgroundServer(load, ServeSettings(model_name="txl")) as srv:
+        yield srv
+
+
+def _complete(srv, prompt, n, **extra):
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, "logprobs": 5, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _reference(tiny_onnx, segments):
+    rt = TxlRuntime.load(tiny_onnx)
+    out, lp = [], None
+    for prompt, n in segments:
+        if prompt:
+            lp = rt.prefill(np.array([prompt]))[0]
+        toks, lps = [], []
+        for _ in range(n):
+            lps.append(lp)
+            toks.append(int(np.argmax(lp)))
+            lp = rt.prefill(np.array([[toks[-1]]]))[0]
+        out.append((toks, lps))
+    return out
+
+
+def test_completions_through_the_fleet_equal_the_runtime(fleet, tiny_onnx):
+    choice = _complete(fleet, PROMPT, 8)
+    (toks, lps), = _reference(tiny_onnx, [(PROMPT, 8)])
+    assert choice["token_ids"] == toks and choice["finish_reason"] == "length"
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], [lp[t] for lp, t in zip(lps, toks)], atol=1e-5)
+    # streaming and a seeded sample with every control, as generate() samples it
+    controls = dict(temperature=0.8, top_p=0.95, seed=5, top_k=40, repetition_penalty=1.2, presence_penalty=0.3)
+    r = httpx.post(fleet.url + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 12, "stream": True, "return_token_ids": True, **controls})
+    ids = []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    want = list(TxlRuntime.load(tiny_onnx).generate(PROMPT, params=SamplingParams(max_tokens=12, **controls)))
+    assert ids == want
+
+
+def test_a_session_stays_on_one_server_and_continues_exactly(fleet, tritons, tiny_onnx):
+    r = httpx.post(fleet.url + "/v1/sessions", json={"id": "fleet-chat"})
+    assert r.status_code == 201 and r.json()["memory_bytes"] is None
+    got = [_complete(fleet, prompt, n, session_id="fleet-chat") for prompt, n in ((PROMPT, 5), ([7, 7, 2], 4), ("", 3))]
+    want = _reference(tiny_onnx, [(PROMPT, 5), ([7, 7, 2], 4), ([], 3)])
+    for choice, (toks, lps) in zip(got, want):
+        assert choice["token_ids"] == toks
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], [lp[t] for lp, t in zip(lps, toks)],
+                                   atol=1e-5)
+    conv = fleet.engine.sessions.get("fleet-chat").handle
+    urls = list(conv.client.servers)
+    assert conv.id == sequence_id("fleet-chat") and conv.url == rendezvous_order(conv.id, urls)[0]
+    # park, then restore under another id: it goes on exactly
+    parked = httpx.post(fleet.url + "/v1/sessions/fleet-chat/park")
+    assert parked.status_code == 200 and len(parked.content) > 1000, parked.text
+    r = httpx.post(fleet.url + "/v1/sessions/fleet-chat-2/restore", content=parked.content)
+    assert r.status_code == 201, r.text
+    more = _complete(fleet, [4, 4], 3, session_id="fleet-chat-2")
+    toks, _ = _reference(tiny_onnx, [(PROMPT, 5), ([7, 7, 2], 4), ([], 3), ([4, 4], 3)])[-1]
+    assert more["token_ids"] == toks
+    bad = httpx.post(fleet.url + "/v1/sessions/x/restore", content=b"garbage")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_state"
+    gone = httpx.post(fleet.url + "/v1/completions", json={"prompt": [1], "session_id": "fleet-chat"})
+    assert gone.status_code == 404 and "was parked" in gone.json()["error"]["message"]
+
+
+def test_concurrent_requests_through_the_fleet(fleet, tiny_onnx):
+    prompts = [[i % 58, (3 * i) % 58, (7 * i + 1) % 58] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _complete(fleet, p, 6)["token_ids"], prompts))
+    for prompt, ids in zip(prompts, got):
+        assert ids == _reference(tiny_onnx, [(prompt, 6)])[0][0]
+
+
+def test_http_addresses_are_refused_with_the_reason():
+    from txl_deploy.errors import InputError
+
+    with pytest.raises(InputError, match="needs the servers' gRPC addresses"):
+        FleetEngine(["http://127.0.0.1:8000"])
+
+
+def test_the_triton_client_and_serve_client_sample_as_generate_does(tritons, tiny_onnx):
+    """The other paths to Triton use the same sampler: TxlTritonClient's conversations and `serve-client`."""
+    from click.testing import CliRunner
+
+    from txl_deploy.cli import main
+    from txl_deploy.errors import InputError
+    from txl_deploy.serving.triton.client import TxlTritonClient
+
+    controls = dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.3, frequency_penalty=0.5,
+                    no_repeat_ngram_size=2, seed=11)
+    want = list(TxlRuntime.load(tiny_onnx).generate(PROMPT, 15, **controls))
+    client = TxlTritonClient(tritons[0].grpc_url)
+    try:
+        assert list(client.generate(PROMPT, max_new_tokens=15, **controls)) == want
+        with pytest.raises(InputError, match="does not support stop"):
+            list(client.generate(PROMPT, params=SamplingParams(stop=["w1"])))
+    finally:
+        client.close()
+    rt = TxlRuntime.load(tiny_onnx)
+    prompt = " ".join(rt.vocab.symbols[t] for t in PROMPT)
+    want = rt.decode(list(rt.generate(prompt, 15, **controls)))
+    args = ["--temperature", "0.9", "--top-k", "30", "--top-p", "0.9", "--min-p", "0.01", "--repetition-penalty",
+            "1.3", "--frequency-penalty", "0.5", "--no-repeat-ngram-size", "2", "--seed", "11"]
+    result = CliRunner().invoke(main, ["serve-client", tritons[1].grpc_url, "--prompt", prompt,
+                                       "--max-new-tokens", "15", *args])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == want.strip()
+    bad = CliRunner().invoke(main, ["serve-client", tritons[1].grpc_url, "--prompt", prompt, "--top-p", "2"])
+    assert bad.exit_code == 2 and "top_p must be in (0, 1]" in bad.output

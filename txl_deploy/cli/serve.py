@@ -1,0 +1,109 @@
+"""`txl-deploy serve`: an OpenAI-compatible HTTP API (completions, streaming, sessions) over one model or a Triton
+fleet."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import click
+
+from txl_deploy.cli.options import threads_option
+from txl_deploy.errors import InputError
+
+API_KEY_ENV = "TXL_API_KEY"
+
+
+@click.command("serve")
+@click.argument("model", type=click.Path(exists=True), required=False)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; put a proxy with TLS in front).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@threads_option
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests generating at once (rows of one batched call); more wait in the queue.")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Sessions kept; a new one evicts the least recently used idle one.")
+@click.option("--session-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
+              help="Seconds a session may sit idle before it expires.")
+@click.option("--api-key", default=None, help=f"Require `Authorization: Bearer KEY` on /v1 (or set {API_KEY_ENV}).")
+@click.option("--model-name", default=None, help="The model's name in the API. [default: MODEL's file name]")
+@click.option("--max-queue", type=click.IntRange(min=0), default=None,
+              help="Requests waiting for a row before new ones get 429. [default: 4 x --max-batch]")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Longest prompt accepted (longer: 400).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Largest max_tokens a request may ask for (larger: 400).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
+              help="Largest request body (larger: 413); restoring a session takes its state's size.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens fed per step between decode steps. [default: the model's max_segment]")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds running streams get to finish.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
+              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
+@click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
+@click.option("--triton", "triton_urls", default=None, metavar="URL[,URL...]",
+              help="Serve through these Triton servers (grpc://HOST:PORT or http://HOST:PORT) instead of a local "
+                   "MODEL; sessions stay on one server by rendezvous hashing.")
+@click.option("--triton-model", default="txl", show_default=True, help="The model's name in the Triton repository.")
+@click.option("--vocab", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="With --triton: the vocabulary file when the servers' model config does not carry it.")
+def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_key, model_name, max_queue,
+          max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, drain_timeout, backend, providers,
+          triton_urls, triton_model, vocab):
+    """Serve MODEL (an .onnx, an .engine or a checkpoint) over HTTP with OpenAI's completions API.
+
+    \b
+    POST /v1/completions   prompt (text or token ids), stream, logprobs, stop, the sampling parameters,
+                           and session_id to continue a session's memory
+    POST /v1/sessions      create a session; GET/DELETE /v1/sessions/ID; POST /v1/sessions/ID/park returns
+                           its memory's bytes, POST /v1/sessions/ID/restore takes them back
+    GET  /v1/models, /health (200 once the model is loaded), /metrics (Prometheus)
+
+    A session keeps the model's memory between requests, so continuing it costs only the new tokens. The log
+    says how much memory each session holds. SIGTERM drains: no new requests, running streams finish (at most
+    --drain-timeout seconds), exit 0.
+
+    \b
+    Example:
+      txl-deploy serve model.onnx --port 8000 --threads 4
+      curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"prompt": "And God said", "max_tokens": 40, "temperature": 0}'
+    """
+    # The server needs the serve extra (FastAPI, uvicorn, sse-starlette, prometheus-client), which a base install
+    # lacks: imported here so that `txl-deploy --help` and every other command work without it.
+    try:
+        from txl_deploy.serving.http import app as http_app  # the serve extra
+        from txl_deploy.serving.http import server as http_server  # the serve extra
+        from txl_deploy.serving.http.fleet import FleetEngine  # the serve extra
+        from txl_deploy.serving.http.scheduler import Scheduler  # the serve extra
+    except ImportError as e:
+        raise InputError(f"txl-deploy serve needs the serve extra: pip install 'txl-deploy[serve]' ({e})") from None
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    max_queue = 4 * max_batch if max_queue is None else max_queue
+    options = dict(max_batch=max_batch, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue)
+    if triton_urls:
+        if model is not None:
+            raise InputError("give either MODEL or --triton, not both")
+        urls = [u.strip() for u in triton_urls.split(",") if u.strip()]
+        load = functools.partial(FleetEngine.connect, urls, model=triton_model, vocab=vocab, **options)
+        name = model_name or triton_model
+    else:
+        if model is None:
+            raise InputError("give a MODEL to serve (or --triton URL to serve through Triton servers)")
+        load = functools.partial(Scheduler.load, model, threads=threads, backend=backend,
+                                 providers=providers.split(",") if providers else None,
+                                 prefill_chunk=prefill_chunk, **options)
+        name = model_name or Path(model).name.removesuffix(".onnx").removesuffix(".engine")
+    settings = http_app.ServeSettings(model_name=name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
+                                      max_tokens=max_tokens, max_body_bytes=max_body_bytes,
+                                      drain_timeout=drain_timeout)
+    click.echo(f"serving {name!r} on http://{host}:{port} (loading the model; /health says when it is ready)",
+               err=True)
+    http_server.serve(load, settings, host=host, port=port)
+    click.echo("stopped", err=True)
+
+
+COMMANDS = [serve]

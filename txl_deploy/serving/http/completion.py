@@ -1,0 +1,103 @@
+"""One request's generation as text: the sampler, the text of each token, stop strings, and when to finish.
+
+Both engines (the local scheduler and the Triton fleet) drive a `Completion` with log-probs and get back, per token,
+what to send: the text that may be shown now, the token's log-prob and alternatives. Stop strings are matched on
+the decoded text; text that could still become a stop string is held back until it cannot, and the match itself is
+never sent (OpenAI's behaviour). Stop strings are looked for once min_tokens tokens have been generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, top_logprobs
+from txl_deploy.vocab import Vocab
+
+
+def token_text(vocab: Vocab, token: int) -> str:
+    """The text one generated token adds to the stream. The one place tokens become text: a vocabulary with an
+    incremental decoder (byte-level) would be wired in here."""
+    return vocab.piece(token)
+
+
+class StopText:
+    """Stop strings over a stream of text pieces: `push` returns the text that is safe to show and whether a stop
+    string was found (the text before it is returned, the rest dropped); `flush` returns what was held back."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stops)
+        self.held = ""
+
+    def push(self, piece: str, check: bool = True) -> tuple[str, bool]:
+        text = self.held + piece
+        if check and self.stops:
+            start = len(self.held)  # a new match ends inside the new piece
+            hits = [i for s in self.stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+            if hits:
+                self.held = ""
+                return text[:min(hits)], True
+        keep = self._prefix_kept(text)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def _prefix_kept(self, text: str) -> int:
+        """Length of the longest end of `text` that begins a stop string (it may become one)."""
+        longest = max((len(s) for s in self.stops), default=1) - 1
+        for k in range(min(longest, len(text)), 0, -1):
+            end = text[-k:]
+            if any(s.startswith(end) for s in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass
+class TokenOut:
+    token: int
+    text: str  # text released with this token (may be empty while held back, or longer than its own piece)
+    piece: str  # this token's own text
+    logprob: float
+    top: dict | None  # {text: log-prob} of the most likely tokens, with logprobs requested
+    offset: int  # where the token's text starts in the completion (before stop strings cut it)
+
+
+class Completion:
+    """Sampling, text and stopping for one request. `next(log_probs)` -> TokenOut; `finish` is then set once the
+    request is done ("stop": a stop string or stop token id, "length": max_tokens)."""
+
+    def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=()):
+        self.params, self.vocab = params, vocab
+        self.sampler = Sampler(params, n_token, context)
+        self.stops = StopText(params.stop)
+        self.finish = None if params.max_tokens > 0 else "length"
+        self.offset = 0
+        self.tokens: list[int] = []
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
+
+    def next(self, log_probs: np.ndarray) -> TokenOut:
+        p = self.params
+        tok = self.sampler.choose(log_probs)
+        self.tokens.append(tok)
+        piece = token_text(self.vocab, tok)
+        if self.sampler.stopped_by_token(tok):
+            text, self.finish = self.stops.flush(), "stop"  # the stop token's own text is not sent
+        else:
+            text, hit = self.stops.push(piece, check=self.generated >= p.min_tokens)
+            if hit:
+                self.finish = "stop"
+            elif self.generated >= p.max_tokens:
+                text, self.finish = text + self.stops.flush(), "length"
+        top = None
+        if p.logprobs is not None:
+            top = {token_text(self.vocab, t): lp for t, lp in top_logprobs(log_probs, p.logprobs)}
+        out = TokenOut(tok, text, piece, float(log_probs[tok]), top, self.offset)
+        self.offset += len(piece)
+        return out

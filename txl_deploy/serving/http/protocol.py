@@ -1,0 +1,152 @@
+"""The HTTP API's wire format: OpenAI's completions request and response, our extensions, and OpenAI-style errors.
+
+Requests are pydantic models in strict mode with unknown fields forbidden: a misspelt or unsupported field is a 400
+that names it, never silently dropped. Responses are plain dicts in OpenAI's shape (`completion`, `chunk`), which
+the `openai` client parses.
+
+Extensions, all optional (vLLM's names where vLLM has the parameter): `session_id` (continue a session's memory),
+`top_k`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`, and
+`return_token_ids` (each choice then carries `token_ids`, the generated token ids).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from txl_deploy.errors import TxlError
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
+
+class ApiError(TxlError):
+    """An error the API answers with: an HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions. OpenAI's fields, then our extensions."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    seed: int | None = None
+    suffix: str | None = None
+    # extensions
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool | None = False
+
+    def unsupported(self) -> ApiError | None:
+        """OpenAI fields this server cannot honour, set to anything but their no-op values."""
+        if self.n not in (None, 1):
+            return ApiError(400, "n: this server returns one completion per request (n must be 1)", param="n")
+        if self.best_of not in (None, 1):
+            return ApiError(400, "best_of is not supported (it must be 1 or absent)", param="best_of")
+        if self.echo:
+            return ApiError(400, "echo is not supported: the prompt is not returned", param="echo")
+        if self.suffix:
+            return ApiError(400, "suffix is not supported (a language model continues text, it does not insert)",
+                            param="suffix")
+        if self.stream_options is not None and not self.stream:
+            return ApiError(400, "stream_options needs stream: true", param="stream_options")
+        return None
+
+    def sampling_kwargs(self) -> dict:
+        """The SamplingParams keyword arguments this request sets (None: the default)."""
+        fields = ("max_tokens", "temperature", "top_p", "logprobs", "stop", "presence_penalty", "frequency_penalty",
+                  "logit_bias", "seed", "top_k", "min_p", "repetition_penalty", "no_repeat_ngram_size", "min_tokens",
+                  "stop_token_ids")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+
+
+class SessionCreate(BaseModel):
+    """POST /v1/sessions: an id of the client's choosing, or none (the server makes one)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def logprobs_part(tokens: list[dict]) -> dict:
+    """OpenAI's completions `logprobs` object for these tokens (each: piece, logprob, top, offset)."""
+    return {"tokens": [t["piece"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [t["top"] for t in tokens], "text_offset": [t["offset"] for t in tokens]}
+
+
+def completion(id_: str, model: str, text: str, finish_reason: str | None, usage: dict, tokens: list[dict] | None,
+               token_ids: list[int] | None, session_id: str | None) -> dict:
+    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out = {"id": id_, "object": "text_completion", "created": int(time.time()), "model": model,
+           "choices": [choice], "usage": usage}
+    if session_id is not None:
+        out["session_id"] = session_id
+    return out
+
+
+def chunk(id_: str, model: str, created: int, text: str, finish_reason: str | None, tokens: list[dict] | None,
+          token_ids: list[int] | None) -> dict:
+    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(id_: str, model: str, created: int, usage: dict) -> dict:
+    return {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+FinishReason = Literal["stop", "length"]
