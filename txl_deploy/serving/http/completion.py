@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, top_logprobs
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import CONTINUING, Vocab
 
 
 def token_text(vocab: Vocab, token: int) -> str:
-    """The text one generated token adds to the stream. The one place tokens become text: a vocabulary with an
-    incremental decoder (byte-level) would be wired in here."""
+    """One token's own text, as logprobs list it (a byte of a longer character shows as U+FFFD there). The text
+    a completion streams comes from the vocabulary's incremental decoder instead (`Completion`)."""
     return vocab.piece(token)
 
 
@@ -63,7 +63,7 @@ class TokenOut:
     piece: str  # this token's own text
     logprob: float
     top: dict | None  # {text: log-prob} of the most likely tokens, with logprobs requested
-    offset: int  # where the token's text starts in the completion (before stop strings cut it)
+    offset: int  # where the text this token released starts in the completion (before stop strings cut it)
 
 
 class Completion:
@@ -74,6 +74,9 @@ class Completion:
         self.params, self.vocab = params, vocab
         self.sampler = Sampler(params, n_token, context)
         self.stops = StopText(params.stop)
+        # The completion continues text the client sent: a word gets its leading space, and a character that a
+        # byte-level model spells over several tokens is released once whole.
+        self.decoder = vocab.stream_decoder(CONTINUING)
         self.finish = None if params.max_tokens > 0 else "length"
         self.offset = 0
         self.tokens: list[int] = []
@@ -87,17 +90,24 @@ class Completion:
         tok = self.sampler.choose(log_probs)
         self.tokens.append(tok)
         piece = token_text(self.vocab, tok)
+        decoded = ""  # the text this token releases from the decoder
         if self.sampler.stopped_by_token(tok):
-            text, self.finish = self.stops.flush(), "stop"  # the stop token's own text is not sent
+            text, self.finish = self._rest(), "stop"  # the stop token's own text is not sent
         else:
-            text, hit = self.stops.push(piece, check=self.generated >= p.min_tokens)
+            decoded = self.decoder.feed(tok)
+            text, hit = self.stops.push(decoded, check=self.generated >= p.min_tokens)
             if hit:
                 self.finish = "stop"
             elif self.generated >= p.max_tokens:
-                text, self.finish = text + self.stops.flush(), "length"
+                text, self.finish = text + self._rest(), "length"
         top = None
         if p.logprobs is not None:
             top = {token_text(self.vocab, t): lp for t, lp in top_logprobs(log_probs, p.logprobs)}
         out = TokenOut(tok, text, piece, float(log_probs[tok]), top, self.offset)
-        self.offset += len(piece)
+        self.offset += len(decoded)
         return out
+
+    def _rest(self) -> str:
+        """At the end: what the decoder still holds (an incomplete last character) and what the stop check held."""
+        rest, hit = self.stops.push(self.decoder.flush())
+        return rest if hit else rest + self.stops.flush()
