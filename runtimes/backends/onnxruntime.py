@@ -15,6 +15,7 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.backend import Backend, check_state
@@ -48,6 +49,7 @@ class OrtBackend(Backend):
 
         self.path = str(path)
         self.info = read_onnx_info(path)
+        external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
         self.config, self.vocab = self.info.config, self.info.vocab
         self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
         self.spec = self.info.spec()
