@@ -111,11 +111,11 @@ def _from_archive(f, size: int, backend, max_rows, where) -> SavedState:
         if size > max_archive_bytes(backend, max_rows):
             raise InputError(f"{where}a saved state of {size:,} bytes is larger than this model's state of "
                              f"{max_rows} row{'s' if max_rows > 1 else ''} ({max_rows * row:,} bytes)")
-    # the most a compressed archive may expand to (a stored one holds its bytes itself)
+    # the most tensor data a compressed archive may expand to (a stored one holds its bytes itself)
     budget = max_rows * row if max_rows is not None else max(size, row)
     try:
         with zipfile.ZipFile(f) as z:
-            return _read_members(z, backend, budget + MARGIN_BYTES, max_rows, where)
+            return _read_members(z, backend, budget, max_rows, where)
     except InputError:
         raise
     except _DAMAGE as e:
@@ -144,20 +144,11 @@ def _read_members(z: zipfile.ZipFile, backend, budget: int, max_rows, where) -> 
     if FINGERPRINT not in members:
         raise InputError(f"{where}not a saved txl-deploy state (no fingerprint)")
     claimed = sum(info.file_size for info in members.values())
-    if claimed > budget:
+    if claimed > budget + len(members) * MAX_NPY_HEADER:  # the exact check, on the headers, follows
         raise InputError(f"{where}a saved state that expands to {claimed:,} bytes, more than {_limit(max_rows)} "
                          f"({budget:,} bytes)")
 
-    metadata = {}
-    for name in sorted(set(members) & set(METADATA)):
-        kind = METADATA[name]
-        with z.open(members[name]) as fp:
-            shape, dtype, header = _header(fp, members[name], where)
-            if shape != () or (kind == "str" and (dtype.kind != "U" or dtype.itemsize > 4 * MAX_METADATA_CHARS)) \
-                    or (kind == "int" and (dtype.kind not in "iu" or dtype.itemsize > 8)):
-                raise InputError(f"{where}not a saved txl-deploy state: {name} is {dtype} {shape}, not a "
-                                 f"{'string' if kind == 'str' else 'number'}")
-            metadata[name] = _data(fp, members[name], shape, dtype, header, where).item()
+    metadata = _read_metadata(z, members, where)
     _check_fingerprint(metadata.get(FINGERPRINT), backend, where)
     if unexpected:
         raise InputError(f"{where}not a saved state of this model: unexpected member {unexpected[0][:80]!r}")
@@ -177,7 +168,7 @@ def _read_members(z: zipfile.ZipFile, backend, budget: int, max_rows, where) -> 
                          f"{'is' if max_rows == 1 else 'are'} accepted here")
     want = _layout(backend, rows)
     want[LAST_LOG_PROBS] = ((rows, backend.config.n_token), np.dtype(np.float32))
-    if layout_bytes({n: want[n] for n in want if n in members}) > budget:
+    if layout_bytes({n: want[n] for n in want if n in members}) > budget:  # every member is exactly this
         raise InputError(f"{where}a saved state of {rows} rows ({layout_bytes(want):,} bytes), more than "
                          f"{_limit(max_rows)} ({budget:,} bytes)")
     arrays = {}
@@ -192,6 +183,37 @@ def _read_members(z: zipfile.ZipFile, backend, budget: int, max_rows, where) -> 
     last = arrays.pop(LAST_LOG_PROBS, None)
     _check_values(arrays, backend, where)
     return SavedState(arrays, last, metadata)
+
+
+def _read_metadata(z: zipfile.ZipFile, members: dict, where) -> dict:
+    metadata = {}
+    for name in sorted(set(members) & set(METADATA)):
+        kind = METADATA[name]
+        with z.open(members[name]) as fp:
+            shape, dtype, header = _header(fp, members[name], where)
+            if shape != () or (kind == "str" and (dtype.kind != "U" or dtype.itemsize > 4 * MAX_METADATA_CHARS)) \
+                    or (kind == "int" and (dtype.kind not in "iu" or dtype.itemsize > 8)):
+                raise InputError(f"{where}not a saved txl-deploy state: {name} is {dtype} {shape}, not a "
+                                 f"{'string' if kind == 'str' else 'number'}")
+            metadata[name] = _data(fp, members[name], shape, dtype, header, where).item()
+    return metadata
+
+
+def read_state_metadata(data) -> dict:
+    """The metadata of a saved state's bytes (fingerprint, format, sequence id, ...) without its tensors, which are
+    never read: for a client that only routes a state. Raises InputError on anything but a readable archive."""
+    view = memoryview(data).cast("B")
+    try:
+        with zipfile.ZipFile(_BufferReader(view)) as z:
+            members = {i.filename[:-4]: i for i in z.infolist() if i.filename[:-4] in METADATA
+                       and i.filename.endswith(".npy") and i.compress_type in (zipfile.ZIP_STORED,
+                                                                               zipfile.ZIP_DEFLATED)}
+            return _read_metadata(z, members, "")
+    except InputError:
+        raise
+    except _DAMAGE as e:
+        text = " ".join(str(e).split())[:160] or type(e).__name__
+        raise InputError(f"not a saved txl-deploy state: a truncated or damaged archive ({text})") from None
 
 
 def _limit(max_rows) -> str:
@@ -285,8 +307,10 @@ def _from_dict(state: dict, backend, max_rows) -> SavedState:
             raise InputError(f"{LAST_LOG_PROBS} has shape {last.shape} {last.dtype}, this model needs "
                              f"{(rows, backend.config.n_token)} float32")
         last = np.array(last, dtype=np.float32)
+    arrays = {k: arrays[k] for k in layout1}
     # shapes and dtypes are the backend's own check (check_state), which copies the caller's arrays
-    return SavedState({k: arrays[k] for k in layout1}, last, metadata)
+    _check_values({k: np.asarray(v) for k, v in arrays.items()}, backend, "")
+    return SavedState(arrays, last, metadata)
 
 
 class _BufferReader(io.RawIOBase):
