@@ -192,3 +192,106 @@ def write_index(prefix, entries: dict, num_shards: int = 1, header: bytes | None
     rows += [(name.encode(), bundle_entry(*entry)) for name, entry in sorted(entries.items())]
     with open(f"{prefix}.index", "wb") as f:
         f.write(table_bytes(rows))
+
+
+# -- torch.save files and pickles -----------------------------------------------------------------------------------
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class _StorageRef:
+    """Stands for a storage in a crafted pickle: pickled as torch's persistent id for it."""
+
+    def __init__(self, key: str, numel: int, shape=None, stride=None, offset: int = 0):
+        self.key, self.numel, self.offset = key, numel, offset
+        self.shape = (numel,) if shape is None else tuple(shape)
+        self.stride = tuple(stride) if stride is not None else tuple(
+            int(np.prod(self.shape[i + 1:], dtype=object)) for i in range(len(self.shape)))
+
+
+class _Tensor:
+    def __init__(self, ref: _StorageRef):
+        self.ref = ref
+
+    def __reduce__(self):
+        import collections
+
+        import torch._utils  # optional (the torch extra): the tests that craft torch files have it
+
+        r = self.ref
+        return (torch._utils._rebuild_tensor_v2, (r, r.offset, r.shape, r.stride, False, collections.OrderedDict()))
+
+
+class _Reduce:
+    """Pickles as `fn(*args)`: a crafted REDUCE."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def _pickle_with_storages(obj, legacy: bool) -> bytes:
+    import io
+    import pickle
+
+    import torch  # optional (the torch extra): the tests that craft torch files have it
+
+    class P(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, _StorageRef):
+                pid = ("storage", torch.FloatStorage, o.key, "cpu", o.numel)
+                return pid + (None,) if legacy else pid
+            return None
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def tensor(key: str, numel: int, **kwargs):
+    """A tensor over storage `key` whose persistent id claims `numel` float32 elements."""
+    return _Tensor(_StorageRef(key, numel, **kwargs))
+
+
+def legacy_torch_file(obj, storages: dict[str, int]) -> bytes:
+    """A torch.save file in the pre-1.6 format: magic, protocol, system info, the pickle, the storage keys, then
+    each storage as its element count and `storages[key]` float32 zeros (what the file really holds)."""
+    import pickle
+
+    out = bytearray()
+    for header in (LEGACY_MAGIC, 1001, {"protocol_version": 1001, "little_endian": True,
+                                        "type_sizes": {"short": 2, "int": 4, "long": 4}}):
+        out += pickle.dumps(header, protocol=2)
+    out += _pickle_with_storages(obj, legacy=True)
+    out += pickle.dumps(sorted(storages), protocol=2)
+    for key in sorted(storages):
+        out += struct.pack("<q", storages[key]) + bytes(4 * storages[key])
+    return bytes(out)
+
+
+def zip_torch_file(obj, storages: dict[str, int], name: str = "archive") -> bytes:
+    """A torch.save file in the zip format: data.pkl, then data/<key> holding `storages[key]` float32 zeros."""
+    import zipfile
+
+    buf = __import__("io").BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{name}/data.pkl", _pickle_with_storages(obj, legacy=False))
+        z.writestr(f"{name}/byteorder", "little")
+        for key, numel in storages.items():
+            z.writestr(f"{name}/data/{key}", bytes(4 * numel))
+        z.writestr(f"{name}/version", "3\n")
+    return buf.getvalue()
+
+
+def safetensors_file(header: dict, data: bytes = b"") -> bytes:
+    import json
+
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def onnx_with_length(path_bytes: bytes, field_number: int, claimed: int) -> bytes:
+    """An ONNX file whose first field of number `field_number` claims `claimed` bytes (the rest as it was)."""
+    key = varint(field_number << 3 | 2)
+    return key + varint(claimed) + path_bytes[:64]

@@ -21,6 +21,8 @@ depends on neither TensorFlow nor protobuf.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -49,6 +51,7 @@ DTYPES = {
     23: np.dtype("<u8"),  # DT_UINT64
 }
 DT_BFLOAT16, DT_STRING = 14, 7
+MAX_RANK = 32  # TensorFlow allows 254 dimensions, numpy 64; a Transformer-XL variable has at most 3
 DTYPE_NAMES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6: "int8", 7: "string",
                9: "int64", 10: "bool", 14: "bfloat16", 17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
 
@@ -328,6 +331,11 @@ class TFCheckpoint:
     def shape(self, name: str) -> tuple:
         return self.entries[name].shape
 
+    def data_bytes(self) -> int:
+        """Bytes of the data shards that exist: a bound on what anything derived from the index may take."""
+        return sum(p.stat().st_size for p in map(self.shard_path, range(min(self.num_shards, 1 << 16)))
+                   if p.is_file())
+
     def shard_path(self, shard_id: int) -> Path:
         return Path(f"{self.prefix}.data-{shard_id:05d}-of-{self.num_shards:05d}")
 
@@ -343,8 +351,11 @@ class TFCheckpoint:
             raise CheckpointError(self.index_path, f"tensor {name!r} has {entry.dtype_name} elements, "
                                                    "which are not supported")
         dtype = DTYPES[entry.dtype]
-        count = int(np.prod(entry.shape, dtype=np.int64)) if entry.shape else 1
-        if entry.size != count * dtype.itemsize or min(entry.shape, default=0) < 0:
+        if len(entry.shape) > MAX_RANK or min(entry.shape, default=0) < 0:
+            raise CheckpointError(self.index_path, f"tensor {name!r} has shape {list(entry.shape)[:8]}"
+                                                   f"{'...' if len(entry.shape) > 8 else ''}")
+        count = math.prod(entry.shape)  # Python ints: a product of claimed dimensions must not wrap around
+        if entry.size != count * dtype.itemsize:
             raise CheckpointError(self.index_path, f"tensor {name!r}: {entry.size} bytes do not fit shape "
                                                    f"{list(entry.shape)} of {entry.dtype_name}")
         if not 0 <= entry.shard_id < self.num_shards:
@@ -353,6 +364,11 @@ class TFCheckpoint:
         path = self.shard_path(entry.shard_id)
         try:
             with open(path, "rb") as f:
+                # the claimed range against the shard's own size, before a byte is allocated for it
+                have = os.fstat(f.fileno()).st_size
+                if entry.offset < 0 or entry.offset + entry.size > have:
+                    raise CheckpointError(path, f"truncated: tensor {name!r} needs bytes {entry.offset}.."
+                                                f"{entry.offset + entry.size}, the file holds {have}")
                 f.seek(entry.offset)
                 raw = f.read(entry.size)
         except FileNotFoundError:
