@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ _CHUNK = 1 << 20
 _MAX_COUNT = 1 << 62  # a ring counter that could not overflow int64 however long the stream runs
 # What a damaged archive raises inside zipfile, zlib and numpy's header parser.
 _DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, struct.error, EOFError, OSError, ValueError,
-           KeyError, IndexError, OverflowError, NotImplementedError, RuntimeError, SyntaxError, TypeError)
+           KeyError, IndexError, OverflowError, NotImplementedError, RuntimeError, SyntaxError, TypeError,
+           tokenize.TokenError)  # numpy tokenizes an .npy header to read it
 
 
 @dataclass

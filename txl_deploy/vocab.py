@@ -113,8 +113,8 @@ class Vocab:
                 if isinstance(d, list):
                     return cls(d, kind=kind or "char")
                 return cls.from_dict(d)
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(path, f"not a vocabulary JSON ({e})") from None
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
+                raise CheckpointError(path, f"not a vocabulary JSON ({type(e).__name__}: {str(e)[:200]})") from None
         if kind == "char":
             # a character list: one character per line, or all characters on one line
             lines = text.split("\n")

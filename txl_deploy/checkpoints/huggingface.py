@@ -56,7 +56,7 @@ HF_DEFAULTS = dict(
 def read_config_json(folder: Path):
     try:
         data = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -96,8 +96,8 @@ def _weight_files(folder: Path) -> list[Path]:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 shards = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(index, f"unreadable shard index ({e})") from None
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                raise CheckpointError(index, f"unreadable shard index ({str(e)[:200]})") from None
             for shard in shards:  # weights are read from the model's own folder only
                 if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
                     raise CheckpointError(index, f"shard {str(shard)[:80]!r} is not a file name in the model's "

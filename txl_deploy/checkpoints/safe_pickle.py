@@ -331,8 +331,10 @@ _budget: contextvars.ContextVar = contextvars.ContextVar("txl_deploy_storage_bud
 
 
 def _check_storage(saved_id) -> None:
-    if not (isinstance(saved_id, tuple) and saved_id and saved_id[0] in ("storage", b"storage")):
-        return  # torch's "module" ids (source code of pickled classes) allocate nothing
+    if not isinstance(saved_id, tuple) or not saved_id or saved_id[0] not in ("storage", b"storage"):
+        if isinstance(saved_id, tuple) and saved_id and saved_id[0] in ("module", b"module"):
+            return  # the legacy format's source code of pickled classes: torch compares it, allocates nothing
+        raise pickle.UnpicklingError(f"an unknown persistent id {str(saved_id)[:60]}")
     budget = _budget.get()
     if budget is None:
         raise pickle.UnpicklingError("a tensor storage outside a torch.save file")
@@ -430,8 +432,8 @@ def torch_load(path):
                   f"module attributes are allowed (nothing from the file was run)") from None
     except (EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(path, f"truncated or corrupt pickle ({_one_line(e)})") from None
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError,
-            zipfile.BadZipFile) as e:
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, AssertionError,
+            zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
         if "explicit pickle_module" in str(e):
             raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
                                         "restricted unpickler; unset it to read this file") from None

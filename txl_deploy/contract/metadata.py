@@ -78,8 +78,8 @@ class ExportInfo:
             vocab = Vocab.from_dict(json.loads(props[KEY_VOCAB])) if KEY_VOCAB in props else None
             export = json.loads(props[KEY_EXPORT])
             verification = json.loads(props[KEY_VERIFY]) if KEY_VERIFY in props else None
-        except (ValueError, KeyError, TypeError, TxlError) as e:
-            raise CheckpointError(path, f"corrupt txl-deploy metadata ({e})") from None
+        except (ValueError, KeyError, TypeError, RecursionError, TxlError) as e:  # RecursionError: nested JSON
+            raise CheckpointError(path, f"corrupt txl-deploy metadata ({str(e)[:200]})") from None
         return cls(config, vocab, export, verification)
 
 

@@ -198,6 +198,18 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def _int(v, what: str) -> int:
+    if not isinstance(v, int):
+        raise _Corrupt(f"{what} is not a number")
+    return v
+
+
+def _message(v, what: str) -> bytes:
+    if not isinstance(v, bytes):
+        raise _Corrupt(f"{what} is not a message")
+    return v
+
+
 class TensorEntry:
     """Where one tensor lives in the bundle (a decoded BundleEntryProto)."""
 
@@ -208,22 +220,23 @@ class TensorEntry:
         self.shard_id = self.offset = self.size = 0
         self.crc32c, self.sliced = None, False
         dims = []
+        # Each field's wire type is checked: a damaged entry may put bytes where a number belongs, or the reverse.
         for number, _, v in _fields(value):
             if number == 1:
-                self.dtype = v
+                self.dtype = _int(v, "dtype")
             elif number == 2:  # TensorShapeProto: repeated Dim (size = field 1) as field 2
-                for n2, _, dim in _fields(v):
+                for n2, _, dim in _fields(_message(v, "shape")):
                     if n2 == 2:
-                        size = next((s for n3, _, s in _fields(dim) if n3 == 1), 0)
-                        dims.append(_signed64(size))
+                        size = next((s for n3, _, s in _fields(_message(dim, "a dimension")) if n3 == 1), 0)
+                        dims.append(_signed64(_int(size, "a dimension's size")))
             elif number == 3:
-                self.shard_id = v
+                self.shard_id = _int(v, "shard_id")
             elif number == 4:
-                self.offset = _signed64(v)
+                self.offset = _signed64(_int(v, "offset"))
             elif number == 5:
-                self.size = _signed64(v)
+                self.size = _signed64(_int(v, "size"))
             elif number == 6:
-                self.crc32c = v
+                self.crc32c = _int(v, "crc32c")
             elif number == 7:
                 self.sliced = True
         self.shape = tuple(dims)
@@ -317,9 +330,9 @@ class TFCheckpoint:
         num_shards, endianness = 1, 0
         for number, _, v in header:
             if number == 1:
-                num_shards = v
+                num_shards = _int(v, "num_shards")
             elif number == 2:
-                endianness = v
+                endianness = _int(v, "endianness")
         if endianness != 0:
             raise _Corrupt("big-endian bundles are not supported")
         return num_shards, entries
