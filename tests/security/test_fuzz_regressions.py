@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import zipfile
 
@@ -87,3 +88,16 @@ def test_a_bundle_field_of_the_wrong_wire_type(tmp_path, where):
     with pytest.raises(CheckpointError, match="model.ckpt-0.index"):
         ckpt = TFCheckpoint(prefix)
         ckpt.get_tensor("w")
+
+
+@pytest.mark.parametrize("key, value", [("cutoffs", ":"), ("mem_len", "12"), ("tie_projs", 3),
+                                        ("layer_norm_epsilon", None), ("n_layer", True)])
+def test_a_config_value_of_the_wrong_type(tiny_ckpt, tmp_path, key, value):
+    """TxlConfig converted cutoffs with int() before checking them (ValueError: invalid literal for int())."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["config"][key] = value
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"config.json: bad config: invalid Transformer-XL config: {key}"):
+        load_model(folder)

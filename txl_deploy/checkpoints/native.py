@@ -91,6 +91,9 @@ def load_ours(path) -> LoadedModel:
         meta = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({str(e)[:200]})") from None
+    version = meta.get("format_version", 0) if isinstance(meta, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(path / CONFIG_FILE, "not a txl-deploy config (no format_version number)")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(path, f"written by a newer txl-deploy (format_version {meta['format_version']})")
     try:
