@@ -5,7 +5,8 @@ members. It often comes from a client (a parked conversation sent back), so it i
 nothing is allocated from what it claims before that claim is checked:
 
 1. the archive's size against the largest state it may hold (`max_rows` rows of this model's state, plus a margin);
-2. its member names: this backend's state tensors, `__fingerprint__`, and the known metadata, nothing else;
+2. its member names: this backend's state tensors, `__fingerprint__` and the known metadata; no other member is
+   ever read, and one is refused once the fingerprint is compared (so a state of another model says so);
 3. the small metadata members, and the fingerprint against this model's, before any tensor data is read;
 4. each member's .npy header (dtype, shape) against what this model's state of that many rows must be, and its
    size in the archive's directory against that header: the memory a state takes is exactly its own tensors;
