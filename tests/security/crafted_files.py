@@ -221,7 +221,7 @@ class _Tensor:
         return (torch._utils._rebuild_tensor_v2, (r, r.offset, r.shape, r.stride, False, collections.OrderedDict()))
 
 
-class _Reduce:
+class Reduce:
     """Pickles as `fn(*args)`: a crafted REDUCE."""
 
     def __init__(self, fn, args):

@@ -77,7 +77,7 @@ WORKER = textwrap.dedent("""
         "pickle frame length": lambda: torch_load(write("frame.pt", pickled(b"\\x95" + BIG.to_bytes(8, "little")))),
         "pickle memo index": lambda: torch_load(write("memo.pt", pickled(b"N", b"r" + (2**32 - 1).to_bytes(4, "little")))),
         "pickle bytes of a size": lambda: torch_load(write("bytesof.pt", cf.legacy_torch_file(
-            cf._Reduce(bytes, (BIG,)), {}))),
+            cf.Reduce(bytes, (BIG,)), {}))),
         "cache.pkl bytes length": lambda: read_cache_vocab(write("cache.pkl", pickled(b"\\x8e" + BIG.to_bytes(8, "little")))),
         "onnx field length": lambda: read_onnx_info(write("len.onnx", cf.onnx_with_length(onnx_bytes, 7, BIG))),
         "onnx external data walk": lambda: external_data(write("walk.onnx", cf.onnx_with_length(onnx_bytes, 7, BIG))),

@@ -10,12 +10,12 @@ runs before any library (onnx, ONNX Runtime, TensorRT's parser, shutil) is hande
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from audit import Watch
 from click.testing import CliRunner
 
 from txl_deploy.cli import main
@@ -23,41 +23,6 @@ from txl_deploy.contract.onnx_file import external_data, weight_file_bytes, writ
 from txl_deploy.errors import CheckpointError
 
 SECRET = b"the contents of a file outside the model's folder " * 200
-
-_opened: list[str] | None = None
-
-
-def _audit(event, args):
-    if _opened is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        _opened.append(os.fsdecode(args[0]))
-
-
-sys.addaudithook(_audit)  # a hook cannot be removed: it records only while a test watches
-
-
-class Watch:
-    """Records every file Python opens while active; `touched(path)` says whether `path` was among them."""
-
-    def __enter__(self):
-        global _opened
-        _opened = []
-        return self
-
-    def __exit__(self, *exc):
-        global _opened
-        self.paths, _opened = _opened, None
-
-    def touched(self, secret: Path) -> bool:
-        st = secret.stat()
-        for p in self.paths:
-            try:
-                s = os.stat(p)
-            except OSError:
-                continue
-            if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
-                return True
-        return False
-
 
 def craft(model_onnx: Path, folder: Path, location: str, data_file: Path | None = None) -> Path:
     """`folder/model.onnx`: the model with its largest initializer in external data at `location`; the tensor's

@@ -38,7 +38,6 @@ import os
 import pickle
 import pickletools
 import re
-import struct
 import sys
 import warnings
 import zipfile
@@ -232,10 +231,36 @@ class Unpickler(pickle.Unpickler):
 
 
 # -- sizes the file claims, against the file ------------------------------------------------------------------------
-_ARG_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: (1, "<B"), pickletools.TAKEN_FROM_ARGUMENT4: (4, "<i"),
-              pickletools.TAKEN_FROM_ARGUMENT4U: (4, "<I"), pickletools.TAKEN_FROM_ARGUMENT8U: (8, "<Q")}
 _MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_MAX_LINE = 1 << 20  # a text opcode's argument (protocol 0): a number, a module and name, a string
+_MAX_LINE = 1 << 20  # read at a time while looking for the end of a text argument (protocol 0)
+_CHUNK = 1 << 16
+_COUNTED = {pickletools.TAKEN_FROM_ARGUMENT1: (1, True), pickletools.TAKEN_FROM_ARGUMENT4: (4, False),
+            pickletools.TAKEN_FROM_ARGUMENT4U: (4, True), pickletools.TAKEN_FROM_ARGUMENT8U: (8, True)}
+
+
+def _opcode_table() -> dict[int, tuple[str, str, int]]:
+    """opcode byte -> (name, how its argument is laid out, bytes): "none", "fixed" n bytes, "counted" (a length of n
+    bytes, then that many bytes), "lines" (n newline-terminated lines), "memo" (a memo index of n bytes), "frame"."""
+    table = {}
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            layout, n = "none", 0
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            layout, n = "lines", 2 if arg.name == "stringnl_noescape_pair" else 1
+        elif arg.n in _COUNTED:
+            layout, n = "counted", arg.n
+        elif op.name == "FRAME":
+            layout, n = "frame", arg.n
+        elif op.name in _MEMO_PUTS:
+            layout, n = "memo", arg.n
+        else:
+            layout, n = "fixed", arg.n
+        table[op.code.encode("latin1")[0]] = (op.name, layout, n)
+    return table
+
+
+_OPCODES = _opcode_table()
 
 
 def check_lengths(file) -> None:
@@ -243,7 +268,7 @@ def check_lengths(file) -> None:
     (UnpicklingError) any length that runs past the end of the file, or a memo index ahead of the opcodes read so
     far; then seek back. Python's unpickler allocates a length before reading it; this bounds every allocation it
     makes by the bytes the file holds. A file object that cannot seek is not checked (torch and this module always
-    pass seekable ones)."""
+    pass seekable ones). Reads through a buffer and seeks over the data it skips: never reads what it skips."""
     try:
         if not file.seekable():
             return
@@ -252,55 +277,72 @@ def check_lengths(file) -> None:
         file.seek(start)
     except (AttributeError, OSError, ValueError):
         return
-    ops = 0
+    table = _OPCODES
+    base, buf, pos, ops = start, b"", 0, 0  # the buffer holds the file's bytes from `base`
+
+    def refill(need):
+        nonlocal base, buf, pos
+        base += pos
+        file.seek(base)
+        buf, pos = file.read(max(_CHUNK, need)), 0
+        if len(buf) < need:
+            raise pickle.UnpicklingError("pickle data was truncated")
+
     try:
         while True:
-            code = file.read(1)
-            if not code:
-                raise pickle.UnpicklingError("pickle data was truncated (no STOP opcode)")
-            op = pickletools.code2op.get(code.decode("latin1"))
-            if op is None:
-                raise pickle.UnpicklingError(f"invalid pickle opcode {code!r} at byte {file.tell() - 1}")
+            if pos >= len(buf):
+                refill(1)
+            entry = table.get(buf[pos])
+            if entry is None:
+                raise pickle.UnpicklingError(f"invalid pickle opcode {buf[pos]:#04x} at byte {base + pos}")
+            pos += 1
             ops += 1
-            if op.name == "STOP":
-                return
-            arg = op.arg
-            if arg is None:
+            name, layout, n = entry
+            if layout == "none":
+                if name == "STOP":
+                    return
                 continue
-            n = arg.n
-            if n == pickletools.UP_TO_NEWLINE:
-                lines = 2 if arg.name == "stringnl_noescape_pair" else 1
-                for _ in range(lines):
-                    line = file.readline(_MAX_LINE)
-                    if not line.endswith(b"\n"):
-                        raise pickle.UnpicklingError("a text argument that is not a line")
-                if op.name in _MEMO_PUTS:
-                    n = _memo_index(line, ops)
+            if layout == "lines":
+                for _ in range(n):
+                    found = buf.find(b"\n", pos)
+                    if found < 0:  # not in the buffer: read on from here to the line's end (the file bounds it)
+                        refill(0)
+                        while found < 0:
+                            more = file.read(_MAX_LINE)
+                            if not more:
+                                raise pickle.UnpicklingError("a text argument that is not a line")
+                            found = (buf + more).find(b"\n", len(buf))
+                            buf += more
+                    line, pos = buf[pos:found], found + 1
+                if name in _MEMO_PUTS:
+                    _memo_index(line, ops)
                 continue
-            if n in _ARG_BYTES:
-                width, fmt = _ARG_BYTES[n]
-                raw = file.read(width)
-                if len(raw) != width:
-                    raise pickle.UnpicklingError("pickle data was truncated")
-                n = struct.unpack(fmt, raw)[0]
-                if n < 0:
-                    raise pickle.UnpicklingError(f"{op.name} of negative length {n}")
-            elif op.name in _MEMO_PUTS or op.name == "FRAME":
-                raw = file.read(n)
-                value = int.from_bytes(raw, "little") if len(raw) == n else None
-                if value is None:
-                    raise pickle.UnpicklingError("pickle data was truncated")
-                if op.name == "FRAME":
-                    n = value
-                    if n > end - file.tell():
-                        raise pickle.UnpicklingError(f"a frame of {n:,} bytes with {end - file.tell():,} left")
+            width = _COUNTED[n][0] if layout == "counted" else n
+            if layout == "fixed":
+                skip = width
+            else:
+                if pos + width > len(buf):
+                    refill(width)
+                signed = layout == "counted" and not _COUNTED[n][1]
+                value = int.from_bytes(buf[pos:pos + width], "little", signed=signed)
+                pos += width
+                if layout == "memo":
+                    _memo_index(str(value).encode(), ops)
+                    continue
+                if layout == "frame":
+                    if value > end - base - pos:
+                        raise pickle.UnpicklingError(f"a frame of {value:,} bytes with {end - base - pos:,} left")
                     continue  # a frame holds opcodes: they are walked one by one
-                _memo_index(str(value).encode() + b"\n", ops)
-                continue
-            left = end - file.tell()
-            if n > left:
-                raise pickle.UnpicklingError(f"{op.name} claims {n:,} bytes with {left:,} left in the file")
-            file.seek(n, io.SEEK_CUR)
+                if value < 0:
+                    raise pickle.UnpicklingError(f"{name} of negative length {value}")
+                skip = value
+            if skip > end - base - pos:
+                raise pickle.UnpicklingError(f"{name} claims {skip:,} bytes with {end - base - pos:,} left in the "
+                                             "file")
+            if pos + skip <= len(buf):
+                pos += skip
+            else:  # past the buffer: seek, never read
+                base, buf, pos = base + pos + skip, b"", 0
     finally:
         file.seek(start)
 
