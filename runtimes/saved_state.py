@@ -41,7 +41,7 @@ METADATA = {FINGERPRINT: "str", BACKEND: "str", "__format__": "str", "__format_v
 MAX_METADATA_CHARS = 256
 MARGIN_BYTES = 64 << 10  # zip directory and headers, npy headers, metadata: a few hundred bytes per member
 MAX_NPY_HEADER = 4096  # numpy writes 128 bytes (padded to 64); its own reader allows 10000
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18  # read at a time: the only memory a read takes beyond the state itself
 _MAX_COUNT = 1 << 62  # a ring counter that could not overflow int64 however long the stream runs
 # What a damaged archive raises inside zipfile, zlib and numpy's header parser.
 _DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, struct.error, EOFError, OSError, ValueError,

@@ -225,7 +225,7 @@ def test_reading_a_state_costs_its_own_size_and_no_more(tiny_onnx, tmp_path):
             big.load_state(source)
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-            assert peak <= size + (3 << 20), f"{peak:,} bytes to read a state of {size:,}"
+            assert peak <= size + (1 << 20), f"{peak:,} bytes to read a state of {size:,}"  # + the read buffer
             assert big.batch_size == rows
 
 
