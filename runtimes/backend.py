@@ -58,16 +58,23 @@ class Backend(abc.ABC):
         """The state as host numpy arrays (for save_state)."""
 
     @abc.abstractmethod
-    def state_from_arrays(self, arrays: dict[str, np.ndarray]):
-        """A state from save_state's arrays, validated (see check_state)."""
+    def state_from_arrays(self, arrays: dict[str, np.ndarray], copy: bool = True):
+        """A state from save_state's arrays, validated (see check_state). copy=False: the arrays are the caller's
+        to give away (freshly read from a file), and may become the state itself."""
+
+    def state_layout(self, batch: int) -> dict[str, tuple[tuple, np.dtype]]:
+        """Every state tensor's (shape, dtype) for `batch` rows, in save_state's order: what a saved state must
+        hold, known before any of its data is read (runtimes.saved_state)."""
+        raise NotImplementedError(f"the {self.name} backend does not describe its state")
 
     def close(self):
         pass
 
 
-def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model") -> tuple[int, dict]:
+def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model", copy: bool = True) -> tuple[int, dict]:
     """Validate a saved state for a backend: the same tensor names, `mem_count` of shape [batch], and every tensor
-    of shape `shape_of(name, batch)` and dtype `dtype_of(name)`. Returns (batch, private copies of the arrays)."""
+    of shape `shape_of(name, batch)` and dtype `dtype_of(name)`. Returns (batch, private copies of the arrays, or
+    with copy=False the arrays themselves where they are already contiguous)."""
     names = list(names)
     if set(arrays) != set(names):
         raise InputError("this state does not belong to this model (its tensors differ: "
@@ -82,5 +89,5 @@ def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model") ->
         if a.shape != want or a.dtype != dtype:
             raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this {what} needs {want} "
                              f"{dtype.name}")
-        out[name] = np.array(a, copy=True)
+        out[name] = np.array(a, copy=True) if copy else np.ascontiguousarray(a)
     return batch, out

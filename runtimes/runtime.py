@@ -14,7 +14,6 @@ runtime per thread). generate() holds it per token, never while suspended at a `
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -26,6 +25,7 @@ from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.saved_state import read_saved_state
 from txl_deploy.vocab import CONTINUING
 
 GENERATE_DEFAULTS = dict(max_new_tokens=100, temperature=1.0, top_k=None, top_p=None, seed=None, stop=None)
@@ -286,26 +286,22 @@ class TxlRuntime:
                     np.savez(f, **arrays)
         return arrays
 
-    def load_state(self, state):
-        """Resume from `save_state()`'s dict or .npz file. A state of another model is refused, nothing changes."""
-        if isinstance(state, (str, Path)):
-            try:
-                with np.load(state, allow_pickle=False) as z:
-                    state = {k: z[k] for k in z.files}
-            except (OSError, ValueError) as e:
-                raise InputError(f"{state}: not a saved txl-deploy state ({e})") from None
-        if not isinstance(state, dict) or "__fingerprint__" not in state:
-            raise InputError("not a saved txl-deploy state (no fingerprint)")
-        theirs, ours = str(state["__fingerprint__"]), self.backend.fingerprint()
-        if theirs != ours:
-            raise InputError(f"this state was saved from another model or backend (fingerprint {theirs}, "
-                             f"this runtime's is {ours})")
-        arrays = {k: v for k, v in state.items() if not k.startswith("__")}
+    def load_state(self, state, max_rows: int | None = None):
+        """Resume from a saved state: `save_state()`'s dict, the bytes of its .npz file, or the file's path.
+
+        The safe entry point for a state that comes from outside (a parked conversation a client sends back): the
+        archive is checked before it is read (member names; each tensor's dtype and shape against this model's
+        state; sizes against the archive's own; the fingerprint), so a bomb, a truncated or damaged file, or a
+        state of another model raises InputError and leaves the memory as it was; reading costs the state's own
+        size and no more (see runtimes.saved_state). max_rows: the most rows (streams) to accept; without it, an
+        archive may expand to no more rows than its own bytes hold (at least one), which every save_state() file
+        meets."""
+        saved = read_saved_state(state, self.backend, max_rows)
+        fresh = not isinstance(state, dict)  # arrays just read from a file are ours to keep: no second copy
         with self._lock:
-            new_state = self.backend.state_from_arrays(arrays)  # validates shapes and dtypes
+            new_state = self.backend.state_from_arrays(saved.arrays, copy=not fresh)  # validates shapes, dtypes
             self._state = new_state
-            last = state.get("__last_log_probs__")
-            self._last_log_probs = None if last is None else np.array(last, dtype=np.float32)
+            self._last_log_probs = saved.last_log_probs
 
     # -- generation ----------------------------------------------------------------------------------------
     def encode(self, text: str) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 
 from txl_deploy.errors import TxlError
@@ -42,6 +43,9 @@ class TxlConfig:
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self):
+        # The types first: a config comes from files (JSON, a pickle's attributes, ONNX metadata), so a list may be
+        # a string and a number a list; each is refused with a TxlError rather than failing in a conversion.
+        _check_types(self)
         if self.d_embed is None:
             self.d_embed = self.d_model
         self.cutoffs = [int(c) for c in self.cutoffs]
@@ -52,6 +56,8 @@ class TxlConfig:
 
     def validate(self):
         problems = []
+        if not (0 < self.layer_norm_epsilon < 1):
+            problems.append(f"layer_norm_epsilon must be in (0, 1), got {self.layer_norm_epsilon!r}")
         for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -100,6 +106,8 @@ class TxlConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TxlConfig":
+        if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+            raise TxlError(f"a config must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -115,6 +123,32 @@ class TxlConfig:
 
     def replace(self, **changes) -> "TxlConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _is_int(v) -> bool:
+    # numpy's integers are Integral too; a bool is an int to Python, never a size here
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+
+
+def _check_types(c: TxlConfig) -> None:
+    problems = []
+    for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "div_val", "mem_len", "tgt_len",
+                 "clamp_len", "same_length_extra"):
+        if not _is_int(getattr(c, name)):
+            problems.append(f"{name} must be an integer, got {getattr(c, name)!r:.40}")
+    if c.d_embed is not None and not _is_int(c.d_embed):
+        problems.append(f"d_embed must be an integer, got {c.d_embed!r:.40}")
+    if not isinstance(c.cutoffs, (list, tuple)) or not all(_is_int(x) for x in c.cutoffs):
+        problems.append(f"cutoffs must be a list of integers, got {c.cutoffs!r:.60}")
+    if not isinstance(c.tie_projs, (list, tuple)) or not all(isinstance(x, numbers.Integral) for x in c.tie_projs):
+        problems.append(f"tie_projs must be a list of booleans, got {c.tie_projs!r:.60}")
+    for name in ("tie_weight", "pre_lnorm", "untie_r", "same_length"):
+        if not isinstance(getattr(c, name), numbers.Integral):
+            problems.append(f"{name} must be true or false, got {getattr(c, name)!r:.40}")
+    if not isinstance(c.layer_norm_epsilon, numbers.Real) or isinstance(c.layer_norm_epsilon, bool):
+        problems.append(f"layer_norm_epsilon must be a number, got {c.layer_norm_epsilon!r:.40}")
+    if problems:
+        raise TxlError("invalid Transformer-XL config: " + "; ".join(problems))
 
 
 # The published shapes (Dai et al. 2019, Table and the original run scripts), as in gpt-fast's ModelArgs

@@ -14,7 +14,7 @@ import numpy as np
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.contract.metadata import read_onnx_info
-from txl_deploy.contract.onnx_file import weight_file_bytes
+from txl_deploy.contract.onnx_file import external_data, weight_file_bytes
 from txl_deploy.errors import InputError
 from txl_deploy.exporters.onnx.ram import log_prob_budget, return_free_memory
 from txl_deploy.exporters.onnx.stream import stream_tokens, verification_segments
@@ -283,6 +283,7 @@ def verify_file(model, checkpoint, tolerance: float | None = None, batch: int = 
     load = dict(providers=providers, threads=threads)
     if Path(model).suffix == ".onnx":
         info = read_onnx_info(model)
+        external_data(model)  # refused before the reference pass, not after it
         config, mem_len, max_segment = info.config, info.mem_len, info.max_segment
     else:  # an engine describes itself once loaded
         with TxlRuntime.load(model, **load) as rt:

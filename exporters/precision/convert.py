@@ -11,6 +11,7 @@ import onnx
 
 from txl_deploy.checkpoints import LoadedModel, load_model
 from txl_deploy.contract.metadata import read_onnx_info, set_onnx_props
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import ExportError, InputError, TxlError
 from txl_deploy.exporters.graph_checks import toposort
 from txl_deploy.exporters.onnx.export import ExportResult, export_onnx, place_external_data, save_checked
@@ -71,6 +72,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
         raise InputError(f"int4 block size {int4_block_size}: expected one of "
                          f"{', '.join(map(str, INT4_BLOCK_SIZES))}")
     info = read_onnx_info(fp32_path)
+    external_data(fp32_path)  # onnx.load and the calibration session read the data files: only the folder's own
     if info.precision != "fp32":
         raise ExportError(f"{fp32_path}: is a {info.precision} graph; reduced precision starts from an fp32 export")
     seg = segment_len(info)

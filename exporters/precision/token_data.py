@@ -18,12 +18,14 @@ def read_token_ids(path, vocab, n_token: int, what: str = "calibration data") ->
         raise InputError(f"{path}: {what} not found")
     if path.suffix.lower() == ".npy":
         try:
-            ids = np.load(path, allow_pickle=False)  # never unpickle user data
+            # never unpickle user data; memory-mapped, so a header that claims more than the file holds is refused
+            # by the mapping instead of allocated
+            ids = np.load(path, allow_pickle=False, mmap_mode="r")
         except Exception as e:
             raise InputError(f"{path}: not a readable .npy of token ids ({type(e).__name__})") from None
         if not np.issubdtype(ids.dtype, np.integer):
             raise InputError(f"{path}: {what} must hold integer token ids, got dtype {ids.dtype}")
-        ids = ids.reshape(-1).astype(np.int64)
+        ids = np.array(ids.reshape(-1), dtype=np.int64)  # a copy of what the file holds, then the map is closed
     else:
         if vocab is None:
             raise InputError(f"{path}: the model has no vocabulary to tokenize text with; pass a .npy of token ids")

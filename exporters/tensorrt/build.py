@@ -33,6 +33,7 @@ from txl_deploy.contract.engine_file import (
     sidecar_path,
 )
 from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
@@ -175,6 +176,7 @@ def build_engine(onnx_path, out_path=None, precision: str | None = None, batch=D
     """
     onnx_path = Path(onnx_path)
     info = read_onnx_info(onnx_path)  # refuses files not made by txl-deploy
+    external_data(onnx_path)  # TensorRT's parser follows the data locations: only files inside the folder
     out_path = Path(out_path) if out_path is not None else onnx_path.with_suffix(".engine")
     check_writable(out_path, force)
     check_writable(sidecar_path(out_path), force)

@@ -22,6 +22,7 @@ import onnx
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.files import atomic_path, check_writable
 
@@ -74,6 +75,7 @@ def find_ort_web(path) -> tuple[Path, str]:
 def graph_spec(model_path) -> dict:
     """What the JavaScript driver needs to thread the memory: the contract's numbers for this export."""
     info = read_onnx_info(model_path)
+    external_data(model_path)  # a location outside the folder is refused as such, before the rule below
     if info.vocab is None:
         raise InputError(f"{model_path}: has no vocabulary, and the page turns text prompts into tokens; export a "
                          "model that has one")

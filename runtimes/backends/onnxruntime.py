@@ -15,6 +15,7 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.backend import Backend, check_state
@@ -48,6 +49,7 @@ class OrtBackend(Backend):
 
         self.path = str(path)
         self.info = read_onnx_info(path)
+        external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
         self.config, self.vocab = self.info.config, self.info.vocab
         self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
         self.spec = self.info.spec()
@@ -109,11 +111,14 @@ class OrtBackend(Backend):
     def state_arrays(self, state) -> dict:
         return state.to_numpy() if isinstance(state, _DeviceState) else dict(state)
 
-    def state_from_arrays(self, arrays):
-        specs = {s.name: s for s in self.spec.state_inputs()}
-        _, out = check_state(
-            arrays, specs, lambda n, b: specs[n].shape_for(b),
-            lambda n: np.int64 if specs[n].dtype == "int64" else self.float_dtype)
+    def state_layout(self, batch):
+        return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else self.float_dtype))
+                for s in self.spec.state_inputs()}
+
+    def state_from_arrays(self, arrays, copy=True):
+        layout = self.state_layout(1)
+        _, out = check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
+                             copy=copy)
         return _DeviceState(self, out) if self.on_device else out
 
     def reset_rows(self, state, rows):

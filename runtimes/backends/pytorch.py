@@ -67,10 +67,11 @@ class _TorchBase(Backend):
                                                     "weights_sha256": weights_sha256(model.state_dict())})
         self._fp = info.fingerprint()
 
-    def _tensor(self, a):
+    def _tensor(self, a, copy=True):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-        return torch.from_numpy(np.array(a, copy=True)).to(self.device)  # owns its memory (inputs may be read-only views)
+        # owns its memory (inputs may be read-only views), unless the caller gives the array away
+        return torch.from_numpy(np.array(a, copy=True) if copy else np.ascontiguousarray(a)).to(self.device)
 
 
 class TorchEagerBackend(_TorchBase):
@@ -136,7 +137,13 @@ class TorchEagerBackend(_TorchBase):
             out[f"mems.{i}"] = a
         return out
 
-    def state_from_arrays(self, arrays):
+    def state_layout(self, batch):
+        layout = {"lens": ((batch,), np.dtype(np.int64))}
+        for i in range(self.config.n_layer):
+            layout[f"mems.{i}"] = ((batch, self.mem_len, self.config.d_model), np.dtype(np.float32))
+        return layout
+
+    def state_from_arrays(self, arrays, copy=True):
         want = {"lens"} | {f"mems.{i}" for i in range(self.config.n_layer)}
         if set(arrays) != want:
             raise InputError("this state does not belong to this model (its tensors differ)")
@@ -249,12 +256,15 @@ class TorchCachedBackend(_TorchBase):
     def state_arrays(self, state):
         return {k: v.cpu().numpy() for k, v in state.items()}
 
-    def state_from_arrays(self, arrays):
-        specs = {s.name: s for s in self.spec.state_inputs()}
-        _, out = check_state(
-            arrays, specs, lambda n, b: specs[n].shape_for(b),
-            lambda n: np.int64 if specs[n].dtype == "int64" else np.float32)
-        return {k: self._tensor(v) for k, v in out.items()}
+    def state_layout(self, batch):
+        return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else np.float32))
+                for s in self.spec.state_inputs()}
+
+    def state_from_arrays(self, arrays, copy=True):
+        layout = self.state_layout(1)
+        _, out = check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
+                             copy=copy)
+        return {k: self._tensor(v, copy=False) for k, v in out.items()}  # check_state copied them if asked to
 
 
 class _DecodeGraph:  # pragma: no cover - needs a GPU; the captured work is `_step`, which the CPU tests run

@@ -192,8 +192,13 @@ class TensorRTBackend(Backend):
         self._sync()
         return out
 
-    def state_from_arrays(self, arrays):
-        batch, checked = check_state(arrays, self.state_names, self._shape, lambda n: self.tensors[n][1], "engine")
+    def state_layout(self, batch):
+        return {n: (self._shape(n, batch), self.tensors[n][1]) for n in self.state_names}
+
+    def state_from_arrays(self, arrays, copy=True):
+        # uploaded to the device and dropped: no host copy is kept either way
+        batch, checked = check_state(arrays, self.state_names, self._shape, lambda n: self.tensors[n][1], "engine",
+                                     copy=False)
         self._check_batch(batch)
         state = _TrtState(self, batch)
         keep = [self._upload(state.cur[n].ptr, a) for n, a in checked.items()]

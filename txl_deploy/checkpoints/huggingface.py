@@ -56,7 +56,7 @@ HF_DEFAULTS = dict(
 def read_config_json(folder: Path):
     try:
         data = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -95,9 +95,14 @@ def _weight_files(folder: Path) -> list[Path]:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(index, f"unreadable shard index ({e})") from None
-            return [folder / shard for shard in sorted(set(weight_map.values()))]
+                shards = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                raise CheckpointError(index, f"unreadable shard index ({str(e)[:200]})") from None
+            for shard in shards:  # weights are read from the model's own folder only
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise CheckpointError(index, f"shard {str(shard)[:80]!r} is not a file name in the model's "
+                                                 "folder")
+            return [folder / shard for shard in shards]
     raise CheckpointError(folder, f"HuggingFace folder without weights (no {' or '.join(WEIGHT_FILES)})")
 
 

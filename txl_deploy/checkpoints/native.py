@@ -24,8 +24,8 @@ def read_json_object(path, what: str = "a JSON object"):
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(path, "config file not found") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path, f"not a readable JSON config ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than Python recurses
+        raise CheckpointError(path, f"not a readable JSON config ({str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise CheckpointError(path, f"config must be {what}")
     return data
@@ -78,7 +78,7 @@ def is_ours(path) -> bool:
         return False
     try:
         return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
-    except (ValueError, OSError, AttributeError):
+    except (ValueError, OSError, AttributeError, RecursionError):
         return False
 
 
@@ -89,8 +89,11 @@ def load_ours(path) -> LoadedModel:
     path = Path(path)
     try:
         meta = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({str(e)[:200]})") from None
+    version = meta.get("format_version", 0) if isinstance(meta, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(path / CONFIG_FILE, "not a txl-deploy config (no format_version number)")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(path, f"written by a newer txl-deploy (format_version {meta['format_version']})")
     try:

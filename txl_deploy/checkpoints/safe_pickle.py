@@ -14,6 +14,16 @@ imports and calls whatever the pickle names. This module is passed to `torch.loa
 
 Anything else (`os.system`, `builtins.eval`, `subprocess.Popen`, ...) raises `RefusedGlobal` the moment the pickle
 names it, before any call, so nothing from the file runs. `torch_load` turns that into a `CheckpointError`.
+
+Nothing is allocated from a size the file claims before that size is checked against the file:
+
+- every pickle is scanned before it is unpickled (`check_lengths`): each length-prefixed opcode (bytes, strings,
+  frames) must fit in what is left of the file, and memo indices must not run ahead of the pickle, since Python's
+  unpickler allocates what a length says before it reads (3.11: 1 TiB for a 9-byte BINBYTES8 header);
+- every storage torch is about to allocate for (`persistent_load`) must fit in the file (legacy format) or in its
+  record of the archive (zip format), and every tensor rebuilt over a storage must lie inside it (no view larger
+  than its data, which a later copy would materialise);
+- `bytes`, `bytearray` and `_codecs.encode` rebuild data only, never an allocation of a size (`bytes(2**40)`).
 """
 
 from __future__ import annotations
@@ -21,12 +31,17 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import collections
+import contextlib
+import contextvars
 import io
+import os
 import pickle
+import pickletools
 import re
 import sys
 import warnings
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from txl_deploy.errors import CheckpointError
@@ -97,6 +112,24 @@ def _no_backend():
     return None
 
 
+def _data_only(kind):
+    """bytes / bytearray from data (a str and its encoding, or bytes), never from a size: `bytes(2**40)` in a
+    pickle would allocate a terabyte of zeros."""
+    def rebuild(*args):
+        if args and not isinstance(args[0], (str, bytes, bytearray)):
+            raise pickle.UnpicklingError(f"{kind.__name__}() of a {type(args[0]).__name__} (only of data)")
+        return kind(*args)
+
+    return rebuild
+
+
+def _latin1_encode(obj, encoding="utf-8", errors="strict"):
+    # protocol 2 spells bytes as _codecs.encode(str, "latin1"); no other codec is needed (or wanted)
+    if not isinstance(obj, str) or str(encoding).lower().replace("-", "").replace("_", "") not in ("latin1",):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(obj).__name__}, {str(encoding)[:20]!r}) is not bytes")
+    return codecs.encode(obj, "latin1", errors)
+
+
 def _allowed_callables() -> dict[tuple[str, str], object]:
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
     import torch._utils  # optional (the torch extra): only code that runs a PyTorch model gets here
@@ -110,22 +143,49 @@ def _allowed_callables() -> dict[tuple[str, str], object]:
         ("builtins", "dict"): dict,
         ("builtins", "tuple"): tuple,
         ("builtins", "slice"): slice,
-        ("builtins", "bytearray"): bytearray,
-        ("builtins", "bytes"): bytes,
+        ("builtins", "bytearray"): _data_only(bytearray),
+        ("builtins", "bytes"): _data_only(bytes),
         ("builtins", "complex"): complex,
-        ("_codecs", "encode"): codecs.encode,  # how protocol 2 spells bytes
+        ("_codecs", "encode"): _latin1_encode,  # how protocol 2 spells bytes
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,  # torch 0.4 pickled Parameter(data, requires_grad)
         ("torch.nn.backends.thnn", "_get_thnn_function_backend"): _no_backend,
     }
-    for fn in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state"):
+    for fn in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         if hasattr(torch._utils, fn):
             allowed[("torch._utils", fn)] = getattr(torch._utils, fn)
+    for fn in ("_rebuild_tensor", "_rebuild_tensor_v2"):
+        if hasattr(torch._utils, fn):
+            allowed[("torch._utils", fn)] = _inside_storage(getattr(torch._utils, fn))
     for name in dir(torch):
         if isinstance(getattr(torch, name, None), torch.dtype):
             allowed[("torch", name)] = getattr(torch, name)
     return allowed
+
+
+def _inside_storage(rebuild):
+    """A tensor rebuild that first checks the tensor lies inside its storage: sizes, strides and offset as the file
+    claims them, against the bytes the storage holds."""
+    def checked(storage, storage_offset, size, stride, *rest, **kwargs):
+        try:
+            size, stride, offset = [int(s) for s in size], [int(s) for s in stride], int(storage_offset)
+            itemsize = storage.dtype.itemsize
+            have = storage._untyped_storage.nbytes() if hasattr(storage, "_untyped_storage") else storage.nbytes()
+        except (TypeError, ValueError, AttributeError) as e:
+            raise pickle.UnpicklingError(f"a malformed tensor ({type(e).__name__})") from None
+        numel = 1
+        for s in size:
+            numel *= s
+        if len(size) != len(stride) or offset < 0 or min(size, default=1) < 0 or min(stride, default=0) < 0:
+            raise pickle.UnpicklingError(f"a tensor of size {size[:8]} and stride {stride[:8]} at offset {offset}")
+        end = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride)) if numel else offset
+        if end * itemsize > have or numel * itemsize > have:
+            raise pickle.UnpicklingError(f"a tensor of {numel:,} elements of size {size[:8]} is larger than its "
+                                         f"storage ({have:,} bytes)")
+        return rebuild(storage, storage_offset, tuple(size), tuple(stride), *rest, **kwargs)
+
+    return checked
 
 
 _ALLOWED = None
@@ -144,7 +204,22 @@ def resolve_global(module: str, name: str):
 
 
 class Unpickler(pickle.Unpickler):
-    """pickle.Unpickler whose `find_class` resolves only `resolve_global`'s allowlist."""
+    """pickle.Unpickler whose `find_class` resolves only `resolve_global`'s allowlist, over a pickle whose lengths
+    were checked against the file first (`check_lengths`), and whose storages are checked before torch allocates
+    them (`persistent_load`)."""
+
+    def __init__(self, file, *args, **kwargs):
+        check_lengths(file)
+        super().__init__(file, *args, **kwargs)
+
+    def persistent_load(self, saved_id):
+        # torch sets `unpickler.persistent_load = its function` after construction; that lands in the instance's
+        # __dict__ (this method is not a data descriptor), and the unpickler keeps calling this one.
+        load = self.__dict__.get("persistent_load")
+        if load is None:
+            raise pickle.UnpicklingError("a persistent id in a pickle that has no storages")
+        _check_storage(saved_id)
+        return load(saved_id)
 
     def find_class(self, module, name):
         # Protocol 0-2 pickles written by Python 2 / with fix_imports name `__builtin__` etc.
@@ -153,6 +228,188 @@ class Unpickler(pickle.Unpickler):
         elif module in _compat_pickle.IMPORT_MAPPING:
             module = _compat_pickle.IMPORT_MAPPING[module]
         return resolve_global(module, name)
+
+
+# -- sizes the file claims, against the file ------------------------------------------------------------------------
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MAX_LINE = 1 << 20  # read at a time while looking for the end of a text argument (protocol 0)
+_CHUNK = 1 << 16
+_COUNTED = {pickletools.TAKEN_FROM_ARGUMENT1: (1, True), pickletools.TAKEN_FROM_ARGUMENT4: (4, False),
+            pickletools.TAKEN_FROM_ARGUMENT4U: (4, True), pickletools.TAKEN_FROM_ARGUMENT8U: (8, True)}
+
+
+def _opcode_table() -> dict[int, tuple[str, str, int]]:
+    """opcode byte -> (name, how its argument is laid out, bytes): "none", "fixed" n bytes, "counted" (a length of n
+    bytes, then that many bytes), "lines" (n newline-terminated lines), "memo" (a memo index of n bytes), "frame"."""
+    table = {}
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            layout, n = "none", 0
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            layout, n = "lines", 2 if arg.name == "stringnl_noescape_pair" else 1
+        elif arg.n in _COUNTED:
+            layout, n = "counted", arg.n
+        elif op.name == "FRAME":
+            layout, n = "frame", arg.n
+        elif op.name in _MEMO_PUTS:
+            layout, n = "memo", arg.n
+        else:
+            layout, n = "fixed", arg.n
+        table[op.code.encode("latin1")[0]] = (op.name, layout, n)
+    return table
+
+
+_OPCODES = _opcode_table()
+
+
+def check_lengths(file) -> None:
+    """Walk the pickle that starts at `file`'s position up to its STOP opcode without building anything, and refuse
+    (UnpicklingError) any length that runs past the end of the file, or a memo index ahead of the opcodes read so
+    far; then seek back. Python's unpickler allocates a length before reading it; this bounds every allocation it
+    makes by the bytes the file holds. A file object that cannot seek is not checked (torch and this module always
+    pass seekable ones). Reads through a buffer and seeks over the data it skips: never reads what it skips."""
+    try:
+        if not file.seekable():
+            return
+        start = file.tell()
+        end = file.seek(0, io.SEEK_END)
+        file.seek(start)
+    except (AttributeError, OSError, ValueError):
+        return
+    table = _OPCODES
+    base, buf, pos, ops = start, b"", 0, 0  # the buffer holds the file's bytes from `base`
+
+    def refill(need):
+        nonlocal base, buf, pos
+        base += pos
+        file.seek(base)
+        buf, pos = file.read(max(_CHUNK, need)), 0
+        if len(buf) < need:
+            raise pickle.UnpicklingError("pickle data was truncated")
+
+    try:
+        while True:
+            if pos >= len(buf):
+                refill(1)
+            entry = table.get(buf[pos])
+            if entry is None:
+                raise pickle.UnpicklingError(f"invalid pickle opcode {buf[pos]:#04x} at byte {base + pos}")
+            pos += 1
+            ops += 1
+            name, layout, n = entry
+            if layout == "none":
+                if name == "STOP":
+                    return
+                continue
+            if layout == "lines":
+                for _ in range(n):
+                    found = buf.find(b"\n", pos)
+                    if found < 0:  # not in the buffer: read on from here to the line's end (the file bounds it)
+                        refill(0)
+                        while found < 0:
+                            more = file.read(_MAX_LINE)
+                            if not more:
+                                raise pickle.UnpicklingError("a text argument that is not a line")
+                            found = (buf + more).find(b"\n", len(buf))
+                            buf += more
+                    line, pos = buf[pos:found], found + 1
+                if name in _MEMO_PUTS:
+                    _memo_index(line, ops)
+                continue
+            width = _COUNTED[n][0] if layout == "counted" else n
+            if layout == "fixed":
+                skip = width
+            else:
+                if pos + width > len(buf):
+                    refill(width)
+                signed = layout == "counted" and not _COUNTED[n][1]
+                value = int.from_bytes(buf[pos:pos + width], "little", signed=signed)
+                pos += width
+                if layout == "memo":
+                    _memo_index(str(value).encode(), ops)
+                    continue
+                if layout == "frame":
+                    if value > end - base - pos:
+                        raise pickle.UnpicklingError(f"a frame of {value:,} bytes with {end - base - pos:,} left")
+                    continue  # a frame holds opcodes: they are walked one by one
+                if value < 0:
+                    raise pickle.UnpicklingError(f"{name} of negative length {value}")
+                skip = value
+            if skip > end - base - pos:
+                raise pickle.UnpicklingError(f"{name} claims {skip:,} bytes with {end - base - pos:,} left in the "
+                                             "file")
+            if pos + skip <= len(buf):
+                pos += skip
+            else:  # past the buffer: seek, never read
+                base, buf, pos = base + pos + skip, b"", 0
+    finally:
+        file.seek(start)
+
+
+def _memo_index(line: bytes, ops: int) -> int:
+    try:
+        index = int(line.strip() or b"-1")
+    except ValueError:
+        raise pickle.UnpicklingError("a memo index that is not a number") from None
+    # The memo grows to twice the largest index: writers number entries in order, so none is ahead of the opcodes.
+    if not 0 <= index <= ops:
+        raise pickle.UnpicklingError(f"memo index {index} after {ops} opcodes")
+    return index
+
+
+@dataclass
+class _StorageBudget:
+    """What the storages of the file being read may claim: its size (legacy format, where every storage's bytes
+    follow the pickle), or each record's size (zip format, `<archive>/data/<key>`)."""
+
+    path: Path
+    file_bytes: int
+    records: dict | None = None
+    claimed: dict = field(default_factory=dict)
+
+
+_budget: contextvars.ContextVar = contextvars.ContextVar("txl_deploy_storage_budget", default=None)
+
+
+def _check_storage(saved_id) -> None:
+    if not isinstance(saved_id, tuple) or not saved_id or saved_id[0] not in ("storage", b"storage"):
+        if isinstance(saved_id, tuple) and saved_id and saved_id[0] in ("module", b"module"):
+            return  # the legacy format's source code of pickled classes: torch compares it, allocates nothing
+        raise pickle.UnpicklingError(f"an unknown persistent id {str(saved_id)[:60]}")
+    budget = _budget.get()
+    if budget is None:
+        raise pickle.UnpicklingError("a tensor storage outside a torch.save file")
+    try:
+        storage_type, key, numel = saved_id[1], saved_id[2], int(saved_id[4])
+        dtype = getattr(storage_type, "dtype", None)
+        itemsize = 1 if dtype is None else dtype.itemsize
+    except (IndexError, TypeError, ValueError, AttributeError):
+        raise pickle.UnpicklingError(f"a malformed storage id {str(saved_id)[:80]}") from None
+    nbytes = numel * itemsize
+    if numel < 0:
+        raise pickle.UnpicklingError(f"storage {key!r} of {numel} elements")
+    key = key.decode("ascii", "replace") if isinstance(key, bytes) else str(key)
+    if budget.records is not None:
+        have = budget.records.get(key)
+        if have is None:
+            raise pickle.UnpicklingError(f"storage {key!r} has no data record in the archive")
+        if nbytes > have:
+            raise pickle.UnpicklingError(f"storage {key!r} claims {nbytes:,} bytes, its record holds {have:,}")
+    else:
+        budget.claimed[key] = max(budget.claimed.get(key, 0), nbytes)
+        total = sum(budget.claimed.values())
+        if total > budget.file_bytes:
+            raise pickle.UnpicklingError(f"storages claim {total:,} bytes, more than the file's {budget.file_bytes:,}")
+
+
+@contextlib.contextmanager
+def _storages_of(path: Path, records: dict | None):
+    token = _budget.set(_StorageBudget(path, os.path.getsize(path), records))
+    try:
+        yield
+    finally:
+        _budget.reset(token)
 
 
 def load(file, **kwargs):
@@ -180,18 +437,27 @@ def torch_load(path):
     except OSError as e:
         raise CheckpointError(path, f"cannot read ({e.strerror or e})") from None
     is_zip = head.startswith(b"PK\x03\x04")
+    records = None
     if is_zip:
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except (zipfile.BadZipFile, OSError) as e:
+                # storage key -> bytes of its record: what each storage the pickle names may claim
+                records = {i.filename.rsplit("/data/", 1)[1]: i.file_size for i in z.infolist()
+                           if "/data/" in i.filename and "/.data/" not in i.filename}
+        except (zipfile.BadZipFile, OSError, ValueError, IndexError) as e:
             raise CheckpointError(path, f"truncated or corrupt torch.save archive ({_one_line(e)})") from None
         if any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in names):
             # torch.load would hand this to torch.jit.load, which runs TorchScript: not a checkpoint we read.
             raise CheckpointError(path, "is a TorchScript archive, not a checkpoint")
         if not any(n.endswith("data.pkl") for n in names):
             raise CheckpointError(path, "is a zip file but not a torch.save archive (no data.pkl)")
-    elif not (head[:1] == b"\x80" or head[257:262] == b"ustar"):
+    elif head[257:262] == b"ustar":
+        # torch's first format (2016) sizes each storage from a number in the file before reading it; no published
+        # Transformer-XL checkpoint uses it, so it is not read rather than trusted
+        raise CheckpointError(path, "is a torch.save file in the tar format of torch before 0.2, which is not read; "
+                                    "re-save it with a newer torch (torch.save writes the zip format)")
+    elif not head[:1] == b"\x80":
         raise CheckpointError(path, "is not a checkpoint of a supported format (expected a txl-deploy or "
                                     "HuggingFace folder, a torch.save file or a .safetensors file)")
     try:
@@ -199,16 +465,17 @@ def torch_load(path):
             # The legacy format stores each module class's source to compare with the installed code; our inert
             # stand-ins have none, and the comparison is moot since that code never runs.
             warnings.filterwarnings("ignore", message="Couldn't retrieve source code")
-            return torch.load(path, map_location="cpu", pickle_module=sys.modules[__name__], weights_only=False,
-                              mmap=is_zip)  # zip archives map their tensors from the file: no copy in memory
+            with _storages_of(path, records):
+                return torch.load(path, map_location="cpu", pickle_module=sys.modules[__name__], weights_only=False,
+                                  mmap=is_zip)  # zip archives map their tensors from the file: no copy in memory
     except RefusedGlobal as e:
         raise CheckpointError(
             path, f"refused to unpickle {e.module}.{e.name}: only tensors, plain containers and Transformer-XL "
                   f"module attributes are allowed (nothing from the file was run)") from None
     except (EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(path, f"truncated or corrupt pickle ({_one_line(e)})") from None
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError,
-            zipfile.BadZipFile) as e:
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, AssertionError,
+            zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
         if "explicit pickle_module" in str(e):
             raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
                                         "restricted unpickler; unset it to read this file") from None

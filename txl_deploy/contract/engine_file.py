@@ -85,8 +85,8 @@ def read_sidecar(engine_path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(engine_path, f"no sidecar {path.name} next to the engine; build engines with "
                                            "`txl-deploy build-engine` (it writes both)") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"corrupt engine sidecar ({e})") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested JSON
+        raise CheckpointError(path, f"corrupt engine sidecar ({str(e)[:200]})") from None
     if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT or "config" not in meta:
         raise CheckpointError(path, "not a txl-deploy engine sidecar")
     if int(meta.get("format_version", 0)) > SIDECAR_VERSION:

@@ -80,8 +80,8 @@ class ExportInfo:
             verification = json.loads(props[KEY_VERIFY]) if KEY_VERIFY in props else None
         except UnknownKindError as e:  # a newer txl-deploy's vocabulary: say so, never read it as another kind
             raise CheckpointError(path, str(e)) from None
-        except (ValueError, KeyError, TypeError, TxlError) as e:
-            raise CheckpointError(path, f"corrupt txl-deploy metadata ({e})") from None
+        except (ValueError, KeyError, TypeError, RecursionError, TxlError) as e:  # RecursionError: nested JSON
+            raise CheckpointError(path, f"corrupt txl-deploy metadata ({str(e)[:200]})") from None
         return cls(config, vocab, export, verification)
 
 

@@ -5,20 +5,30 @@
 - `write_inline`: turn a model whose weights live in external data files into one self-contained file, one tensor
   at a time. `onnx.save` would first build the complete ModelProto and then its serialised bytes: twice the
   weights in memory on top of the model that produced them.
+- `external_data`: every external data file a model names, each checked to lie inside the model's folder. Every
+  path that lets a library read a model's external data calls it first (see docs/security.md).
 
 The wire format (protobuf encoding, https://protobuf.dev/programming-guides/encoding/) lets a message be written
 field by field in any order: the fields of onnx.proto3 used here are ModelProto.graph (7), ModelProto.metadata_props
 (14), GraphProto.node (1), GraphProto.initializer (5) and TensorProto.raw_data (9), external_data (13) and
-data_location (14).
+data_location (14). `external_data` also walks every place onnx.proto3 lets a tensor sit: ModelProto.functions (25),
+GraphProto.sparse_initializer (15), NodeProto.attribute (5), FunctionProto.node (7) and attribute_proto (11),
+AttributeProto.t (5), g (6), tensors (10), graphs (11), sparse_tensor (22), sparse_tensors (23), and
+SparseTensorProto.values (1) and indices (2).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 from onnx import StringStringEntryProto
+
+from txl_deploy.errors import CheckpointError
 
 MODEL_GRAPH, MODEL_METADATA = 7, 14
 GRAPH_NODE, GRAPH_INITIALIZER = 1, 5
@@ -109,25 +119,21 @@ def read_metadata(path) -> tuple[dict[str, str], bool]:
     return props, has_node
 
 
-def _external(tensor, base: Path) -> tuple[Path, int, int]:
-    info = {e.key: e.value for e in tensor.external_data}
-    location = base / info["location"]
-    offset = int(info.get("offset", 0))
-    length = int(info["length"]) if "length" in info else location.stat().st_size - offset
-    return location, offset, length
-
-
 def write_inline(src, dst) -> None:
     """Write the model at `src` (weights in external data files beside it) to `dst` as one file, streaming each
     tensor's bytes from its data file. The result parses to the same ModelProto as `onnx.load(src)` with the data
     moved into `raw_data`."""
     src = Path(src)
+    checked = {(e.location, e.offset, e.length): e for e in external_data(src)}
     model = onnx.load(str(src), load_external_data=False)
     graph = model.graph
     pieces = []  # (bytes of the TensorProto without its data, data file or None, offset, length)
     for t in graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            location, offset, length = _external(t, src.parent)
+            info = {e.key: e.value for e in t.external_data}
+            ref = checked[(info["location"], int(info.get("offset", 0)),
+                           int(info["length"]) if "length" in info else None)]
+            location, offset, length = ref.path, ref.offset, ref.size
             head = onnx.TensorProto()
             head.CopyFrom(t)
             head.ClearField("external_data")
@@ -163,10 +169,163 @@ def _copy(src, dst, n: int, name) -> None:
         n -= len(chunk)
 
 
-__all__ = ["read_metadata", "write_inline"]
-
-
 def weight_file_bytes(onnx_path) -> int:
-    """Bytes of an exported graph's weights: the .onnx file and its external data files (a few MB of graph)."""
+    """Bytes of an exported graph's weights: the .onnx file and the external data files it names (checked by
+    `external_data`: a location outside the model's folder is refused, not measured)."""
     path = Path(onnx_path)
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
+    files = {ref.path for ref in external_data(path)}
+    return path.stat().st_size + sum(f.stat().st_size for f in files)
+
+
+# -- external data: what a model may make a library read ---------------------------------------------------------
+MODEL_FUNCTIONS = 25
+GRAPH_SPARSE_INITIALIZER = 15
+NODE_ATTRIBUTE = 5
+FUNCTION_NODE, FUNCTION_ATTRIBUTE_PROTO = 7, 11
+ATTR_T, ATTR_G, ATTR_TENSORS, ATTR_GRAPHS, ATTR_SPARSE_TENSOR, ATTR_SPARSE_TENSORS = 5, 6, 10, 11, 22, 23
+SPARSE_VALUES, SPARSE_INDICES = 1, 2
+TENSOR_EXTERNAL_DATA = 13
+_MAX_NESTING = 64  # subgraphs inside subgraphs; protobuf itself refuses more than 100 levels
+_MAX_ENTRY_BYTES = 64 << 10  # one external_data key/value pair: a path and a few numbers
+_DRIVE = re.compile(r"[A-Za-z]:")
+
+
+@dataclass(frozen=True)
+class ExternalData:
+    """One tensor's external data, checked: `path` is the file inside the model's folder, `size` the bytes read."""
+
+    location: str  # as the model names it (relative to the model's folder)
+    path: Path
+    offset: int
+    length: int | None  # as the model names it (None: to the end of the file)
+    size: int
+
+
+def external_data(model_path) -> list[ExternalData]:
+    """Every external data reference of the ONNX model at `model_path`, each checked before any library follows it.
+
+    A location must be relative, contain no `..`, and name a regular file that lies inside the model's folder once
+    symlinks are resolved; that file must have one link only, since a hard link to a file elsewhere cannot be told
+    from a file of the folder by its path; offset and length must lie inside the file. Any other location raises
+    CheckpointError naming the model and the location. Reads the file's protobuf fields without parsing the graph
+    (weights are skipped by seeking), in initializers, sparse initializers and attribute tensors of the graph, its
+    subgraphs and its functions: every tensor onnx or ONNX Runtime could fill from a file."""
+    model_path = Path(model_path)
+    refs: list[ExternalData] = []
+    try:
+        with open(model_path, "rb") as f:
+            end = os.fstat(f.fileno()).st_size
+            for field, _, start, size in _fields(f, end):
+                if field == MODEL_GRAPH:
+                    _walk_graph(f, start + size, refs, model_path, 0)
+                elif field == MODEL_FUNCTIONS:
+                    _walk_function(f, start + size, refs, model_path, 0)
+    except CheckpointError:
+        raise
+    except (ValueError, OSError, RecursionError) as e:
+        raise CheckpointError(model_path, f"not a readable ONNX model ({type(e).__name__}: {e})") from None
+    return refs
+
+
+def _walk_graph(f, end, refs, model_path, depth):
+    if depth > _MAX_NESTING:
+        raise CheckpointError(model_path, f"subgraphs nested more than {_MAX_NESTING} deep")
+    for field, _, start, size in _fields(f, end):
+        if field == GRAPH_INITIALIZER:
+            _walk_tensor(f, start + size, refs, model_path)
+        elif field == GRAPH_SPARSE_INITIALIZER:
+            _walk_sparse(f, start + size, refs, model_path)
+        elif field == GRAPH_NODE:
+            _walk_node(f, start + size, refs, model_path, depth, NODE_ATTRIBUTE)
+
+
+def _walk_function(f, end, refs, model_path, depth):
+    for field, _, start, size in _fields(f, end):
+        if field == FUNCTION_NODE:
+            _walk_node(f, start + size, refs, model_path, depth, NODE_ATTRIBUTE)
+        elif field == FUNCTION_ATTRIBUTE_PROTO:
+            _walk_attribute(f, start + size, refs, model_path, depth)
+
+
+def _walk_node(f, end, refs, model_path, depth, attribute_field):
+    for field, _, start, size in _fields(f, end):
+        if field == attribute_field:
+            _walk_attribute(f, start + size, refs, model_path, depth)
+
+
+def _walk_attribute(f, end, refs, model_path, depth):
+    for field, _, start, size in _fields(f, end):
+        if field in (ATTR_T, ATTR_TENSORS):
+            _walk_tensor(f, start + size, refs, model_path)
+        elif field in (ATTR_SPARSE_TENSOR, ATTR_SPARSE_TENSORS):
+            _walk_sparse(f, start + size, refs, model_path)
+        elif field in (ATTR_G, ATTR_GRAPHS):
+            _walk_graph(f, start + size, refs, model_path, depth + 1)
+
+
+def _walk_sparse(f, end, refs, model_path):
+    for field, _, start, size in _fields(f, end):
+        if field in (SPARSE_VALUES, SPARSE_INDICES):
+            _walk_tensor(f, start + size, refs, model_path)
+
+
+def _walk_tensor(f, end, refs, model_path):
+    entries = {}
+    for field, _, start, size in _fields(f, end):
+        if field == TENSOR_EXTERNAL_DATA:
+            if size > _MAX_ENTRY_BYTES:
+                raise CheckpointError(model_path, f"an external_data entry of {size} bytes")
+            f.seek(start)
+            entry = StringStringEntryProto()
+            entry.ParseFromString(f.read(size))
+            entries[entry.key] = entry.value
+    # Checked whether or not data_location says EXTERNAL: what a reader ignores today, another may follow.
+    if entries:
+        refs.append(_checked(model_path, entries))
+
+
+def _checked(model_path: Path, entries: dict) -> ExternalData:
+    location = entries.get("location")
+
+    def refuse(problem):
+        raise CheckpointError(model_path, f"external data location {location!r} {problem}; a model's external "
+                                          "data must be files inside its own folder")
+
+    if not location:
+        refuse("is empty")
+    if "\0" in location:
+        refuse("contains a NUL character")
+    parts = re.split(r"[\\/]", location)
+    if location.startswith(("/", "\\")) or os.path.isabs(location) or _DRIVE.match(location):
+        refuse("is an absolute path")
+    if ".." in parts:
+        refuse("contains '..'")
+    folder = model_path.parent
+    target = folder / location
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(target)
+    if os.path.commonpath([real_folder, real]) != real_folder:
+        refuse(f"resolves to {real}, outside the model's folder (a symbolic link)")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        refuse(f"cannot be read ({e.strerror or e})")
+    if not stat.S_ISREG(st.st_mode):
+        refuse("is not a regular file")
+    if st.st_nlink > 1:
+        refuse(f"is a file with {st.st_nlink} hard links, which may be a file outside the folder; copy it (cp) to "
+               "give the model its own file")
+    try:
+        offset = int(entries.get("offset", 0))
+        length = int(entries["length"]) if "length" in entries else None
+    except ValueError:
+        refuse("has an offset or length that is not a number")
+    if offset < 0 or (length is not None and length < 0):
+        refuse("has a negative offset or length")
+    size = st.st_size - offset if length is None else length
+    if offset + size > st.st_size or size < 0:
+        refuse(f"claims bytes {offset}..{offset + size}, but the file holds {st.st_size}")
+    return ExternalData(location, target, offset, length, size)
+
+
+__all__ = ["read_metadata", "write_inline", "external_data", "weight_file_bytes", "ExternalData"]

@@ -151,7 +151,7 @@ class SeparateStates:
         handle[0] = None
 
     def load(self, handle, arrays):
-        handle[0] = self.backend.state_from_arrays(arrays)
+        handle[0] = self.backend.state_from_arrays(arrays, copy=False)  # arrays just read from the request
 
     def save(self, handle):
         return {k: np.array(v) for k, v in self.backend.state_arrays(handle[0]).items()}

@@ -147,8 +147,9 @@ class Vocab:
                     vocab = cls.from_dict(d)
                 except UnknownKindError:
                     raise
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CheckpointError(path, f"not a vocabulary JSON ({e})") from None
+                except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
+                    raise CheckpointError(path, f"not a vocabulary JSON ({type(e).__name__}: {str(e)[:200]})") \
+                        from None
                 return vocab if kind is None else vocab.with_kind(choose_kind(vocab.symbols, kind))
             if kind == "char":
                 # a character list: one character per line, or all characters on one line

@@ -21,6 +21,8 @@ depends on neither TensorFlow nor protobuf.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -49,6 +51,7 @@ DTYPES = {
     23: np.dtype("<u8"),  # DT_UINT64
 }
 DT_BFLOAT16, DT_STRING = 14, 7
+MAX_RANK = 32  # TensorFlow allows 254 dimensions, numpy 64; a Transformer-XL variable has at most 3
 DTYPE_NAMES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6: "int8", 7: "string",
                9: "int64", 10: "bool", 14: "bfloat16", 17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
 
@@ -195,6 +198,18 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def _int(v, what: str) -> int:
+    if not isinstance(v, int):
+        raise _Corrupt(f"{what} is not a number")
+    return v
+
+
+def _message(v, what: str) -> bytes:
+    if not isinstance(v, bytes):
+        raise _Corrupt(f"{what} is not a message")
+    return v
+
+
 class TensorEntry:
     """Where one tensor lives in the bundle (a decoded BundleEntryProto)."""
 
@@ -205,22 +220,23 @@ class TensorEntry:
         self.shard_id = self.offset = self.size = 0
         self.crc32c, self.sliced = None, False
         dims = []
+        # Each field's wire type is checked: a damaged entry may put bytes where a number belongs, or the reverse.
         for number, _, v in _fields(value):
             if number == 1:
-                self.dtype = v
+                self.dtype = _int(v, "dtype")
             elif number == 2:  # TensorShapeProto: repeated Dim (size = field 1) as field 2
-                for n2, _, dim in _fields(v):
+                for n2, _, dim in _fields(_message(v, "shape")):
                     if n2 == 2:
-                        size = next((s for n3, _, s in _fields(dim) if n3 == 1), 0)
-                        dims.append(_signed64(size))
+                        size = next((s for n3, _, s in _fields(_message(dim, "a dimension")) if n3 == 1), 0)
+                        dims.append(_signed64(_int(size, "a dimension's size")))
             elif number == 3:
-                self.shard_id = v
+                self.shard_id = _int(v, "shard_id")
             elif number == 4:
-                self.offset = _signed64(v)
+                self.offset = _signed64(_int(v, "offset"))
             elif number == 5:
-                self.size = _signed64(v)
+                self.size = _signed64(_int(v, "size"))
             elif number == 6:
-                self.crc32c = v
+                self.crc32c = _int(v, "crc32c")
             elif number == 7:
                 self.sliced = True
         self.shape = tuple(dims)
@@ -314,9 +330,9 @@ class TFCheckpoint:
         num_shards, endianness = 1, 0
         for number, _, v in header:
             if number == 1:
-                num_shards = v
+                num_shards = _int(v, "num_shards")
             elif number == 2:
-                endianness = v
+                endianness = _int(v, "endianness")
         if endianness != 0:
             raise _Corrupt("big-endian bundles are not supported")
         return num_shards, entries
@@ -327,6 +343,11 @@ class TFCheckpoint:
 
     def shape(self, name: str) -> tuple:
         return self.entries[name].shape
+
+    def data_bytes(self) -> int:
+        """Bytes of the data shards that exist: a bound on what anything derived from the index may take."""
+        return sum(p.stat().st_size for p in map(self.shard_path, range(min(self.num_shards, 1 << 16)))
+                   if p.is_file())
 
     def shard_path(self, shard_id: int) -> Path:
         return Path(f"{self.prefix}.data-{shard_id:05d}-of-{self.num_shards:05d}")
@@ -343,8 +364,11 @@ class TFCheckpoint:
             raise CheckpointError(self.index_path, f"tensor {name!r} has {entry.dtype_name} elements, "
                                                    "which are not supported")
         dtype = DTYPES[entry.dtype]
-        count = int(np.prod(entry.shape, dtype=np.int64)) if entry.shape else 1
-        if entry.size != count * dtype.itemsize or min(entry.shape, default=0) < 0:
+        if len(entry.shape) > MAX_RANK or min(entry.shape, default=0) < 0:
+            raise CheckpointError(self.index_path, f"tensor {name!r} has shape {list(entry.shape)[:8]}"
+                                                   f"{'...' if len(entry.shape) > 8 else ''}")
+        count = math.prod(entry.shape)  # Python ints: a product of claimed dimensions must not wrap around
+        if entry.size != count * dtype.itemsize:
             raise CheckpointError(self.index_path, f"tensor {name!r}: {entry.size} bytes do not fit shape "
                                                    f"{list(entry.shape)} of {entry.dtype_name}")
         if not 0 <= entry.shard_id < self.num_shards:
@@ -353,6 +377,11 @@ class TFCheckpoint:
         path = self.shard_path(entry.shard_id)
         try:
             with open(path, "rb") as f:
+                # the claimed range against the shard's own size, before a byte is allocated for it
+                have = os.fstat(f.fileno()).st_size
+                if entry.offset < 0 or entry.offset + entry.size > have:
+                    raise CheckpointError(path, f"truncated: tensor {name!r} needs bytes {entry.offset}.."
+                                                f"{entry.offset + entry.size}, the file holds {have}")
                 f.seek(entry.offset)
                 raw = f.read(entry.size)
         except FileNotFoundError:

@@ -77,6 +77,10 @@ def to_state_dict(ckpt, arch: dict) -> dict:
             if scope + f"adaptive_embed/cutoff_{i}/proj_W" in names:
                 sd[f"word_emb.emb_projs.{i}"] = t(get(f"adaptive_embed/cutoff_{i}/proj_W").T)
             else:  # proj_same_dim=False: no projection; ours always has one, and an identity is exact
+                if d_model * d_model * 4 > ckpt.data_bytes():  # d_model comes from the index: a claim
+                    raise CheckpointError(ckpt.index_path, f"d_model {d_model} needs an identity projection of "
+                                                           f"{d_model * d_model * 4:,} bytes, more than the "
+                                                           "checkpoint's data holds")
                 sd[f"word_emb.emb_projs.{i}"] = torch.eye(d_model)
             sd[f"crit.out_layers.{i}.bias"] = t(get(f"adaptive_softmax/cutoff_{i}/b"))
     for i, tied in enumerate(arch["tie_projs"]):

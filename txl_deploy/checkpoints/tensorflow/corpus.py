@@ -96,8 +96,8 @@ def read_cache_vocab(path, kind: str | None = None):
 def read_corpus_info(path) -> dict:
     try:
         info = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path, f"unreadable corpus-info.json ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(path, f"unreadable corpus-info.json ({str(e)[:200]})") from None
     if not isinstance(info, dict):
         raise CheckpointError(path, "corpus-info.json is not a JSON object")
     return info

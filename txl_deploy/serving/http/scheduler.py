@@ -437,18 +437,14 @@ def _npz_bytes(rt: TxlRuntime, state: dict) -> bytes:
 
 
 def _read_state(rt: TxlRuntime, blob: bytes) -> dict:
-    """Parked bytes -> {"arrays" of one row, "last" log-probs, "tokens"}, read by `TxlRuntime.load_state` (which
-    checks the model's fingerprint and every tensor); ApiError 400 when they are not a state of this model."""
+    """Parked bytes -> {"arrays" of one row, "last" log-probs, "tokens"}, read by `TxlRuntime.load_state` as the
+    untrusted input they are (one row at most, names, headers, sizes and the model's fingerprint checked before any
+    tensor is read); ApiError 400 when they are not a state of this model."""
     scratch = TxlRuntime(rt.backend)
-    with tempfile.TemporaryDirectory(prefix="txl-restore-") as tmp:
-        path = os.path.join(tmp, "state.npz")
-        with open(path, "wb") as f:
-            f.write(blob)
-        try:
-            scratch.load_state(path)
-        except Exception as e:  # noqa: BLE001 - TxlRuntime.load_state's InputError, or its reader's own errors
-            message = (str(e).splitlines() or [type(e).__name__])[0].replace(path, "the state")
-            raise ApiError(400, f"not a state of this model: {message}", code="invalid_state") from None
+    try:
+        scratch.load_state(bytes(blob), max_rows=1)
+    except InputError as e:
+        raise ApiError(400, f"not a state of this model: {str(e).splitlines()[0]}", code="invalid_state") from None
     if scratch.batch_size != 1:
         raise ApiError(400, f"a session's state holds one memory row, this one holds {scratch.batch_size}",
                        code="invalid_state")

@@ -24,7 +24,6 @@ threads over gRPC (the HTTP client's connection is not thread-safe: give each th
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import secrets
 import threading
@@ -36,6 +35,7 @@ import numpy as np
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.saved_state import read_state_metadata
 from txl_deploy.serving.triton.protocol import (
     PARAM_PREFIX,
     RESUME_INPUT,
@@ -304,16 +304,13 @@ class TxlTritonClient:
 def parked_info(state: bytes) -> dict:
     """What a parked conversation's bytes say about it: sequence_id (or None), fingerprint, format_version."""
     try:
-        with np.load(io.BytesIO(bytes(state)), allow_pickle=False) as z:
-            keys = set(z.files)
-            get = (lambda k: z[k][()] if k in keys else None)
-            out = {"fingerprint": get("__fingerprint__"), "format_version": get("__format_version__"),
-                   "sequence_id": get("__sequence_id__")}
-    except Exception as e:
+        meta = read_state_metadata(bytes(state))  # the small metadata members only, each bounded
+    except InputError as e:
         raise InputError(f"not a parked conversation state ({_first_line(e)})") from None
+    out = {"fingerprint": meta.get("__fingerprint__"), "format_version": meta.get("__format_version__"),
+           "sequence_id": meta.get("__sequence_id__")}
     if out["fingerprint"] is None:
         raise InputError("not a parked conversation state (no fingerprint)")
-    out = {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items()}
     out["sequence_id"] = None if out["sequence_id"] is None else int(out["sequence_id"])
     return out
 

@@ -32,7 +32,10 @@ arrays (one row, the model's fingerprint, a format version); with END that parks
 with the input `resume_state` (such bytes) starts the conversation from that memory, refused with an error when the
 state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the
 conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
-A bad request gets an error response and changes no memory.
+A bad request gets an error response and changes no memory. Inputs are refused by their shape before the model
+allocates anything from them: tokens and out_positions beyond max_request_tokens, a resume_state larger than one
+conversation's state; a resume_state is then read as untrusted (runtimes.saved_state: names, headers, sizes and
+the fingerprint checked before its data is read, one row at most).
 
 The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
 uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
@@ -40,6 +43,7 @@ uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, an
 
 import io
 import json
+import math
 import os
 import site
 import sys
@@ -64,15 +68,12 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 # txl_deploy is found through PYTHONPATH, applied just above.
+from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.runtimes.saved_state import max_archive_bytes, read_saved_state  # noqa: E402
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
-    RESUME_INPUT,
-    SAVED_OUTPUT,
-    STATE_FORMAT,
-    STATE_FORMAT_VERSION,
-    UNKNOWN_TO_MODEL,
-)
+    RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, UNKNOWN_TO_MODEL)
 
 _previous_hook = sys.unraisablehook
 
@@ -89,13 +90,16 @@ def _quiet_dlpack_capsules(unraisable):
 sys.unraisablehook = _quiet_dlpack_capsules
 
 
-def _input(request, name):
+def _input(request, name, max_elements=None, what="elements"):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     # DLPack, not as_numpy(): this stub's numpy glue was built for numpy 1 and misreads numpy 2 arrays.
     # A zero-size tensor has no data pointer to hand over: rebuild it from its shape.
     shape = tuple(int(d) for d in tensor.shape())
+    if max_elements is not None and math.prod(shape) > max_elements:  # judged by its shape, before any copy
+        raise ValueError(f"{name} of shape {list(shape)} is {'larger' if what == 'bytes' else 'longer'} than this "
+                         f"server accepts per request ({max_elements:,} {what})")
     if 0 in shape:
         return np.zeros(shape, dtype=np.int64)
     return np.from_dlpack(tensor)
@@ -147,6 +151,7 @@ class TritonPythonModel:
         idle_us = int(config["sequence_batching"].get("max_sequence_idle_microseconds", 0) or 0)
         self.idle_timeout = idle_us / 1e6 if idle_us > 0 else None
         self.states = row_store(self.backend, self.max_sequences)
+        self.max_state_bytes = max_archive_bytes(self.backend, rows=1)  # one conversation's saved state
         self.conversations = OrderedDict()  # corrid -> Conversation, least recently used first
         self.fingerprint = self.backend.fingerprint()
 
@@ -176,31 +181,27 @@ class TritonPythonModel:
 
     # -- park / resume ------------------------------------------------------------------------------------------
     def _read_state(self, blob):
-        """A parked conversation's bytes -> (checked state arrays of one row, its last log-probs or None)."""
+        """A parked conversation's bytes -> (checked state arrays of one row, its last log-probs or None).
+
+        Untrusted bytes: read_saved_state checks the archive (one row of this model's state at most, member names,
+        headers, sizes, the fingerprint) before it reads any tensor, so a bomb or a damaged state costs nothing."""
         blob = np.ascontiguousarray(blob).reshape(-1)
         if blob.dtype != np.uint8 or blob.size == 0:
             raise ValueError(f"{RESUME_INPUT} must be the UINT8 bytes of a saved conversation state")
         try:
-            with np.load(io.BytesIO(blob.tobytes()), allow_pickle=False) as z:
-                state = {k: z[k] for k in z.files}
-        except Exception as e:
-            raise ValueError(f"{RESUME_INPUT} is not a saved conversation state ({_message(e)})") from None
-        fmt = str(state.get("__format__", ""))
-        version = int(state.get("__format_version__", -1))
+            saved = read_saved_state(blob, self.backend, max_rows=1)
+        except InputError as e:
+            raise ValueError(f"{RESUME_INPUT} is not a saved conversation state of this model ({_message(e)})") \
+                from None
+        fmt = str(saved.metadata.get("__format__", ""))
+        version = int(saved.metadata.get("__format_version__", -1))
         if fmt != STATE_FORMAT or version < 1:
             raise ValueError(f"{RESUME_INPUT} is not a saved conversation state (no '{STATE_FORMAT}' header)")
         if version > STATE_FORMAT_VERSION:
             raise ValueError(f"this conversation state has format version {version}; this server reads up to "
                              f"{STATE_FORMAT_VERSION}: upgrade txl-deploy on the server")
-        # TxlRuntime.load_state checks the fingerprint (same model, weights and state layout) and every tensor's
-        # shape and dtype, with its own error messages; a scratch runtime over this instance's backend does it.
-        scratch = TxlRuntime(self.backend)
-        scratch.load_state(state)
-        if scratch.batch_size != 1:
-            raise ValueError(f"a conversation state holds one memory row, this one holds {scratch.batch_size}")
-        arrays = {k: v for k, v in scratch.save_state().items() if not k.startswith("__")}
-        last = state.get("__last_log_probs__")
-        return arrays, (None if last is None else np.array(last, dtype=np.float32).reshape(-1))
+        last = saved.last_log_probs
+        return saved.arrays, (None if last is None else last.reshape(-1))
 
     def _saved_state(self, conv):
         arrays = self.states.save(conv.handle)
@@ -248,10 +249,11 @@ class TritonPythonModel:
             corrid = int(_input(request, "CORRID").reshape(-1)[0])
             start = bool(_input(request, "START").reshape(-1)[0])
             end = bool(_input(request, "END").reshape(-1)[0])
-            resume = _input(request, RESUME_INPUT)
+            resume = _input(request, RESUME_INPUT, self.max_state_bytes, "bytes")
             want_state = SAVED_OUTPUT in request.requested_output_names()
-            tokens, positions = self._check(_input(request, "tokens"), _input(request, "out_positions"),
-                                            state_only=resume is not None or want_state)
+            tokens = _input(request, "tokens", self.max_request_tokens, "tokens")
+            positions = _input(request, "out_positions", self.max_request_tokens, "positions")
+            tokens, positions = self._check(tokens, positions, state_only=resume is not None or want_state)
             if resume is not None and not start:
                 raise ValueError(f"{RESUME_INPUT} starts a conversation: send it with sequence_start")
             if start:

@@ -31,6 +31,7 @@ from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.engine_file import read_sidecar, sidecar_path
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, ExportError
 from txl_deploy.files import atomic_path
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX, RESUME_INPUT, SAVED_OUTPUT
@@ -57,7 +58,8 @@ class ServedModel:
     info: object  # txl_deploy.contract.metadata.ExportInfo
     dtypes: dict = field(default_factory=dict)  # tensor name -> numpy dtype name
     max_batch: int | None = None  # the engine profile's largest batch
-    extra_files: list = field(default_factory=list)  # files that travel with the model (external data, sidecar)
+    # files that travel with the model: (file, its name beside the model) for external data and the sidecar
+    extra_files: list = field(default_factory=list)
 
     @property
     def spec(self) -> io_spec.GraphSpec:
@@ -95,12 +97,12 @@ def inspect_model(path) -> ServedModel:
         raise CheckpointError(path, "file not found")
     if path.suffix.lower() == ".onnx":
         info = read_onnx_info(path)
+        # Only data files inside the model's folder travel with it (a repository is often uploaded as it is).
+        extra = sorted({(ref.path, ref.location) for ref in external_data(path)})
         graph = onnx.load(str(path), load_external_data=False).graph
         dtypes = {vi.name: _ONNX_ELEM.get(vi.type.tensor_type.elem_type, "?")
                   for vi in list(graph.input) + list(graph.output)}
-        extra = sorted({t.external_data[i].value for t in graph.initializer for i in range(len(t.external_data))
-                        if t.external_data[i].key == "location"})
-        return ServedModel(path, "onnx", info, dtypes, extra_files=[path.parent / e for e in extra])
+        return ServedModel(path, "onnx", info, dtypes, extra_files=extra)
     if path.suffix.lower() in (".engine", ".plan", ".trt"):
         meta = read_sidecar(path)
         info = ExportInfo(TxlConfig.from_dict(meta["config"]),
@@ -110,7 +112,7 @@ def inspect_model(path) -> ServedModel:
         if meta.get("onnx") and onnx_path.is_file():  # the engine's I/O types are its graph's (strongly typed)
             dtypes = inspect_model(onnx_path).dtypes
         return ServedModel(path, "engine", info, dtypes, max_batch=int(meta["batch"][2]),
-                           extra_files=[sidecar_path(path)])
+                           extra_files=[(sidecar_path(path), sidecar_path(path).name)])
     raise CheckpointError(path, "not an exported model: pass a .onnx file (txl-deploy export) or a TensorRT "
                                 ".engine/.plan with its sidecar (txl-deploy build-engine)")
 
@@ -442,13 +444,14 @@ def write_repository(model_path, out_dir, *, force: bool = False, **options) -> 
             shutil.copy2(Path(__file__).with_name("python_model.py"), version / "model.py")
         else:
             shutil.copy2(model.path, version / MODEL_FILES[opts.backend])
-        for extra in model.extra_files:
-            extra = Path(extra)
-            target = extra.name
-            if opts.backend == "tensorrt" and extra.suffix == ".json":
-                target = MODEL_FILES["tensorrt"] + ".json"
-            if extra.is_file():
-                shutil.copy2(extra, version / target)
+        for extra, name in model.extra_files:
+            if opts.backend == "tensorrt" and model.kind == "engine" and name.endswith(".json"):
+                name = MODEL_FILES["tensorrt"] + ".json"  # the sidecar beside Triton's model.plan
+            # an external data file keeps the location the model names (checked to stay inside the folder)
+            target = version / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if Path(extra).is_file():
+                shutil.copy2(extra, target)
         (tmp / "README.md").write_text(readme_text(model, opts), encoding="utf-8")
     logger.info(f"wrote Triton repository {out_dir} (model {opts.name!r}, {opts.backend} backend, "
                 f"{_mib(model.bytes_per_conversation())} per conversation)")

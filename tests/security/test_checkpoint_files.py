@@ -1,0 +1,48 @@
+"""Checkpoint files read nothing they should not: a HuggingFace shard index names files of its folder only, torch's
+tar format is not read, and a pickle can neither size an allocation nor call a codec."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from audit import Watch
+from crafted_files import Reduce, legacy_torch_file
+
+from txl_deploy.checkpoints import load_model
+from txl_deploy.checkpoints.safe_pickle import torch_load
+from txl_deploy.errors import CheckpointError
+
+
+@pytest.mark.parametrize("shard", ["../outside/model.safetensors", "/tmp/model.safetensors", "sub/../../x", ".."])
+def test_a_huggingface_shard_index_names_files_of_its_folder_only(tmp_path, shard):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    outside = tmp_path / "outside" / "model.safetensors"
+    outside.parent.mkdir()
+    outside.write_bytes(b"\0" * 16)
+    (folder / "config.json").write_text(json.dumps({"model_type": "transfo-xl"}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with Watch() as watch, pytest.raises(CheckpointError, match="is not a file name in the model's folder"):
+        load_model(folder)
+    assert not watch.touched(outside)
+
+
+def test_torch_s_tar_format_is_not_read(tmp_path):
+    data = bytearray(1024)
+    data[257:262] = b"ustar"
+    (tmp_path / "old.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="tar format of torch before 0.2"):
+        torch_load(tmp_path / "old.pt")
+
+
+@pytest.mark.parametrize("call, problem", [((bytes, (16,)), "only of data"), ((bytearray, (16,)), "only of data"),
+                                           ((__import__("codecs").encode, ("x", "zlib_codec")), "is not bytes"),
+                                           ((__import__("codecs").encode, (b"x", "latin1")), "is not bytes")])
+def test_a_pickle_rebuilds_bytes_from_data_only(tmp_path, call, problem):
+    (tmp_path / "m.pt").write_bytes(legacy_torch_file(Reduce(*call), {}))
+    with pytest.raises(CheckpointError, match=problem):
+        torch_load(tmp_path / "m.pt")
+    # what protocol 2 writes for bytes is still read
+    (tmp_path / "ok.pt").write_bytes(legacy_torch_file({"b": b"\x00\xffdata", "a": bytearray(b"xy")}, {}))
+    assert torch_load(tmp_path / "ok.pt") == {"b": b"\x00\xffdata", "a": bytearray(b"xy")}

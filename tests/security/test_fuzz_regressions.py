@@ -1,0 +1,103 @@
+"""What the fuzz tests found, kept as plain regression tests: each file is refused with the project's own error
+(CheckpointError for checkpoints and models, InputError for saved states) instead of a library's exception."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import zipfile
+
+import numpy as np
+import pytest
+from crafted_files import (
+    Member,
+    bundle_entry,
+    field,
+    npy_header,
+    state_zip,
+    table_bytes,
+    tensor,
+    write_bundle,
+    zip_torch_file,
+)
+
+from txl_deploy.checkpoints import load_model
+from txl_deploy.errors import CheckpointError, InputError
+
+
+@pytest.mark.parametrize("name", ["config.json", "vocab.json"])
+def test_json_nested_deeper_than_python_recurses(tiny_ckpt, tmp_path, name):
+    """RecursionError escaped json.loads through load_model."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    (folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=name):
+        load_model(folder)
+
+
+def test_a_torch_archive_with_an_unknown_persistent_id(tmp_path):
+    """torch's zip loader asserts (AssertionError) on a persistent id that is not a storage."""
+    src = zipfile.ZipFile(io.BytesIO(zip_torch_file({"w": tensor("0", 4)}, {"0": 4})))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:  # written anew: zip's CRC-32 is of the changed data.pkl
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = data.replace(b"storage", b"rtorage", 1)  # the persistent id's typename
+            z.writestr(info.filename, data)
+    (tmp_path / "model.pt").write_bytes(out.getvalue())
+    with pytest.raises(CheckpointError, match="model.pt"):
+        load_model(tmp_path / "model.pt", config={"n_token": 4, "n_layer": 1, "n_head": 1, "d_model": 4,
+                                                  "d_head": 4, "d_inner": 4})
+
+
+def test_an_npy_header_numpy_cannot_tokenize(tiny_onnx):
+    """numpy's header reader raised tokenize.TokenError (not a ValueError) for an unclosed parenthesis."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    with TxlRuntime.load(tiny_onnx) as rt:
+        rt.step([[1, 2]])
+        state = rt.save_state()
+        text = "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2"
+        archive = state_zip(state, **{"mem_k.0": Member("mem_k.0.npy", npy_header((), text=text), 0)})
+        with pytest.raises(InputError, match="damaged"):
+            rt.load_state(archive)
+
+
+@pytest.mark.parametrize("where", ["shape as a number", "dtype as bytes", "a dimension as a number",
+                                   "num_shards as bytes"])
+def test_a_bundle_field_of_the_wrong_wire_type(tmp_path, where):
+    """The bundle reader took a field's value as the type it expected (TypeError: int has no len())."""
+    from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
+
+    prefix = tmp_path / "model.ckpt-0"
+    entries = write_bundle(prefix, {"w": np.arange(4, dtype=np.float32)})
+    dtype, shape, shard, offset, size, crc = entries["w"]
+    value = bundle_entry(dtype, shape, shard, offset, size, crc)
+    header = field(1, 1)
+    if where == "shape as a number":
+        value = field(1, dtype) + field(2, 7) + field(4, offset) + field(5, size)
+    elif where == "dtype as bytes":
+        value = field(1, b"\x01") + value[2:]
+    elif where == "a dimension as a number":
+        value = field(1, dtype) + field(2, field(2, 4)) + field(4, offset) + field(5, size)
+    else:
+        header = field(1, b"\x01")
+    (tmp_path / "model.ckpt-0.index").write_bytes(table_bytes([(b"", header), (b"w", value)]))
+    with pytest.raises(CheckpointError, match="model.ckpt-0.index"):
+        ckpt = TFCheckpoint(prefix)
+        ckpt.get_tensor("w")
+
+
+@pytest.mark.parametrize("key, value", [("cutoffs", ":"), ("mem_len", "12"), ("tie_projs", 3),
+                                        ("layer_norm_epsilon", None), ("n_layer", True)])
+def test_a_config_value_of_the_wrong_type(tiny_ckpt, tmp_path, key, value):
+    """TxlConfig converted cutoffs with int() before checking them (ValueError: invalid literal for int())."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["config"][key] = value
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"config.json: bad config: invalid Transformer-XL config: {key}"):
+        load_model(folder)
