@@ -160,17 +160,38 @@ class HuggingFaceBackend(Backend):
             raise InputError("the HuggingFace peer keeps one memory length for all rows: reset all of them")
         state.update(self.new_state(self.state_batch(state)))
 
-    def state_arrays(self, state) -> dict:
-        return {f"mems.{i}": m.numpy().copy() for i, m in enumerate(state["mems"])}
+    # Saved, the memory has a fixed layout like the other backends' (runtimes.saved_state reads nothing else):
+    # "lens" [B] (its filled length, one for all rows) and "mems.i" [B, mem_len, d_model], filled from the start.
+    def state_layout(self, batch):
+        layout = {"lens": ((batch,), np.dtype(np.int64))}
+        for i in range(self.config.n_layer):
+            layout[f"mems.{i}"] = ((batch, self.mem_len, self.config.d_model), np.dtype(np.float32))
+        return layout
 
-    def state_from_arrays(self, arrays):
+    def state_arrays(self, state) -> dict:
+        mlen, batch = state["mems"][0].shape[:2]
+        arrays = {"lens": np.full(batch, mlen, np.int64)}
+        for i, m in enumerate(state["mems"]):
+            padded = np.zeros((batch, self.mem_len, self.config.d_model), np.float32)
+            padded[:, :mlen] = m.numpy().transpose(1, 0, 2)
+            arrays[f"mems.{i}"] = padded
+        return arrays
+
+    def state_from_arrays(self, arrays, copy=True):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-        L, D = self.config.n_layer, self.config.d_model
-        if set(arrays) != {f"mems.{i}" for i in range(L)}:
+        if set(arrays) != set(self.state_layout(1)):
             raise InputError("this state does not belong to this model (its tensors differ)")
-        shapes = {np.shape(arrays[f"mems.{i}"]) for i in range(L)}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 3 or next(iter(shapes))[2] != D \
-                or next(iter(shapes))[0] > self.mem_len:
-            raise InputError(f"state tensors must all be [mlen <= {self.mem_len}, batch, {D}], got {sorted(shapes)}")
-        return {"mems": [torch.from_numpy(np.array(arrays[f"mems.{i}"], dtype=np.float32)) for i in range(L)]}
+        lens = np.asarray(arrays["lens"])
+        batch = lens.shape[0] if lens.ndim == 1 else -1
+        for name, (shape, dtype) in self.state_layout(max(batch, 0)).items():
+            a = np.asarray(arrays[name])
+            if batch < 0 or a.shape != shape or a.dtype != dtype:
+                raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this model needs {shape} "
+                                 f"{dtype.name}")
+        if batch and (lens.min() != lens.max() or not 0 <= lens[0] <= self.mem_len):
+            raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows, "
+                             f"got {sorted(set(lens.tolist()))[:4]}")
+        mlen = int(lens[0]) if batch else 0
+        time_major = (np.asarray(arrays[f"mems.{i}"])[:, :mlen].transpose(1, 0, 2) for i in range(self.config.n_layer))
+        return {"mems": [torch.from_numpy(np.ascontiguousarray(m)) for m in time_major]}

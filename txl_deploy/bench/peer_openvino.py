@@ -73,8 +73,7 @@ class OpenVinoBackend(Backend):
 
     # -- state: the contract's numpy arrays ---------------------------------------------------------------------
     def new_state(self, batch: int):
-        return {s.name: np.zeros(s.shape_for(batch), dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
-                for s in self.spec.state_inputs()}
+        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
 
     def state_batch(self, state) -> int:
         return state[io_spec.MEM_COUNT].shape[0]
@@ -82,10 +81,14 @@ class OpenVinoBackend(Backend):
     def state_arrays(self, state) -> dict:
         return dict(state)
 
-    def state_from_arrays(self, arrays):
-        specs = {s.name: s for s in self.spec.state_inputs()}
-        _, out = check_state(arrays, specs, lambda n, b: specs[n].shape_for(b),
-                             lambda n: np.int64 if specs[n].dtype == "int64" else self.float_dtype)
+    def state_layout(self, batch):
+        return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else self.float_dtype))
+                for s in self.spec.state_inputs()}
+
+    def state_from_arrays(self, arrays, copy=True):
+        layout = self.state_layout(1)
+        _, out = check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
+                             copy=copy)
         return out
 
     def reset_rows(self, state, rows):
