@@ -1,37 +1,9 @@
-"""Serving load (`benchmarks/triton_load.py`): tokens/s and per-token latency through tritonserver vs the same model in-process.
+"""Serving load through tritonserver vs the same model in-process: the measurement behind
+`benchmarks/triton_load.py`, whose docstring says what each path computes, how rounds are interleaved and what
+the defaults are (`DEFAULT_MODELS`; `run_benchmark(None)` is the demo model).
 
-    python benchmarks/triton_load.py [--model PATH|SHAPE ...] [--concurrency 1,16] [--tokens N] [--threads T]
-                                     [--instances 1,2] [--max-batch B] [--queue-delay-us US] [--repeat R]
-                                     [--json out.json] [--md out.md] [--force]
-
-Paths compared, each at every concurrency C (C conversations at once, each with its own prompt, N greedy tokens):
-- Triton gRPC: a Python-backend repository for the model (`txl-deploy triton-repo --backend python`: the only
-  backend the bundled tritonserver has; it runs each Triton batch as one batched TxlRuntime call), served by
-  tritonserver on 127.0.0.1 (free ports, `txl_deploy.serving.triton.local_server.TritonServer`), one server per --instances
-  value; C client threads, each streaming its conversation with `txl_deploy.serving.triton.client` (one request per token,
-  the server keeps the memory).
-- in-process: C threads, each with its own `TxlRuntime` (its own memory) over ONE loaded ONNX Runtime session --
-  what one Triton model instance holds -- so the difference to the server is Triton (scheduling, the Python
-  backend's IPC), gRPC and the client.
-- in-process, batched: the C conversations as the rows of one `TxlRuntime`, one ONNX Runtime run per token for all:
-  the yardstick for the server, which batches the same way. The ratio column is server / this, per round.
-Both sides use the same ONNX Runtime thread count (--threads, default 1: on a small shared machine, ONNX Runtime's
-default of one thread per core made batch-1 decode twice as slow as one thread).
-
-Per-token latency is the time between two tokens a conversation receives (the first token, which includes the
-prompt, is its own column); tokens/s is C x N / wall time of a round (first prompt sent -> last token received).
-Rounds are interleaved (per repeat, per C: every server, then in-process; the order reverses every other round) so
-the machine's other load hits every path alike. Every conversation's server tokens are compared with its
-in-process tokens (exit status 1 if any differ).
-
-Models: --model, repeatable: an .onnx file, a checkpoint (exported to ONNX first), or a published shape name such
-as `enwik8-base` (a random-weight stand-in with --mem-len, default 512; speed depends on the shape, not on the
-weights). Default (the script without --model): the enwik8-base shape with max_queue_delay 10000 us, then the
-bundled demo model `txl_deploy/assets/demo/kjv-char/` (a random model of its shape if absent) with 4000 us
-(`DEFAULT_MODELS`); `run_benchmark(None)` is the demo model. Prompts are held-out lines for character models whose vocabulary covers them, else seeded random ids.
 Traffic goes to 127.0.0.1 only, request counts are bounded (C x (N + prompt pieces + 1) per round), and the servers
-are stopped at the end, also on errors and Ctrl-C. --md writes a results file: the command, the machine and the
-date, then one table per model.
+are stopped at the end, also on errors and Ctrl-C.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.serving.http.completion import Completion
 from txl_deploy.serving.http.protocol import ApiError
-from txl_deploy.serving.http.scheduler import Job
+from txl_deploy.serving.http.scheduler import Job, admit
 from txl_deploy.serving.http.sessions import GONE, PARKED, Session, SessionStore
 from txl_deploy.serving.triton.client import ServingError, TxlTritonClient, split_url
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
@@ -102,21 +102,7 @@ class FleetEngine:
     def submit(self, job: Job):
         job.params.check_vocabulary(self.n_token)
         with self._lock:
-            if self.draining:
-                raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
-                               code="draining")
-            if self._queued >= self.max_queue:
-                raise ApiError(429, f"the server is busy: {self._queued} requests are waiting (--max-queue "
-                                    f"{self.max_queue}); retry later", type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": "1"})
-            if job.session_id is not None:
-                job.session = self.sessions.acquire(job.session_id)
-                if not job.prompt.size and job.session.last_log_probs is None:
-                    self.sessions.release(job.session)
-                    raise ApiError(400, f"session {job.session_id!r} has no text yet: send a prompt", param="prompt")
-            elif not job.prompt.size:
-                raise ApiError(400, "the prompt is empty (only a session can be continued without one)",
-                               param="prompt")
+            admit(job, self.sessions, self.draining, self._queued, self.max_queue)
             self._queued += 1
         self._workers.submit(self._run, job)
 

@@ -139,21 +139,7 @@ class Scheduler:
         """Queue a request, or raise ApiError at once (429 queue full, 503 draining, 404/409 session)."""
         job.params.check_vocabulary(self.n_token)
         with self._lock:
-            if self.draining:
-                raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
-                               code="draining")
-            if self._queued >= self.max_queue:
-                raise ApiError(429, f"the server is busy: {self._queued} requests are waiting (--max-queue "
-                                    f"{self.max_queue}); retry later", type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": "1"})
-            if job.session_id is not None:
-                job.session = self.sessions.acquire(job.session_id)
-                if not job.prompt.size and job.session.last_log_probs is None:
-                    self.sessions.release(job.session)
-                    raise ApiError(400, f"session {job.session_id!r} has no text yet: send a prompt", param="prompt")
-            elif not job.prompt.size:
-                raise ApiError(400, "the prompt is empty (only a session can be continued without one)",
-                               param="prompt")
+            admit(job, self.sessions, self.draining, self._queued, self.max_queue)
             self._queued += 1
         self._post(("job", job))
 
@@ -454,3 +440,22 @@ def _read_state(rt: TxlRuntime, blob: bytes) -> dict:
     count = arrays.get(io_spec.MEM_COUNT)
     return {"arrays": arrays, "last": None if last is None else np.asarray(last, np.float32).reshape(-1),
             "tokens": int(count[0]) if count is not None else 0}
+
+
+def admit(job: Job, sessions, draining: bool, queued: int, max_queue: int):
+    """The checks a request passes before it is queued, under the caller's lock (the in-process scheduler's and
+    the Triton fleet's alike): raises ApiError (503 draining, 429 queue full, 404/409 session, 400 nothing to
+    continue); on success `job.session` is the acquired session, if the request names one."""
+    if draining:
+        raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
+                       code="draining")
+    if queued >= max_queue:
+        raise ApiError(429, f"the server is busy: {queued} requests are waiting (--max-queue {max_queue}); retry "
+                            "later", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if job.session_id is not None:
+        job.session = sessions.acquire(job.session_id)
+        if not job.prompt.size and job.session.last_log_probs is None:
+            sessions.release(job.session)
+            raise ApiError(400, f"session {job.session_id!r} has no text yet: send a prompt", param="prompt")
+    elif not job.prompt.size:
+        raise ApiError(400, "the prompt is empty (only a session can be continued without one)", param="prompt")
