@@ -444,7 +444,6 @@ def rounds_table(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     """The tables (and how it was measured) as Markdown."""
     m, v = result["model"], result["versions"]
-    mach = result["machine"]
     lines = [
         (f"Model: {m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
          f"{m['n_token']} tokens, ONNX Runtime CPU fp32, {_threads(result)} on both sides). Each conversation: a "
