@@ -393,7 +393,8 @@ class Worker:
         self.start()
 
     def start(self):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]  # this folder and tests/ (helpers)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         line = self._line(300)

@@ -56,7 +56,7 @@ class Targets:
         self.model = None
         if args.triton_repo:
             from google.protobuf import json_format, text_format
-            from triton_stub import load_model_module  # the stand-in stub beside this file (on PYTHONPATH)
+            from helpers.triton_stub import load_model_module  # the stand-in stub (tests/ is on PYTHONPATH)
             from tritonclient.grpc import model_config_pb2 as mc  # the Python model's config, as Triton hands it
 
             self.module = load_model_module()
@@ -110,7 +110,7 @@ class Targets:
     def triton_requests(self, folder, case):
         """case["calls"]: execute() calls of request dicts; conversation 999 (the canary) runs beside them and must
         get what it gets alone."""
-        from triton_stub import Request, Tensor  # noqa: E402  (the stand-in stub beside this file)
+        from helpers.triton_stub import Request, Tensor  # the stand-in stub (tests/ is on PYTHONPATH)
 
         model = self.model
         self.canary.reset()

@@ -1,6 +1,6 @@
 """The Triton Python model refuses oversized inputs by their shape, before it reads or allocates anything from them,
 and reads a resume_state as untrusted; a refused request changes no conversation. In this process, over a stand-in
-for Triton's stub (triton_stub.py); test_triton_flood.py does the same through a real tritonserver.
+for Triton's stub (helpers/triton_stub.py); test_triton_flood.py does the same through a real tritonserver.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from crafted_files import Member, npy_header, state_zip
-from triton_stub import Request, ShapeOnly, load_model_module, start_model
+from helpers.triton_stub import Request, ShapeOnly, load_model_module, start_model
 
 from txl_deploy.runtimes import TxlRuntime
 

@@ -5,85 +5,15 @@ exactly what it gets alone in a TxlRuntime -- including the rows a call computes
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-
 import numpy as np
 import pytest
-from helpers.paths import ROOT
-
-MODEL_PY = ROOT / "txl_deploy" / "serving" / "triton" / "python_model.py"
-
-
-class _Tensor:
-    """What the stub hands model.py: a named tensor with shape() and DLPack export."""
-
-    def __init__(self, name, array):
-        self.name, self.array = name, np.ascontiguousarray(array)
-
-    def shape(self):
-        return list(self.array.shape)
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-    @classmethod
-    def from_dlpack(cls, name, array):
-        return cls(name, np.from_dlpack(array).copy())
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.outputs = {t.name: t.array for t in output_tensors}
-        self.error = error
-
-
-class _Request:
-    def __init__(self, corrid, tokens, positions, start=False, end=False, resume=None, want_state=False):
-        self.inputs = {"CORRID": np.array([[corrid]], np.uint64), "START": np.array([[int(start)]], np.int32),
-                       "END": np.array([[int(end)]], np.int32),
-                       "tokens": np.asarray(tokens, np.int64).reshape(1, -1),
-                       "out_positions": np.asarray(positions, np.int64).reshape(1, -1)}
-        if resume is not None:
-            self.inputs["resume_state"] = resume
-        self.wanted = ["log_probs"] + (["saved_state"] if want_state else [])
-
-    def requested_output_names(self):
-        return self.wanted
-
-
-def _fake_stub_module():
-    """The parts of Triton's triton_python_backend_utils that model.py uses, over plain numpy."""
-    m = types.ModuleType("triton_python_backend_utils")
-    m.Tensor = _Tensor
-    m.InferenceResponse = _Response
-    m.TritonError = lambda message: message
-    m.get_input_tensor_by_name = lambda request, name: (
-        _Tensor(name, request.inputs[name]) if name in request.inputs else None)
-    m.Logger = types.SimpleNamespace(log_info=lambda message: None)
-    return m
+from helpers.triton_stub import Request, load_model_module, start_model
 
 
 @pytest.fixture(scope="module")
 def model_module():
     # model.py imports Triton's stub module at import time: a stand-in over numpy (the server tests run the real one)
-    saved = sys.modules.get("triton_python_backend_utils")
-    sys.modules["triton_python_backend_utils"] = _fake_stub_module()
-    try:
-        spec = importlib.util.spec_from_file_location("txl_triton_model_under_test", MODEL_PY)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        if saved is None:
-            sys.modules.pop("triton_python_backend_utils", None)
-        else:
-            sys.modules["triton_python_backend_utils"] = saved
-        sys.unraisablehook = sys.__unraisablehook__
+    return load_model_module()
 
 
 def test_spans_merge_runs_across_small_gaps_only(model_module):
@@ -134,32 +64,21 @@ def test_batched_rows_match_each_conversation_alone(model_module, tiny_onnx, tin
 def test_one_execute_serves_mixed_segment_lengths_positions_and_a_bad_request(model_module, tiny_onnx, tmp_path):
     """A batch as the sequence batcher hands it over: different segment lengths (separate calls), different
     out_positions (padded), a conversation starting from a parked state, and a bad request that gets its own error."""
-    import json
-
     from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.serving.triton.repository import write_repository
 
-    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", max_batch=8, max_sequences=8)
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    config = json_format.MessageToDict(text_format.Parse((repo / "txl" / "config.pbtxt").read_text(),
-                                                         mc.ModelConfig()), preserving_proto_field_name=True)
-    model = model_module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / "txl"),
-                      "model_version": "1"})
+    model = start_model(model_module, tiny_onnx, tmp_path / "repo", max_batch=8, max_sequences=8)
     prompts = {1: [5, 17, 42], 2: [3, 9], 3: [1, 2, 3, 4, 5], 4: [7]}
     alone = {c: TxlRuntime.load(tiny_onnx) for c in prompts}
-    first = model.execute([_Request(c, p, [len(p) - 1], start=True) for c, p in prompts.items()])
+    first = model.execute([Request(c, p, [len(p) - 1], start=True) for c, p in prompts.items()])
     for c, p in prompts.items():
         want = alone[c].step(np.array([p]))[0, -1]
         np.testing.assert_allclose(first[list(prompts).index(c)].outputs["log_probs"][0, 0], want, atol=1e-5)
     # park conversation 4, then one batch: Q = 2 with one and with three positions, Q = 1, a resumed conversation
     # (5, from 4's state), and a token outside the vocabulary
-    parked = model.execute([_Request(4, [], [], end=True, want_state=True)])[0]
+    parked = model.execute([Request(4, [], [], end=True, want_state=True)])[0]
     state = parked.outputs["saved_state"]
-    batch = [_Request(1, [8, 9], [1]), _Request(2, [10, 11], [0, 1, 1]), _Request(3, [12], [0]),
-             _Request(5, [13], [0], start=True, resume=state), _Request(4, [1], [0]), _Request(2, [60], [0])]
+    batch = [Request(1, [8, 9], [1]), Request(2, [10, 11], [0, 1, 1]), Request(3, [12], [0]),
+             Request(5, [13], [0], start=True, resume=state), Request(4, [1], [0]), Request(2, [60], [0])]
     out = model.execute(batch)
     assert out[4].error is not None and "unknown" in out[4].error  # 4 was parked: ended here
     np.testing.assert_allclose(out[0].outputs["log_probs"][0], alone[1].step(np.array([[8, 9]]))[0, [1]], atol=1e-5)
@@ -169,6 +88,6 @@ def test_one_execute_serves_mixed_segment_lengths_positions_and_a_bad_request(mo
     np.testing.assert_allclose(out[3].outputs["log_probs"][0], alone[4].step(np.array([[13]]))[0], atol=1e-5)
     # conversation 2 appeared twice: its second (bad) request ran after the first and changed nothing
     assert out[5].error is not None and "outside the vocabulary" in out[5].error
-    again = model.execute([_Request(2, [14], [0])])[0]
+    again = model.execute([Request(2, [14], [0])])[0]
     np.testing.assert_allclose(again.outputs["log_probs"][0], alone[2].step(np.array([[14]]))[0], atol=1e-5)
     model.finalize()
