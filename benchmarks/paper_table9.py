@@ -26,26 +26,21 @@ from txl_deploy.bench.paper_table9 import (
     plot,
     run_table9,
 )
-from txl_deploy.bench.report import command_line, results_markdown
+from txl_deploy.bench.report import command_line, int_list, results_markdown, write_text
 from txl_deploy.errors import TxlError
-from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.files import check_writable
 
 HERE = Path(__file__).resolve().parent
 TITLE = "The paper's Table 9: evaluation speed against a vanilla Transformer"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     p = argparse.ArgumentParser(prog="python benchmarks/paper_table9.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
+    p.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
                    help="attention lengths L, comma-separated (default: the paper's 800,1800,2800,3800)")
     p.add_argument("--model", default=DEFAULT_SHAPE,
                    help=f"a published shape name (random weights) or a checkpoint (default {DEFAULT_SHAPE})")
@@ -74,11 +69,9 @@ def main(argv=None) -> int:
             body += f"\n![vanilla time over Transformer-XL time per token against L]({md.with_suffix('.png').name})\n"
         except ImportError:
             print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-        with atomic_path(md.with_suffix(".json"), force=args.force) as tmp:
-            tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        write_text(md.with_suffix(".json"), json.dumps(result, indent=1) + "\n", args.force)
         text = results_markdown(TITLE, body, command)
-        with atomic_path(md, force=args.force) as tmp:
-            tmp.write_text(text, encoding="utf-8")
+        write_text(md, text, args.force)
         print(text)
     except TxlError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 from txl_deploy.bench.peers import PEERS, faster_than_reference, results_file, run_peers
-from txl_deploy.bench.report import command_line
+from txl_deploy.bench.report import command_line, int_list, write_text
 from txl_deploy.errors import TxlError
-from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.files import check_writable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -30,11 +30,6 @@ DEFAULT_MODELS = ("enwik8-base", "wt103-base", "txl_deploy/assets/demo/kjv-char"
 NAMES = {"txl_deploy/assets/demo/kjv-char": "kjv-char-demo"}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
 def main(argv=None) -> int:
@@ -44,9 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", action="append", default=None,
                    help="a published shape name (random weights) or a checkpoint, repeatable (default: "
                         f"{', '.join(DEFAULT_MODELS)})")
-    p.add_argument("--mem-len", type=_ints, default=None,
+    p.add_argument("--mem-len", type=int_list, default=None,
                    help="memory lengths, one per --model (default: each model's own)")
-    p.add_argument("--batch", type=_ints, default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
     p.add_argument("--gen-len", type=int, default=24, help="decode steps timed per side and round (default 24)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per side first (default 2)")
@@ -73,10 +68,9 @@ def main(argv=None) -> int:
                                      name=NAMES.get(model)))
         command = command_line("benchmarks/peers.py", sys.argv[1:] if argv is None else argv)
         text = results_file(reports, command)
-        with atomic_path(md.with_suffix(".json"), force=args.force) as tmp:
-            tmp.write_text(json.dumps({"command": command, "reports": reports}, indent=1) + "\n", encoding="utf-8")
-        with atomic_path(md, force=args.force) as tmp:
-            tmp.write_text(text, encoding="utf-8")
+        write_text(md.with_suffix(".json"), json.dumps({"command": command, "reports": reports}, indent=1) + "\n",
+                   args.force)
+        write_text(md, text, args.force)
         print(text)
         for name, batch, label, x in faster_than_reference(reports):
             print(f"FASTER than ONNX Runtime: {name} batch {batch}: {label} {x:.2f}x")

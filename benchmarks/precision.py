@@ -73,13 +73,13 @@ def accuracy(args):
     if args.md:
         import onnxruntime
 
-        from txl_deploy.bench.report import command_line, results_markdown
+        from txl_deploy.bench.report import command_line, results_markdown, write_text
 
         gpu = "a GPU (not used)" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "no GPU"
         body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, {gpu}, onnxruntime {onnxruntime.__version__}.",
                            "", *lines])
-        _write(args.md, results_markdown("Reduced precision: accuracy on held-out text", body,
-                                         command_line("benchmarks/precision.py", sys.argv[1:])), args.force)
+        write_text(args.md, results_markdown("Reduced precision: accuracy on held-out text", body,
+                                             command_line("benchmarks/precision.py", sys.argv[1:])), args.force)
         print(f"wrote {args.md}")
 
 
@@ -91,11 +91,6 @@ def _emit(stem: Path, lines, raw):
     print(f"wrote {stem}.md and {stem}.json")
 
 
-def _write(path, text: str, force: bool):
-    from txl_deploy.files import atomic_path
-
-    with atomic_path(path, force=force) as tmp:
-        Path(tmp).write_text(text, encoding="utf-8")
 
 
 def main():

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from txl_deploy.bench.report import command_line
+from txl_deploy.bench.report import command_line, stop_on_sigterm, write_text
 from txl_deploy.bench.serve_load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT,
@@ -31,16 +30,6 @@ from txl_deploy.bench.serve_load import (
     run_benchmark,
 )
 from txl_deploy.errors import TxlError
-from txl_deploy.files import atomic_path
-
-
-def _write(path, text: str, force: bool):
-    with atomic_path(path, force=force) as tmp:
-        Path(tmp).write_text(text, encoding="utf-8")
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> int:
@@ -67,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--md", default=None, help="write the results file (headed by this command) here")
     p.add_argument("--force", action="store_true", help="overwrite existing --json / --md files")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # the servers are stopped on the way out, as on Ctrl-C
+    stop_on_sigterm()  # the servers are stopped on the way out, as on Ctrl-C
     try:
         for path in (args.json, args.md):
             if path and Path(path).exists() and not args.force:
@@ -80,9 +69,9 @@ def main(argv=None) -> int:
         print()
         print(text)
         if args.json:
-            _write(args.json, json.dumps(results, indent=1) + "\n", args.force)
+            write_text(args.json, json.dumps(results, indent=1) + "\n", args.force)
         if args.md:
-            _write(args.md, text, args.force)
+            write_text(args.md, text, args.force)
     except TxlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

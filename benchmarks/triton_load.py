@@ -39,11 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from txl_deploy.bench.report import command_line
+from txl_deploy.bench.report import command_line, int_list, stop_on_sigterm, write_text
 from txl_deploy.bench.triton_load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_BATCH,
@@ -57,27 +56,6 @@ from txl_deploy.bench.triton_load import (
     run_benchmark,
 )
 from txl_deploy.serving.triton.repository import DEFAULT_QUEUE_DELAY_US
-
-
-def _write(path, text: str, force: bool):
-    from txl_deploy.files import atomic_path
-
-    with atomic_path(path, force=force) as tmp:
-        Path(tmp).write_text(text, encoding="utf-8")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,8,32") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
-    return values
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> int:
@@ -95,18 +73,18 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                    help=f"ONNX Runtime intra-op threads, in-process and per server instance alike (default "
                         f"{DEFAULT_THREADS}); 0: ONNX Runtime's default (one per core)")
-    p.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
+    p.add_argument("--concurrency", type=int_list, default=list(DEFAULT_CONCURRENCY),
                    help="concurrent conversations per round, comma-separated (default "
                         f"{','.join(map(str, DEFAULT_CONCURRENCY))})")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"greedy tokens each conversation generates (default {DEFAULT_TOKENS})")
-    p.add_argument("--instances", type=_int_list, default=[1],
+    p.add_argument("--instances", type=int_list, default=[1],
                    help="Triton model instances; a comma-separated list runs one server per value (default 1)")
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
                    help=f"prompt tokens per conversation (default {DEFAULT_PROMPT_LEN})")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"the repository's max_batch_size (default {DEFAULT_MAX_BATCH})")
-    p.add_argument("--queue-delay-us", type=_int_list, default=None,
+    p.add_argument("--queue-delay-us", type=int_list, default=None,
                    help="the sequence batcher's max_queue_delay_microseconds: how long Triton may hold a request "
                         "to fill a batch; a comma-separated list gives one per --model (a step of a large model can "
                         "afford a longer wait for the batch to fill than a small one). Default: "
@@ -124,7 +102,7 @@ def main(argv=None) -> int:
 
     # The servers run in their own sessions (a Ctrl-C in a terminal does not reach them): turn SIGTERM into
     # KeyboardInterrupt so `with TritonServer(...)` stops them, as it does on Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     try:
         for path in (args.json, args.md):  # refuse before minutes of measuring, not after
             if path and Path(path).exists() and not args.force:
@@ -144,9 +122,9 @@ def main(argv=None) -> int:
         print()
         print(text)
         if args.json:
-            _write(args.json, json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n", args.force)
+            write_text(args.json, json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n", args.force)
         if args.md:
-            _write(args.md, text, args.force)
+            write_text(args.md, text, args.force)
     except TxlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
