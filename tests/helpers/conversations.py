@@ -5,13 +5,26 @@ from __future__ import annotations
 import numpy as np
 
 
+def greedy_segments(rt, segments, lp=None):
+    """Feed one conversation to `rt`: each (prompt, n) feeds the prompt if any (prefill splits it into max_segment
+    pieces), then n greedy tokens, each fed too. Returns, per segment, the tokens and the log-probs [V] each was
+    chosen from, and the log-probs after the last token fed."""
+    out = []
+    for prompt, n in segments:
+        if len(prompt):
+            lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
+        toks, lps = [], []
+        for _ in range(n):
+            lps.append(lp)
+            toks.append(int(np.argmax(lp)))
+            lp = rt.prefill(np.array([[toks[-1]]]))[0]
+        out.append((toks, lps))
+    return out, lp
+
+
 def alone(make_rt, prompt, n):
     """Greedy tokens and the log-probs behind each, for one conversation alone in an in-process TxlRuntime."""
     rt = make_rt()
-    lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    return toks, lps
+    (result,), _ = greedy_segments(rt, [(prompt, n)])
+    rt.close()
+    return result

@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 
 import httpx
-import numpy as np
 import pytest
+from helpers import conversations
 
 pytest.importorskip("fastapi", reason="pip install 'txl-deploy[serve]'")
 
@@ -57,19 +57,6 @@ def client(server):
         yield c
 
 
-def greedy_alone(make_rt, prompt, n):
-    """Greedy tokens and the log-probs [V] they were chosen from, for one stream alone in a TxlRuntime."""
-    rt = make_rt()
-    lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    rt.close()
-    return toks, lps
-
-
 @pytest.fixture(scope="module")
 def alone(reference):
-    return functools.partial(greedy_alone, reference)
+    return functools.partial(conversations.alone, reference)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import httpx
-
 from helpers import character_corpora as cc
 
 PROMPT = "naïve a"

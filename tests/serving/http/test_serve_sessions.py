@@ -11,6 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from helpers import conversations
 
 from txl_deploy.runtimes import TxlRuntime
 
@@ -36,17 +37,7 @@ def _reference_stream(tiny_onnx, segments):
     """One TxlRuntime stream: each (prompt, n) feeds the prompt (in max_segment pieces, as prefill does), then n
     greedy tokens, each fed too. Returns per request the tokens and their full log-prob rows, and the runtime."""
     rt = TxlRuntime.load(tiny_onnx)
-    out = []
-    lp = None
-    for prompt, n in segments:
-        if prompt:
-            lp = rt.prefill(np.array([prompt]))[0]
-        toks, lps = [], []
-        for _ in range(n):
-            lps.append(lp)
-            toks.append(int(np.argmax(lp)))
-            lp = rt.prefill(np.array([[toks[-1]]]))[0]
-        out.append((toks, lps))
+    out, lp = conversations.greedy_segments(rt, segments)
     return out, rt, lp
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from helpers import conversations
 
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
@@ -60,18 +61,7 @@ def _complete(srv, prompt, n, **extra):
 
 
 def _reference(tiny_onnx, segments):
-    rt = TxlRuntime.load(tiny_onnx)
-    out, lp = [], None
-    for prompt, n in segments:
-        if prompt:
-            lp = rt.prefill(np.array([prompt]))[0]
-        toks, lps = [], []
-        for _ in range(n):
-            lps.append(lp)
-            toks.append(int(np.argmax(lp)))
-            lp = rt.prefill(np.array([[toks[-1]]]))[0]
-        out.append((toks, lps))
-    return out
+    return conversations.greedy_segments(TxlRuntime.load(tiny_onnx), segments)[0]
 
 
 def test_completions_through_the_fleet_equal_the_runtime(fleet, tiny_onnx):
