@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-from crafted_files import mask_crc, npy_header, parse_npy, table_bytes, write_bundle
+from crafted_files import mask_crc, npy_header, parse_npy, table_bytes, varint, write_bundle
 from hypothesis import strategies as st
 
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint, _fields, _varint, crc32c
@@ -41,15 +41,6 @@ def budget_seconds() -> float:
 
 
 # -- byte-level damage ------------------------------------------------------------------------------------------------
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 @st.composite
 def damaged(draw, data: bytes, region: tuple[int, int] | None = None) -> bytes:
     """`data` with 1 to 4 kinds of damage, at positions inside `region` (default: anywhere)."""
