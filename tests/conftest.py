@@ -111,3 +111,16 @@ def tf_enwik8_onnx(tf_enwik8, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "enwik8.onnx"
     export_checkpoint(tf_enwik8, out, config=tf_enwik8 / "flags.json", max_segment=16, threads=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def tritonserver():
+    """The tritonserver the serving tests run (found as `TritonServer` finds it: $TXL_TRITONSERVER, nvidia-pytriton's
+    under .venv/triton or in site-packages, or PATH). A test that needs a real server takes this fixture, and skips
+    with the command that installs one where there is none."""
+    from txl_deploy.serving.triton.local_server import TritonLaunchError, find_tritonserver
+
+    try:
+        return find_tritonserver()
+    except TritonLaunchError as e:
+        pytest.skip(str(e))

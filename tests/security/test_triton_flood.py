@@ -27,13 +27,9 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_onnx, tmp_path_factory):
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+def server(tritonserver, tiny_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonServer
 
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
     repo = write_repository(tiny_onnx, tmp_path_factory.mktemp("flood") / "repo", backend="python", max_batch=4,
                             max_sequences=16, idle_timeout=120)
     with TritonServer(repo) as srv:

@@ -154,15 +154,11 @@ def page(tf_enwik8_onnx, tmp_path_factory):
 
 # -- Triton ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def triton_client(tf_enwik8_onnx, tmp_path_factory):
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+def triton_client(tritonserver, tf_enwik8_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonServer
     from txl_deploy.serving.triton.repository import write_repository
 
     pytest.importorskip("tritonclient.grpc")
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
     from txl_deploy.serving.triton.client import TxlTritonClient
 
     repo = write_repository(tf_enwik8_onnx, tmp_path_factory.mktemp("triton") / "repo", backend="python",

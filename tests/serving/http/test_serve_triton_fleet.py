@@ -26,13 +26,9 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # longer 
 
 
 @pytest.fixture(scope="module")
-def tritons(tiny_onnx, tmp_path_factory):
-    from txl_deploy.serving.triton.local_server import TritonLaunchError, TritonServer, find_tritonserver
+def tritons(tritonserver, tiny_onnx, tmp_path_factory):
+    from txl_deploy.serving.triton.local_server import TritonServer
 
-    try:
-        find_tritonserver()
-    except TritonLaunchError as e:
-        pytest.skip(str(e))
     repo = write_repository(tiny_onnx, tmp_path_factory.mktemp("fleet") / "repo", backend="python", max_batch=4,
                             max_sequences=16, idle_timeout=120, threads=1)
     started = [TritonServer(repo) for _ in range(2)]
