@@ -67,8 +67,21 @@ class Backend(abc.ABC):
         hold, known before any of its data is read (runtimes.saved_state)."""
         raise NotImplementedError(f"the {self.name} backend does not describe its state")
 
+    def checked_arrays(self, arrays: dict, copy: bool = True) -> tuple[int, dict]:
+        """save_state's arrays checked against `state_layout` (see check_state): (batch, the arrays)."""
+        layout = self.state_layout(1)
+        return check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
+                           copy=copy)
+
     def close(self):
         pass
+
+
+def contract_layout(spec, batch: int, float_dtype) -> dict[str, tuple[tuple, np.dtype]]:
+    """The graph contract's state tensors (`spec.state_inputs()`) for `batch` rows: name -> (shape, dtype), the
+    floats in `float_dtype`. The state_layout of every backend that runs the contract's graph."""
+    return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else float_dtype))
+            for s in spec.state_inputs()}
 
 
 def check_state(arrays: dict, names, shape_of, dtype_of, what: str = "model", copy: bool = True) -> tuple[int, dict]:

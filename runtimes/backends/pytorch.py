@@ -19,7 +19,7 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import InputError
-from txl_deploy.runtimes.backend import Backend, check_state
+from txl_deploy.runtimes.backend import Backend, contract_layout
 
 
 def _load(path, device, mem_len, overrides=None):
@@ -257,13 +257,10 @@ class TorchCachedBackend(_TorchBase):
         return {k: v.cpu().numpy() for k, v in state.items()}
 
     def state_layout(self, batch):
-        return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else np.float32))
-                for s in self.spec.state_inputs()}
+        return contract_layout(self.spec, batch, np.float32)
 
     def state_from_arrays(self, arrays, copy=True):
-        layout = self.state_layout(1)
-        _, out = check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
-                             copy=copy)
+        _, out = self.checked_arrays(arrays, copy)
         return {k: self._tensor(v, copy=False) for k, v in out.items()}  # check_state copied them if asked to
 
 

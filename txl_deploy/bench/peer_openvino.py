@@ -22,7 +22,7 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.runtimes.backend import Backend, check_state
+from txl_deploy.runtimes.backend import Backend, contract_layout
 
 
 def cpu_default_precision() -> str:
@@ -82,13 +82,10 @@ class OpenVinoBackend(Backend):
         return dict(state)
 
     def state_layout(self, batch):
-        return {s.name: (s.shape_for(batch), np.dtype(np.int64 if s.dtype == "int64" else self.float_dtype))
-                for s in self.spec.state_inputs()}
+        return contract_layout(self.spec, batch, self.float_dtype)
 
     def state_from_arrays(self, arrays, copy=True):
-        layout = self.state_layout(1)
-        _, out = check_state(arrays, layout, lambda n, b: self.state_layout(b)[n][0], lambda n: layout[n][1],
-                             copy=copy)
+        _, out = self.checked_arrays(arrays, copy)
         return out
 
     def reset_rows(self, state, rows):
