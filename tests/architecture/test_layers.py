@@ -13,11 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
-pytest.importorskip("importlinter")
 
 
 def _installed_layout(dest: Path) -> Path:
