@@ -57,7 +57,9 @@ SCRIPTS = {
                   "benchmarks/results_precision.md", "--force"],
     "triton": ["benchmarks/triton_load.py", "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_triton.md",
                "--force"],
-    "memory": ["benchmarks/memory.py"],
+    "serve": ["benchmarks/serve_load.py", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base",
+              "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_serve.md", "--force"],
+    "peak-ram": ["benchmarks/peak_ram.py"],
 }
 
 

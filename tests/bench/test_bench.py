@@ -292,6 +292,18 @@ def test_results_md_is_generated_whole_and_takes_in_every_generated_results_file
     assert "Typed in." not in text and "`benchmarks/results_by_hand.md`: it does not say which command" in text
 
 
+def test_run_all_scripts_regenerate_every_shipped_results_file():
+    """`run_all.py --scripts all` runs a script for every benchmarks/results_*.md, and each script it names exists."""
+    from txl_deploy.bench.report import generating_command
+
+    run_all = _run_all_module()
+    scripts = {command[0] for command in run_all.SCRIPTS.values()}
+    assert all((ROOT / script).is_file() for script in scripts), scripts
+    for part in sorted((ROOT / "benchmarks").glob("results_*.md")):
+        wrote = generating_command(part.read_text()).split()[1]  # "python benchmarks/NAME.py ..."
+        assert wrote in scripts, f"{part.name} was written by {wrote}, which --scripts all does not run"
+
+
 def test_shipped_results_name_their_commands_and_no_issue_numbers():
     """What a user reads about the benchmarks: every results file says which command wrote it, and neither they nor
     the benchmark scripts' --help mention how the work was organised (issue numbers)."""
