@@ -335,7 +335,7 @@ class TxlRuntime:
             after = CONTINUING
         else:
             after = self.vocab.decode(prompt)
-        return _text_pieces(tokens, self.vocab.stream_decoder(after))
+        return self.vocab.stream_decoder(after).pieces(tokens)
 
     def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None, *,
@@ -401,12 +401,3 @@ class TxlRuntime:
             # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
             log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step
 
-
-def _text_pieces(tokens, decoder) -> Iterator[str]:
-    for tok in tokens:
-        text = decoder.feed(tok)
-        if text:
-            yield text
-    tail = decoder.flush()
-    if tail:
-        yield tail

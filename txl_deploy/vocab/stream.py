@@ -58,6 +58,16 @@ class StreamDecoder:
             self._last = text[-1]
         return text
 
+    def pieces(self, token_ids):
+        """The text of a stream of token ids, piece by piece as they arrive (no empty pieces), then flushed."""
+        for token_id in token_ids:
+            text = self.feed(token_id)
+            if text:
+                yield text
+        tail = self.flush()
+        if tail:
+            yield tail
+
     def _text(self, i: int, symbol: str) -> str:
         kind = self.vocab.kind
         if kind == "bytes":

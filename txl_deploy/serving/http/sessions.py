@@ -80,10 +80,7 @@ class SessionStore:
     def acquire(self, id_: str) -> Session:
         """The session, marked busy (one request at a time) and most recently used."""
         with self._lock:
-            self._expire()
-            session = self._live.get(id_)
-            if session is None:
-                raise self._missing(id_)
+            session = self._find(id_)
             if session.busy:
                 raise ApiError(409, f"session {id_!r} is running another request; send one request at a time",
                                param="session_id", code="session_busy")
@@ -99,11 +96,15 @@ class SessionStore:
 
     def get(self, id_: str) -> Session:
         with self._lock:
-            self._expire()
-            session = self._live.get(id_)
-            if session is None:
-                raise self._missing(id_)
-            return session
+            return self._find(id_)
+
+    def _find(self, id_: str) -> Session:
+        """The live session (after expiring idle ones), or the 404/410 ApiError; under the lock."""
+        self._expire()
+        session = self._live.get(id_)
+        if session is None:
+            raise self._missing(id_)
+        return session
 
     def remove(self, id_: str, why: str, notify: bool = True) -> Session:
         """Take the session out (deleted, parked); refused while it runs a request. notify=False: the caller frees

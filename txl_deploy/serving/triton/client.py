@@ -416,14 +416,7 @@ class Conversation:
             after = CONTINUING
         else:
             after = vocab.decode(prompt)
-        decoder = vocab.stream_decoder(after)
-        for tok in self.generate(prompt, max_new_tokens=max_new_tokens, **sampling):
-            text = decoder.feed(tok)
-            if text:
-                yield text
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        yield from vocab.stream_decoder(after).pieces(self.generate(prompt, max_new_tokens=max_new_tokens, **sampling))
 
     # -- park / resume / move --------------------------------------------------------------------------------------
     def park(self) -> bytes:
