@@ -149,8 +149,12 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
                             f"{max(f['gap_rounds']):.2f}x): below the floor, so the copy bandwidth understates what "
                             "a decode step reads; not a valid floor", None))
             else:
+                read = ""
+                if f.get("read_ms"):  # what one thread's pure read of the same bytes takes, in the same rounds
+                    read = (f"; a pure read of the same bytes takes {f['read_over_floor']:.2f}x the floor "
+                            f"({f['read_ms']:.1f} ms), the step {f['read_gap']:.2f}x that read")
                 out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms (rounds {min(f['gap_rounds']):.2f}-"
-                            f"{max(f['gap_rounds']):.2f}x)", g <= 1.3))
+                            f"{max(f['gap_rounds']):.2f}x){read}", g <= 1.3))
     if w8:
         s = w8["speedup"]["decode_tokens_per_s"]
         out.append(("WikiText-103 base, batch 8: throughput >= 5x eager", f"{s:.1f}x", s >= 5))
@@ -223,7 +227,11 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = "
         "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the bandwidth "
         "measured as the list above says (in the rounds of the decode steps, a turn of its own in each round's "
-        "alternation, so that both see the same moments of the machine). Stand-ins have random weights.",
+        "alternation, so that both see the same moments of the machine). A copy counts the bytes it reads and "
+        "the bytes it writes, and one thread may read more slowly than it copies, so the same turn also times a "
+        "pure read of its buffer (numpy's dot product of the buffer's two halves); where a floor line gives it, "
+        "that read of the step's bytes is what no implementation of the step can beat on this machine. "
+        "Stand-ins have random weights.",
         "",
         "## Targets",
         "",
@@ -253,6 +261,10 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
                               f"{max(f['bandwidth_rounds']) / 1e9:.1f} GB/s over the rounds; each round's decode "
                               f"median over its own floor: {min(f['gap_rounds']):.2f}x to "
                               f"{max(f['gap_rounds']):.2f}x)")
+                if f.get("read_ms"):
+                    rounds += (f"; a pure read of the same bytes at the read bandwidth of the same rounds "
+                               f"({f['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s) takes {f['read_ms']:.1f} ms, "
+                               f"{f['read_over_floor']:.2f}x the floor; the step is {f['read_gap']:.2f}x that read")
                 lines.append(f"- mem_len {res['mem_len']} batch {res['batch']}: floor {f['floor_ms']:.1f} ms = "
                              f"({f['weight_bytes'] / 1e6:.0f} MB weights, of which output layer "
                              f"{f['output_layer_bytes'] / 1e6:.0f} MB, + {f['memory_bytes'] / 1e6:.0f} MB memory) / "

@@ -69,6 +69,14 @@ def test_each_round_is_set_against_its_own_floor():
     assert f["bandwidth_rounds"] == [2e9, 1e9, 4e9]
     assert f["floor_ms"] == pytest.approx(n_bytes / 2e9 * 1e3)
     assert f["gap_rounds"] == pytest.approx([ms / (n_bytes / bw * 1e3) for bw, ms in rounds])
+    assert "read_ms" not in f  # no read bandwidth measured, no read figures
+
+    reads = [1.5e9, 0.5e9, 3e9]  # a pure read of each round, slower than its copy as on one thread here
+    f = floor(Config, 5, 1, float(np.median([bw for bw, _ in rounds])), 3.0, rounds=rounds, read_rounds=reads)
+    assert f["read_bandwidth_rounds"] == reads and f["read_bandwidth_bytes_per_s"] == 1.5e9
+    assert f["read_ms"] == pytest.approx(n_bytes / 1.5e9 * 1e3)
+    assert f["read_gap"] == pytest.approx(3.0 / f["read_ms"])
+    assert f["read_over_floor"] == pytest.approx(2e9 / 1.5e9)  # how far the copy floor is below a pure read
 
 
 def test_benchmark_reports_the_bandwidth_of_every_round(tiny_onnx, tiny_ckpt):
@@ -79,9 +87,13 @@ def test_benchmark_reports_the_bandwidth_of_every_round(tiny_onnx, tiny_ckpt):
     f = rep["results"][0]["floor"]
     assert len(f["bandwidth_rounds"]) == len(f["gap_rounds"]) == 3
     assert f["bandwidth_bytes_per_s"] == pytest.approx(np.median(f["bandwidth_rounds"]))
-    assert f["gap"] == pytest.approx(rep["results"][0]["sides"]["candidate"]["decode_ms"]["p50"] / f["floor_ms"])
+    p50 = rep["results"][0]["sides"]["candidate"]["decode_ms"]["p50"]
+    assert f["gap"] == pytest.approx(p50 / f["floor_ms"])
+    assert len(f["read_bandwidth_rounds"]) == 3 and f["read_gap"] == pytest.approx(p50 / f["read_ms"])
 
 
 def test_probe_measures_a_copy_larger_than_any_cache():
     probe = BandwidthProbe(nbytes=64 * 2**20, repeats=2)
-    assert probe.src.nbytes == 64 * 2**20 and 1e8 < probe() < 1e13  # bytes per second, read + write
+    bw = probe()
+    assert probe.src.nbytes == 64 * 2**20
+    assert 1e8 < bw.copy < 1e13 and 1e8 < bw.read < 1e13  # bytes per second: read + write, and read only

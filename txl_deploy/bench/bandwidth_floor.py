@@ -5,6 +5,12 @@ memory slot of every layer. At batch 1 each weight is used for one multiply-add,
 is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
 by a numpy copy (STREAM-style: bytes read + bytes written over the time, one thread).
 
+A copy counts two bytes moved per byte it reads, and one thread cannot always read at the rate it copies: a
+decode step only reads. So the probe also times a pure read of the same buffer (numpy's dot product of its two
+halves in float64 and in float32: OpenBLAS's streaming kernels, the fastest reads of the numpy kernels tried
+here) and the report gives the step against that too. Where a pure read of the step's bytes already takes longer
+than a target ratio of the copy floor allows, a one-thread step cannot meet the target on that machine.
+
 The bandwidth a shared machine gives one thread moves with the other jobs' load, so it is measured in the same
 rounds as the decode steps it is compared with (`BandwidthProbe`, a turn of `timing.run_pair`): each round's
 decode median is set against that round's bandwidth, and a floor ratio compares like with like.
@@ -13,18 +19,20 @@ decode median is set against that round's bandwidth, and a floor ratio compares 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float:
-    """Bytes per second of a large numpy copy (read + write), the best of `repeats` (one thread)."""
-    return BandwidthProbe(nbytes, repeats)()
+class Bandwidth(NamedTuple):
+    copy: float  # bytes per second, read + write
+    read: float  # bytes per second of a pure read
 
 
 class BandwidthProbe:
-    """The copy bandwidth, measured again at every call on buffers allocated (and faulted in) once: the best of
-    `repeats` copies of `nbytes` (far larger than any cache), so a call takes a few tens of milliseconds."""
+    """The copy and the read bandwidth, measured again at every call on buffers allocated (and faulted in) once:
+    the best of `repeats` copies of `nbytes` (far larger than any cache) and the best of `repeats` reads of the
+    same buffer, so a call takes about a tenth of a second."""
 
     def __init__(self, nbytes: int = 256 * 2**20, repeats: int = 3):
         self.src = np.ones(max(1, nbytes // 8), dtype=np.float64)
@@ -32,13 +40,18 @@ class BandwidthProbe:
         np.copyto(self.dst, self.src)  # fault the pages in
         self.repeats = repeats
 
-    def __call__(self) -> float:
-        best = float("inf")
+    def __call__(self) -> Bandwidth:
+        copy = read = float("inf")
         for _ in range(self.repeats):
             t0 = time.perf_counter()
             np.copyto(self.dst, self.src)
-            best = min(best, time.perf_counter() - t0)
-        return 2 * self.src.nbytes / best
+            copy = min(copy, time.perf_counter() - t0)
+            for values in (self.src, self.src.view(np.float32)):  # OpenBLAS's ddot and sdot: the faster one counts
+                half = values.size // 2
+                t0 = time.perf_counter()
+                np.dot(values[:half], values[half:2 * half])  # reads both halves once, writes nothing
+                read = min(read, time.perf_counter() - t0)
+        return Bandwidth(copy=2 * self.src.nbytes / copy, read=self.src.nbytes / read)
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
@@ -74,11 +87,13 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
 
 
 def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None,
-          precision: str = "fp32", rounds=None) -> dict:
+          precision: str = "fp32", rounds=None, read_rounds=None) -> dict:
     """The floor of a decode step and the measured step's ratio to it (`gap`).
 
     rounds: [(bandwidth, decode median ms)] of each round when the bandwidth was measured in the rounds of the
-    decode steps; `bandwidth` is then their median, and `gap_rounds` holds each round's own ratio."""
+    decode steps; `bandwidth` is then their median, and `gap_rounds` holds each round's own ratio.
+    read_rounds: the read bandwidth of the same rounds; adds `read_ms` (the step's bytes over their median), the
+    step's ratio to it (`read_gap`) and where a pure read stands against the copy floor (`read_over_floor`)."""
     b = decode_bytes(config, mem_len, batch, table_size, precision)
     n_bytes = b["weight_bytes"] + b["memory_bytes"]
     floor_ms = n_bytes / bandwidth * 1e3
@@ -86,4 +101,9 @@ def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float
     if rounds:
         out["bandwidth_rounds"] = [float(bw) for bw, _ in rounds]
         out["gap_rounds"] = [float(ms / (n_bytes / bw * 1e3)) for bw, ms in rounds]
+    if read_rounds:
+        read = float(np.median(read_rounds))
+        read_ms = n_bytes / read * 1e3
+        out.update(read_bandwidth_rounds=[float(bw) for bw in read_rounds], read_bandwidth_bytes_per_s=read,
+                   read_ms=read_ms, read_gap=measured_ms / read_ms, read_over_floor=read_ms / floor_ms)
     return out

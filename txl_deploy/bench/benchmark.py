@@ -142,7 +142,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
             precision = getattr(probe.backend, "precision", "fp32")
             stream = measure.make_stream(n_token, batch, mem_len, gen_len, prompt_len, seed)
             bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
-            bandwidths = measure.run_pair(sides, stream, repeat, warmup, progress=bar.update, probe=bandwidth_probe)
+            probed = measure.run_pair(sides, stream, repeat, warmup, progress=bar.update, probe=bandwidth_probe)
             res = {"mem_len": mem_len, "batch": batch,
                    "sides": {s.label: {"backend": _backend_name(s.label, backend, compare, precision),
                                        **measure.summarise(s, stream)} for s in sides},
@@ -165,10 +165,12 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
                 res["speedup_vs_compare"] = {"decode_p50": o["decode_ms"]["p50"] / c["decode_ms"]["p50"],
                                              "prefill": o["prefill_ms"] / c["prefill_ms"]}
                 res["compare_parity"] = measure.parity(by_label["candidate"], by_label["compare"])
-            if bandwidths:
-                rounds = list(zip(bandwidths, measure.decode_rounds_ms(by_label["candidate"], repeat)))
-                res["floor"] = floor_of(config, mem_len, batch, float(numpy.median(bandwidths)),
-                                        c["decode_ms"]["p50"], table_size, precision, rounds=rounds)
+            if probed:
+                copies = [bw.copy for bw in probed]
+                rounds = list(zip(copies, measure.decode_rounds_ms(by_label["candidate"], repeat)))
+                res["floor"] = floor_of(config, mem_len, batch, float(numpy.median(copies)),
+                                        c["decode_ms"]["p50"], table_size, precision, rounds=rounds,
+                                        read_rounds=[bw.read for bw in probed])
             if profile and backend == "onnxruntime":
                 res["profile"] = _profile(sides[0], stream, threads, providers, device)
             results.append(res)

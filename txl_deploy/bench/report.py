@@ -23,7 +23,9 @@ JSON (`schema` "txl-deploy-bench/1"):
            bandwidth_rounds, gap_rounds} (the copy bandwidth is measured in every round, between the sides'
            turns: bandwidth_rounds; bandwidth_bytes_per_s is their median and floor_ms the bytes over it; gap =
            candidate decode p50 / floor_ms; gap_rounds = each round's candidate decode median over that round's
-           own floor; present when the bandwidth was measured, CPU only),
+           own floor; present when the bandwidth was measured, CPU only; read_bandwidth_rounds,
+           read_bandwidth_bytes_per_s, read_ms, read_gap, read_over_floor: the same with a pure read of the
+           probe's buffer instead of a copy, read_ms being the step's bytes at the median read rate),
     profile: {step_ms, kernel_ms, ops: [{op_type, ms_per_step, share, calls_per_step}]} (with --profile, ORT).
 """
 
