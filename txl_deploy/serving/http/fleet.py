@@ -120,7 +120,7 @@ class FleetEngine:
         with self._lock:
             self._queued -= 1
             self._running += 1
-        conv = None
+        conv, last = None, None  # last: the request's final event, sent once its session is released
         try:
             if job.cancelled:
                 return
@@ -138,22 +138,26 @@ class FleetEngine:
                 job.session.tokens += fed
                 job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
             if not job.cancelled:
-                job.emit("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
-                                  "completion_tokens": completion.generated})
+                last = ("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
+                                 "completion_tokens": completion.generated})
         except ServingError as e:
-            job.emit("error", ApiError(502, f"the Triton fleet failed this request: {e}", type="server_error",
-                                       code="upstream_error"))
+            last = ("error", ApiError(502, f"the Triton fleet failed this request: {e}", type="server_error",
+                                      code="upstream_error"))
             if job.session is not None:  # its memory is in an unknown state (or gone with its server)
                 job.session.last_log_probs = None
         except TxlError as e:
-            job.emit("error", e if isinstance(e, ApiError) else ApiError(400, str(e)))
+            last = ("error", e if isinstance(e, ApiError) else ApiError(400, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug must fail the request, not hang it
             logger.exception("a fleet request failed")
-            job.emit("error", ApiError(500, f"internal error: {e}", type="server_error"))
+            last = ("error", ApiError(500, f"internal error: {e}", type="server_error"))
         finally:
+            # The session is released before the client hears the end: a client that sends its next request on
+            # the session as soon as this one answers must find it free, not busy.
             if job.session is not None:
                 self.sessions.release(job.session)
-            elif conv is not None:
+            if last is not None:
+                job.emit(*last)
+            if job.session is None and conv is not None:
                 self._close(conv)
             with self._lock:
                 self._running -= 1
