@@ -101,3 +101,21 @@ def test_a_config_value_of_the_wrong_type(tiny_ckpt, tmp_path, key, value):
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=f"config.json: bad config: invalid Transformer-XL config: {key}"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("where", ["initializer's external_data", "metadata"])
+def test_a_key_value_entry_protobuf_cannot_parse(tmp_path, where):
+    """protobuf's DecodeError (not a ValueError) escaped the external-data walk for an entry that ends inside its
+    key; the metadata reader let it through to its caller too."""
+    from txl_deploy.contract.metadata import read_onnx_info
+    from txl_deploy.contract.onnx_file import external_data
+
+    damaged = field(1, b"key")[:-1]  # a key of 3 bytes of which 2 are there
+    if where == "metadata":  # metadata_props (14)
+        model, read = field(1, 8) + field(14, damaged) + field(7, field(1, b"")), read_onnx_info
+    else:  # graph (7) > initializer (5) > external_data (13)
+        model, read = field(1, 8) + field(7, field(5, field(8, b"w") + field(13, damaged))), external_data
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model + field(8, field(2, 18)))  # opset 18
+    with pytest.raises(CheckpointError, match="model.onnx"):
+        read(path)

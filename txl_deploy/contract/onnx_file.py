@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import StringStringEntryProto
 
 from txl_deploy.errors import CheckpointError
@@ -96,6 +97,17 @@ def _fields(f, end: int):
         f.seek(start + size)
 
 
+def _entry(f, start: int, size: int) -> StringStringEntryProto:
+    """The key/value entry (a metadata property, an external_data pair) in f[start:start + size]."""
+    f.seek(start)
+    entry = StringStringEntryProto()
+    try:
+        entry.ParseFromString(f.read(size))
+    except DecodeError as e:  # not a ValueError: the readers' callers expect one for a damaged file
+        raise ValueError(f"a damaged key/value entry ({e})") from None
+    return entry
+
+
 def read_metadata(path) -> tuple[dict[str, str], bool]:
     """(metadata_props as a dict, whether the graph has a node) of the ONNX file at `path`.
 
@@ -106,9 +118,7 @@ def read_metadata(path) -> tuple[dict[str, str], bool]:
         end = os.fstat(f.fileno()).st_size
         for field, _, start, size in list(_fields(f, end)):
             if field == MODEL_METADATA:
-                f.seek(start)
-                entry = StringStringEntryProto()
-                entry.ParseFromString(f.read(size))
+                entry = _entry(f, start, size)
                 props[entry.key] = entry.value
             elif field == MODEL_GRAPH:
                 has_graph = True
@@ -275,9 +285,7 @@ def _walk_tensor(f, end, refs, model_path):
         if field == TENSOR_EXTERNAL_DATA:
             if size > _MAX_ENTRY_BYTES:
                 raise CheckpointError(model_path, f"an external_data entry of {size} bytes")
-            f.seek(start)
-            entry = StringStringEntryProto()
-            entry.ParseFromString(f.read(size))
+            entry = _entry(f, start, size)
             entries[entry.key] = entry.value
     # Checked whether or not data_location says EXTERNAL: what a reader ignores today, another may follow.
     if entries:
