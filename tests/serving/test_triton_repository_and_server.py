@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,6 +323,20 @@ def test_a_server_restart_gives_the_client_a_clear_error(served_repo):
         # a new conversation on the restarted server works
         with client.conversation() as fresh:
             assert fresh.feed([1, 2, 3]).shape == (60,)
+
+
+def test_a_port_taken_before_the_first_start_is_chosen_again(served_repo):
+    """Ports chosen free can be taken by another process before the server binds them: a first start on ports of
+    its own choosing chooses again instead of failing."""
+    from txl_deploy.serving.triton.local_server import TritonServer
+
+    srv = TritonServer(served_repo)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", srv.http_port))
+        taken.listen()
+        with srv:
+            assert srv.http_port != taken.getsockname()[1] and srv.ready()
+            assert "in use" in Path(srv.log_path).read_text().lower()  # the first try met the taken port
 
 
 def test_serve_client_command_streams_the_greedy_continuation(server, reference):

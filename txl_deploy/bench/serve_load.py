@@ -46,7 +46,7 @@ from txl_deploy.bench.report import results_markdown
 from txl_deploy.bench.triton_load import _machine, _versions, batched_round, make_prompts, prepare_model
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.serving.http.server import free_port
+from txl_deploy.serving.ports import free_port
 from txl_deploy.serving.triton.local_server import TritonServer, find_tritonserver
 from txl_deploy.serving.triton.repository import write_repository
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from click.testing import CliRunner
 
-from txl_deploy.serving.http.server import free_port
+from txl_deploy.serving.ports import free_port
 
 CLI = [sys.executable, "-m", "txl_deploy.cli"] if not Path(sys.executable).with_name("txl-deploy").exists() \
     else [str(Path(sys.executable).with_name("txl-deploy"))]
@@ -83,11 +83,13 @@ def test_sigterm_drains_the_running_stream_and_exits_0(tiny_onnx, tmp_path):
                 received.append(line[6:])
                 if len(received) == 5:
                     proc.send_signal(signal.SIGTERM)
-                    time.sleep(0.5)
-                    try:  # no new connections once draining
-                        httpx.get(url + "/health", timeout=2)
-                    except httpx.TransportError:
-                        refused = True
+                    end = time.monotonic() + 10  # no new connections once draining (uvicorn stops listening
+                    while not refused and time.monotonic() < end:  # within a tick of its loop; poll for it)
+                        try:
+                            httpx.get(url + "/health", timeout=2)
+                            time.sleep(0.1)
+                        except httpx.TransportError:
+                            refused = True
         assert received[-1] == "[DONE]"
         chunks = [json.loads(d) for d in received[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"

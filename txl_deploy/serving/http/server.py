@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -19,6 +18,7 @@ import uvicorn
 
 from txl_deploy.errors import TxlError
 from txl_deploy.serving.http.app import ServeSettings, create_app
+from txl_deploy.serving.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,6 @@ def serve(load_engine, settings: ServeSettings, host: str = "127.0.0.1", port: i
         raise e if isinstance(e, TxlError) else TxlError(f"the model could not be loaded: {e}")
     if not server.started:
         raise TxlError(f"could not listen on {host}:{port} (is the port in use?)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BackgroundServer:

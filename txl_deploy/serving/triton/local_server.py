@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl_deploy.errors import TxlError
+from txl_deploy.serving.ports import free_ports
 
 ENV_BINARY = "TXL_TRITONSERVER"
 INSTALL_HINT = ("install the server files with `pip install --no-deps --target .venv/triton nvidia-pytriton==0.7.0` "
@@ -91,12 +91,6 @@ def find_tritonserver(binary=None) -> TritonInstall:
         path = Path(on_path).resolve()
         return TritonInstall(path, path.parent.parent / "backends")
     raise TritonLaunchError(f"tritonserver not found: {INSTALL_HINT}")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prepare_workdir(install: TritonInstall, workdir: Path) -> tuple[Path, Path]:
@@ -159,8 +153,10 @@ class TritonServer:
                  log_path=None, pythonpath=None, exit_timeout: int = 5, extra_args=()):
         self.repository = Path(repository).resolve()
         self.install = find_tritonserver(binary)
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
+        self._choose_ports = http_port is None and grpc_port is None  # ours to choose again if one is taken
+        chosen = free_ports(2)
+        self.http_port = http_port or chosen[0]
+        self.grpc_port = grpc_port or chosen[1]
         self.log_path = Path(log_path) if log_path else None
         self.pythonpath = pythonpath
         self.exit_timeout = exit_timeout
@@ -201,10 +197,21 @@ class TritonServer:
         # included), but this session: with the kernel's autogroup scheduling a new session is a CPU-share group
         # of its own, which on a busy machine would give the server more CPU than the process comparing with it.
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        self.process = subprocess.Popen(
-            self.command(backends), cwd=cwd, env=server_env(self.install, self.pythonpath),
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **group)
-        self.wait_ready(timeout)
+        for attempt in range(3):
+            self.process = subprocess.Popen(
+                self.command(backends), cwd=cwd, env=server_env(self.install, self.pythonpath),
+                stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **group)
+            try:
+                self.wait_ready(timeout)
+                break
+            except TritonLaunchError:
+                # A port chosen free can be taken by another process before the server binds it. On a first
+                # start with ports of our choosing, choose again; a restart keeps its ports (clients hold them).
+                if not (self._choose_ports and attempt < 2 and self.process.poll() is not None
+                        and "in use" in self.log_tail().lower()):
+                    raise
+                self.http_port, self.grpc_port = free_ports(2)
+        self._choose_ports = False
         return self
 
     def ready(self) -> bool:
