@@ -145,14 +145,24 @@ def test_a_flood_of_bad_requests_changes_no_good_conversation(server, tiny_onnx)
             except InferenceServerException as e:
                 if "txl-deploy" not in str(e):
                     errors.append(f"{what}: {str(e)[:200]}")
-            sent[what] += 1
+            with lock:
+                sent[what] += 1
         client.close()
+
+    def every_case_sent(times, deadline):
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and not all(f.done() for f in floods):  # a flood that died ends the wait
+            with lock:
+                if min(sent.values()) >= times:
+                    return
+            time.sleep(0.05)
 
     with ThreadPoolExecutor(4) as pool:
         floods = [pool.submit(flood, w) for w in range(4)]
-        time.sleep(1.0)  # the flood is under way before the good conversations start
+        every_case_sent(1, 120)  # the flood is under way before the good conversations start
         try:
             busy = good_conversations(server.http_url)
+            every_case_sent(2, 120)  # and every bad case came at least twice
         finally:
             done.set()
         for f in floods:

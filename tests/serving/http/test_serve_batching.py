@@ -29,8 +29,19 @@ def test_32_concurrent_streams_each_get_their_tokens_alone(server, alone):
     barrier = threading.Barrier(32)
     batches = []
     engine = server.engine
-    observe = engine.on_batch
+    observe, run = engine.on_batch, engine.rows.run
     engine.on_batch = lambda size: (batches.append(size), observe(size))
+
+    def first_step_waits(*args):
+        # The first stream's first step waits until the other 31 are queued behind it, so the streams overlap
+        # however fast the engine is next to the clients (each opens its own connection).
+        end = time.monotonic() + 60
+        while engine.queue_depth < 31 and time.monotonic() < end:
+            time.sleep(0.005)
+        engine.rows.run = run
+        return run(*args)
+
+    engine.rows.run = first_step_waits
 
     def one(prompt):
         barrier.wait(timeout=60)
@@ -43,7 +54,7 @@ def test_32_concurrent_streams_each_get_their_tokens_alone(server, alone):
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(one, prompts))
     finally:
-        engine.on_batch = observe
+        engine.on_batch, engine.rows.run = observe, run
     for prompt, choice in zip(prompts, results):
         toks, lps = alone(prompt, n)
         assert choice["token_ids"] == toks
@@ -91,12 +102,14 @@ def engine(tiny_onnx):
 def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, alone):
     short, long_ = _prompts(1, seed=3)[0][:3], list(range(40)) + list(range(10))  # 50 tokens: 13 chunks of <= 4
     a, b = _Recorder(), _Recorder()
-    engine.submit(Job(short, SamplingParams(temperature=0, max_tokens=30), a.emit))
+    # a runs for 200 steps (over 0.4 s), far longer than b's 13 chunks and 5 steps take, so a is still decoding
+    # between b's chunks even when this thread is descheduled for a while after a's first token
+    engine.submit(Job(short, SamplingParams(temperature=0, max_tokens=200), a.emit))
     while not a.tokens:
         time.sleep(0.001)
     engine.submit(Job(long_, SamplingParams(temperature=0, max_tokens=5), b.emit))
-    assert a.done.wait(30) and b.done.wait(30)
-    assert a.tokens == alone(short, 30)[0]
+    assert a.done.wait(60) and b.done.wait(60)
+    assert a.tokens == alone(short, 200)[0]
     # the long prompt's chunks, and between every two of them a decode step of the running stream
     chunk_calls = [i for i, (q, rows) in enumerate(engine.calls) if rows == (1,) and q > 1]
     assert len(chunk_calls) >= 12  # 50 tokens in chunks of 4 (the last chunk of 2)
@@ -171,19 +184,32 @@ def test_disconnect_over_http_frees_the_row(make_server):
                 with pytest.raises(asyncio.CancelledError):
                     await task
 
+    every_row = list(range(2 + 8))
     for stream in (True, False):
         asyncio.run(disconnect(stream))
-        end = time.monotonic() + 10
-        while eng.running and time.monotonic() < end:
+        end = time.monotonic() + 10  # the engine thread ends the job, then frees its row: wait for both
+        while (eng.running or sorted(eng.rows.free) != every_row) and time.monotonic() < end:
             time.sleep(0.01)
         assert eng.running == 0, f"stream={stream}: the row is still busy"
-    assert sorted(eng.rows.free) == list(range(2 + 8))  # every row of the pool is free again
+        assert sorted(eng.rows.free) == every_row  # every row of the pool is free again
 
 
 def test_overload_gets_429_with_retry_after(make_server):
     srv = make_server(max_batch=1, max_queue=2)
     body = {"prompt": "w1", "max_tokens": 400, "temperature": 0}
     statuses = []
+    run = srv.engine.rows.run
+
+    def first_step_waits(*args):
+        # the first request's first step waits until the five beyond the queue have been refused, so the
+        # overload happens however fast the engine is next to the clients
+        end = time.monotonic() + 60
+        while statuses.count(429) < 5 and time.monotonic() < end:
+            time.sleep(0.005)
+        srv.engine.rows.run = run
+        return run(*args)
+
+    srv.engine.rows.run = first_step_waits
 
     def send(_):
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
