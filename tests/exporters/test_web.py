@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.devtools import open_page
 
 from txl_deploy.errors import InputError, OutputExistsError
 from txl_deploy.exporters.web.site import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRITY, ORT_WEB_VERSION, sri, write_site
@@ -235,13 +236,7 @@ class Browser:
 
     def open(self, url):
         self.send("Page.enable")
-        self.send("Page.navigate", url=url)
-        end = time.monotonic() + 60
-        while self.evaluate("typeof window.txlDemo") != "object":
-            if time.monotonic() > end:
-                raise RuntimeError(f"{url}: the page did not start: {self.evaluate('document.body.innerText')}")
-            time.sleep(0.1)
-        return self.evaluate("window.txlDemo.ready")
+        return open_page(self.send, self.evaluate, url, timeout=60)
 
     def screenshot(self) -> bytes:
         return base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"])

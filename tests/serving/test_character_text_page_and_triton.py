@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from helpers import character_corpora as cc
+from helpers.devtools import open_page
 
 NPM_DIR = Path(os.environ.get("TXL_NPM_CACHE", Path.home() / ".cache" / "txl-deploy" / "npm"))
 ORT_WEB_DIR = NPM_DIR / "node_modules" / "onnxruntime-web"
@@ -69,12 +70,7 @@ class Page:
             port = self._devtools_port()
             self.session = self.loop.run_until_complete(self._session(aiohttp))
             self.ws = self.loop.run_until_complete(self._connect(port))
-            self.send("Page.navigate", url=f"http://127.0.0.1:{self.httpd.server_address[1]}/index.html?ep=wasm")
-            end = time.monotonic() + 120
-            while self.evaluate("typeof window.txlDemo") != "object":
-                assert time.monotonic() < end, self.evaluate("document.body.innerText")
-                time.sleep(0.1)
-            self.evaluate("window.txlDemo.ready")
+            open_page(self.send, self.evaluate, f"http://127.0.0.1:{self.httpd.server_address[1]}/index.html?ep=wasm")
         except BaseException:
             self.close()
             raise
