@@ -228,10 +228,10 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the bandwidth "
         "measured as the list above says (in the rounds of the decode steps, a turn of its own in each round's "
         "alternation, so that both see the same moments of the machine). A copy counts the bytes it reads and "
-        "the bytes it writes, and one thread may read more slowly than it copies, so the same turn also times a "
-        "pure read of its buffer (numpy's dot product of the buffer's two halves); where a floor line gives it, "
-        "that read of the step's bytes is what no implementation of the step can beat on this machine. "
-        "Stand-ins have random weights.",
+        "the bytes it writes, and one thread's read rate can differ from its copy rate either way, while a "
+        "decode step only reads; so the same turn also times a pure read of the buffer (numpy's dot product of "
+        "its two halves), and a floor line gives the step's bytes at that rate too: where that read is faster "
+        "than the copy floor, it is the tighter floor. Stand-ins have random weights.",
         "",
         "## Targets",
         "",

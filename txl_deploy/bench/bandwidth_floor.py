@@ -5,11 +5,12 @@ memory slot of every layer. At batch 1 each weight is used for one multiply-add,
 is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
 by a numpy copy (STREAM-style: bytes read + bytes written over the time, one thread).
 
-A copy counts two bytes moved per byte it reads, and one thread cannot always read at the rate it copies: a
-decode step only reads. So the probe also times a pure read of the same buffer (numpy's dot product of its two
-halves in float64 and in float32: OpenBLAS's streaming kernels, the fastest reads of the numpy kernels tried
-here) and the report gives the step against that too. Where a pure read of the step's bytes already takes longer
-than a target ratio of the copy floor allows, a one-thread step cannot meet the target on that machine.
+A copy counts two bytes moved per byte it reads, and one thread's read rate can differ from its copy rate
+either way, while a decode step only reads. So the probe also times a pure read of the same buffer (numpy's dot
+product of its two halves in float64 and in float32: OpenBLAS's streaming kernels, the fastest reads of the numpy
+kernels tried here), and the report gives the step against that read of its bytes too. Where the read is faster
+than the copy floor, the copy floor overstates what the step must take; where it is slower, the copy floor is out
+of one thread's reach.
 
 The bandwidth a shared machine gives one thread moves with the other jobs' load, so it is measured in the same
 rounds as the decode steps it is compared with (`BandwidthProbe`, a turn of `timing.run_pair`): each round's
