@@ -23,25 +23,33 @@ def _prompts(count, seed=0):
     return [rng.integers(0, 58, size=int(rng.integers(1, 40))).tolist() for _ in range(count)]
 
 
+def _hold_first_step(engine, ready):
+    """The engine's next backend call waits until ready() (60 s at most), then calls go through as before.
+    Returns the engine's own call, to put back."""
+    run = engine.rows.run
+
+    def first_step_waits(*args):
+        end = time.monotonic() + 60
+        while not ready() and time.monotonic() < end:
+            time.sleep(0.005)
+        engine.rows.run = run
+        return run(*args)
+
+    engine.rows.run = first_step_waits
+    return run
+
+
 def test_32_concurrent_streams_each_get_their_tokens_alone(server, alone):
     prompts = _prompts(32)
     n = 10
     barrier = threading.Barrier(32)
     batches = []
     engine = server.engine
-    observe, run = engine.on_batch, engine.rows.run
+    observe = engine.on_batch
     engine.on_batch = lambda size: (batches.append(size), observe(size))
-
-    def first_step_waits(*args):
-        # The first stream's first step waits until the other 31 are queued behind it, so the streams overlap
-        # however fast the engine is next to the clients (each opens its own connection).
-        end = time.monotonic() + 60
-        while engine.queue_depth < 31 and time.monotonic() < end:
-            time.sleep(0.005)
-        engine.rows.run = run
-        return run(*args)
-
-    engine.rows.run = first_step_waits
+    # the other 31 are queued behind the first stream's first step, so the streams overlap however fast the engine
+    # is next to the clients (each opens its own connection)
+    run = _hold_first_step(engine, lambda: engine.queue_depth >= 31)
 
     def one(prompt):
         barrier.wait(timeout=60)
@@ -198,18 +206,9 @@ def test_overload_gets_429_with_retry_after(make_server):
     srv = make_server(max_batch=1, max_queue=2)
     body = {"prompt": "w1", "max_tokens": 400, "temperature": 0}
     statuses = []
-    run = srv.engine.rows.run
-
-    def first_step_waits(*args):
-        # the first request's first step waits until the five beyond the queue have been refused, so the
-        # overload happens however fast the engine is next to the clients
-        end = time.monotonic() + 60
-        while statuses.count(429) < 5 and time.monotonic() < end:
-            time.sleep(0.005)
-        srv.engine.rows.run = run
-        return run(*args)
-
-    srv.engine.rows.run = first_step_waits
+    # the five beyond the queue are refused while the first request's first step waits, so the overload happens
+    # however fast the engine is next to the clients
+    _hold_first_step(srv.engine, lambda: statuses.count(429) >= 5)
 
     def send(_):
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
