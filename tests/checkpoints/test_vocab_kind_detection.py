@@ -8,28 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 
 import pytest
-from click.testing import CliRunner
 from helpers import character_corpora as cc
+from helpers.cli import assert_one_line_error, cli
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.cli import main
+from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import CheckpointError
 
 torch = pytest.importorskip("torch")
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    message = result.stderr.strip()
-    assert message.startswith("error: ") and "\n" not in message and "Traceback" not in result.output, message
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +44,6 @@ def test_tf_checkpoint_converts_with_its_corpus_kind_and_info_shows_it(tf_enwik8
     assert f"vocabulary:  {len(symbols)} symbols, kind bytes: UTF-8 bytes as decimal symbols (enwik8); newlines " \
            "dropped" in result.output
     # the ONNX file alone says the kind (exported from the TF folder with no vocabulary flags): its metadata
-    from txl_deploy.contract.metadata import read_onnx_info
-
     assert read_onnx_info(tf_enwik8_onnx).vocab == load_model(out).vocab
     assert read_onnx_info(tf_enwik8_onnx).vocab.kind == "bytes"
     result = cli("info", tf_enwik8_onnx, "--json")
@@ -80,8 +67,9 @@ def test_the_kind_comes_from_corpus_info_json_or_from_the_symbols(tf_enwik8, enw
     result = cli("convert", root, "-o", tmp_path / "w", "--config", root / "flags.json", "--vocab-kind", "word")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "w" / "vocab.json").read_text())["kind"] == "word"
-    one_line_error(cli("convert", root, "-o", tmp_path / "t8", "--config", root / "flags.json", "--vocab-kind",
-                       "text8"), "cache.pkl", "cannot be a text8 vocabulary", f"symbol '{symbols[0]}'")
+    assert_one_line_error(cli("convert", root, "-o", tmp_path / "t8", "--config", root / "flags.json",
+                              "--vocab-kind", "text8"),
+                          "cache.pkl", "cannot be a text8 vocabulary", f"symbol '{symbols[0]}'")
     assert not (tmp_path / "t8").exists()
 
 
@@ -96,7 +84,6 @@ def test_a_corpus_name_that_contradicts_the_symbols_is_an_error(tf_enwik8, tmp_p
 
 
 def test_tf_text8_checkpoint(text8, tmp_path):
-    pytest.importorskip("tensorflow")
     symbols, _, weights, hp = text8
     root = cc.write_tf_published(tmp_path / "tf_text8", weights, hp, symbols, "text8")
     loaded = load_model(root, config=root / "flags.json")
@@ -135,11 +122,10 @@ def test_a_vocab_txt_of_byte_values_is_bytes_and_a_malicious_cache_pt_runs_nothi
     marker = tmp_path / "marker"
     evil = tmp_path / "evil.pt"
     evil.write_bytes(b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
-    one_line_error(cli("info", tmp_path / "model.pt", "--vocab", evil), "evil.pt", "refused to unpickle os.system")
+    assert_one_line_error(cli("info", tmp_path / "model.pt", "--vocab", evil), "evil.pt",
+                          "refused to unpickle os.system")
     # inside a real torch.save archive: refused by name before anything runs
     torch.save({"x": 1}, evil)
-    import zipfile
-
     with zipfile.ZipFile(evil) as z:
         entries = {n: z.read(n) for n in z.namelist()}
     data_pkl = next(n for n in entries if n.endswith("data.pkl"))
@@ -148,8 +134,8 @@ def test_a_vocab_txt_of_byte_values_is_bytes_and_a_malicious_cache_pt_runs_nothi
     with zipfile.ZipFile(evil, "w") as z:
         for name, data in entries.items():
             z.writestr(name, data)
-    one_line_error(cli("info", tmp_path / "model.pt", "--vocab", evil), "refused to unpickle posix.system",
-                   "nothing from the file was run")
+    assert_one_line_error(cli("info", tmp_path / "model.pt", "--vocab", evil), "refused to unpickle posix.system",
+                          "nothing from the file was run")
     assert not marker.exists()
 
 
@@ -169,7 +155,7 @@ def test_nvidia_checkpoint_kind_from_its_dataset(enwik8, text8, tmp_path):
 
 
 # -- a model converted before the kinds existed ----------------------------------------------------------------------
-def test_a_stored_word_kind_with_byte_symbols_gets_a_note_and_export_can_fix_it(enwik8, tmp_path, monkeypatch):
+def test_a_stored_word_kind_with_byte_symbols_gets_a_note_and_export_can_fix_it(enwik8, tmp_path):
     symbols, _, weights, hp = enwik8
     cc.write_original_model_pt(tmp_path / "model.pt", weights, hp)
     (tmp_path / "vocab.txt").write_text("".join(f"{s}\n" for s in symbols))
@@ -179,12 +165,12 @@ def test_a_stored_word_kind_with_byte_symbols_gets_a_note_and_export_can_fix_it(
     result = cli("info", old)
     assert "note: the vocabulary is stored as kind word, but its symbols are those of a bytes vocabulary" in \
            result.output and "--vocab-kind bytes" in result.output
-    # `export --vocab-kind bytes` exports the vocabulary as bytes (what export_onnx is handed; the metadata it
-    # writes from it is checked on a real export above)
-    from txl_deploy.exporters import export as export_module
-
-    handed = {}
-    monkeypatch.setattr(export_module, "export_onnx", lambda loaded, out, **kw: handed.update(vocab=loaded.vocab))
-    result = cli("export", old, "-o", tmp_path / "fixed.onnx", "--vocab-kind", "bytes", "--skip-memory-check")
+    # `export --vocab-kind bytes` writes the vocabulary into the graph's metadata as bytes
+    fixed = tmp_path / "fixed.onnx"
+    result = cli("export", old, "-o", fixed, "--vocab-kind", "bytes", "--no-verify", "--max-segment", 8,
+                 "--skip-memory-check")
     assert result.exit_code == 0, result.output
-    assert handed["vocab"].kind == "bytes" and handed["vocab"].symbols == symbols
+    vocab = read_onnx_info(fixed).vocab
+    assert vocab.kind == "bytes" and vocab.symbols == symbols
+    result = cli("info", fixed, "--json")
+    assert result.exit_code == 0 and json.loads(result.output)["vocab_kind"] == "bytes"
