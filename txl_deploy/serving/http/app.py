@@ -6,14 +6,18 @@ thread when the app starts, so /health answers 503 until the model is loaded, th
 
 Endpoints: POST /v1/completions, GET /v1/models, sessions (POST /v1/sessions, GET/DELETE /v1/sessions/{id},
 POST /v1/sessions/{id}/park -> the memory's bytes, POST /v1/sessions/{id}/restore <- those bytes), GET /health,
-GET /metrics. With an api_key every /v1 endpoint needs `Authorization: Bearer <key>`. Every error is OpenAI's
-error object. Request bodies are bounded (413), prompts and max_tokens too (400), the queue too (429).
+GET /metrics. With an api_key every /v1 path needs `Authorization: Bearer <key>`, checked (in constant time)
+before any of the body is read. Every error is OpenAI's error object. Request bodies are bounded (413), prompts
+and max_tokens too (400), the queue too (429). Prompts are tokenized in a small pool of threads, never on the event
+loop; the engine's thread decodes the tokens it makes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import re
@@ -34,13 +38,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes.sampling import SamplingParams
 from txl_deploy.serving.http import protocol
-from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics
+from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally, endpoint_label
 from txl_deploy.serving.http.protocol import ApiError, CompletionRequest, SessionCreate, error_body
 from txl_deploy.serving.http.scheduler import Job
 
 logger = logging.getLogger(__name__)
 
 STATE_OVERHEAD_BYTES = 1 << 20  # a parked state's .npz header and keys, beyond its arrays
+TEXT_WORKERS = 4  # threads that tokenize prompts: a long prompt waits for a free one instead of blocking the loop
+BUSY_RETRY_AFTER_S = 1  # a busy session is free once its request ends: usually within a generation
 
 
 @dataclass
@@ -79,19 +85,22 @@ class _Mailbox:
 
 
 class _Events:
-    """One request's events, through the loop's mailbox into its queue."""
+    """One request's events, through the loop's mailbox into its queue; its tokens counted as the engine makes
+    them."""
 
-    def __init__(self, mailbox: _Mailbox):
-        self.mailbox, self.queue = mailbox, asyncio.Queue()
+    def __init__(self, mailbox: _Mailbox, tally: TokenTally):
+        self.mailbox, self.queue, self.tally = mailbox, asyncio.Queue(), tally
 
     def emit(self, kind, payload):
+        if kind == "token":
+            self.tally.token()
         self.mailbox.post(self.queue, (kind, payload))
 
 
 class _Guard:
-    """Outermost ASGI layer: bounds every request body (413 before the app sees it) and counts requests by endpoint
-    and status. The body is read here, up to the bound, and replayed to the app; later receives (the client's
-    disconnect) pass through."""
+    """Outermost ASGI layer: checks the API key on /v1 (401 before any of the body is read), bounds every request
+    body (413 before the app sees it) and counts requests by endpoint (the route's template) and status. The body is
+    read here, up to the bound, and replayed to the app; later receives (the client's disconnect) pass through."""
 
     def __init__(self, app, settings: ServeSettings, metrics: Metrics, state_limit: Callable[[], int]):
         self.app, self.settings, self.metrics, self.state_limit = app, settings, metrics, state_limit
@@ -100,7 +109,8 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        limit = self.state_limit() if path.endswith("/restore") else self.settings.max_body_bytes
+        endpoint = endpoint_label(self.app.router.routes, scope)
+        limit = self.state_limit() if endpoint.endswith("/restore") else self.settings.max_body_bytes
         status = {"code": 500}
 
         async def counted_send(message):
@@ -109,6 +119,10 @@ class _Guard:
             await send(message)
 
         try:
+            key = self.settings.api_key
+            guarded = path == "/v1" or path.startswith("/v1/")
+            if guarded and key is not None and not _key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
+                return await _send_json(counted_send, 401, _key_error().body(), {"WWW-Authenticate": "Bearer"})
             body = bytearray()
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -134,7 +148,7 @@ class _Guard:
 
             await self.app(scope, replay, counted_send)
         finally:
-            self.metrics.requests.labels(endpoint=_endpoint(path), status=str(status["code"])).inc()
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
     async def _too_large(self, send, limit):
         await _send_json(send, 413, error_body(f"the request body is larger than this server accepts ({limit:,} "
@@ -149,13 +163,16 @@ async def _send_json(send, status: int, content: dict, headers: dict | None = No
     await send({"type": "http.response.body", "body": body})
 
 
-def _endpoint(path: str) -> str:
-    """The route a path belongs to (session ids folded in), for metric labels."""
-    parts = path.rstrip("/").split("/")
-    if path.startswith("/v1/sessions/") and len(parts) >= 4:
-        return "/v1/sessions/{id}" + ("/" + parts[4] if len(parts) > 4 else "")
-    known = ("/v1/completions", "/v1/models", "/v1/sessions", "/health", "/metrics")
-    return path if path in known else "other"
+def _key_error() -> ApiError:
+    return ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>", type="authentication_error",
+                    code="invalid_api_key")
+
+
+def _key_matches(header: bytes, api_key: str) -> bool:
+    """Whether an Authorization header's value is `Bearer <api_key>`. The key is compared in constant time, so how
+    long a refusal takes says nothing about how much of a guess was right."""
+    scheme, _, key = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), api_key.encode())
 
 
 def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_load_error: Callable | None = None):
@@ -163,6 +180,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     called if it fails (the server then exits)."""
     metrics = Metrics()
     state = {"engine": None, "error": None, "draining": False, "loaded_at": None}
+    text_pool = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="txl-serve-text")
 
     def load(loop):
         try:
@@ -189,6 +207,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         await run_in_threadpool(loader.join)
         if state["engine"] is not None:
             await run_in_threadpool(state["engine"].stop, settings.drain_timeout)
+        text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="txl-deploy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     mailboxes = {}
@@ -210,20 +229,21 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         return state["engine"]
 
     def authorized(request: Request):
+        # _Guard has checked already; this holds for the routes when the app is run without it
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() != settings.api_key:
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                           type="authentication_error", code="invalid_api_key")
+        if not _key_matches(request.headers.get("authorization", "").encode("latin-1"), settings.api_key):
+            raise _key_error()
 
     guarded = [Depends(authorized)]
 
     # -- errors in OpenAI's shape ---------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        headers = exc.headers
+        if exc.code == "session_busy":
+            headers = {"Retry-After": str(BUSY_RETRY_AFTER_S), **headers}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(InputError)
     async def input_error(request, exc: InputError):
@@ -287,13 +307,13 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         if body.model is not None and body.model != settings.model_name:
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                                 f"{settings.model_name!r}", param="model", code="model_not_found")
-        ids = _prompt_ids(eng, body.prompt, settings)
+        ids = await asyncio.get_running_loop().run_in_executor(text_pool, _prompt_ids, eng, body.prompt, settings)
         kwargs = body.sampling_kwargs()
         if kwargs.get("max_tokens", 16) > settings.max_tokens:
             raise ApiError(400, f"max_tokens {kwargs['max_tokens']} is more than this server generates per "
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
         params = SamplingParams(**kwargs)
-        events = _Events(mailbox(asyncio.get_running_loop()))
+        events = _Events(mailbox(asyncio.get_running_loop()), metrics.tally())
         job = Job(ids, params, events.emit, session_id=body.session_id)
         eng.submit(job)
         metrics.prompt_tokens.inc(int(ids.size))
@@ -398,21 +418,25 @@ class _Run:
         self.with_logprobs = body.logprobs is not None
         self.with_ids = bool(body.return_token_ids)
 
-    def _timing(self):
-        now = time.monotonic()
+    def _timing(self, out):
+        """Latencies by when the engine made the tokens: a reader that gets several at once does not shorten them."""
         if self.last_token_at is None:
-            self.metrics.ttft.observe(now - self.arrived)
+            self.metrics.ttft.observe(out.produced - self.arrived)
         else:
-            self.metrics.itl.observe(now - self.last_token_at)
-        self.last_token_at = now
+            self.metrics.itl.observe(out.produced - self.last_token_at)
+        self.last_token_at = out.produced
 
     def _token_entry(self, out) -> dict:
         return {"piece": out.piece, "logprob": out.logprob, "top": out.top, "offset": out.offset}
 
     def _finished(self, payload) -> dict:
         self.done = True
-        self.metrics.generated_tokens.inc(payload["completion_tokens"])
+        self.events.tally.end(payload["finish_reason"])
         return protocol.usage(payload["prompt_tokens"], payload["completion_tokens"])
+
+    def _failed(self, error):
+        self.done = True
+        self.events.tally.end("cancelled" if getattr(error, "status", None) == 499 else "error")
 
     async def _next_events(self) -> list:
         """The next event and every other one already waiting (a slow reader gets them together)."""
@@ -434,7 +458,7 @@ class _Run:
                 outs = []
                 for kind, payload in await self._next_events():
                     if kind == "token":
-                        self._timing()
+                        self._timing(payload)
                         outs.append(payload)
                         continue
                     if outs:
@@ -448,7 +472,7 @@ class _Run:
                             yield {"data": json.dumps(protocol.usage_chunk(self.id, self.model, self.created,
                                                                            usage))}
                     else:
-                        self.done = True
+                        self._failed(payload)
                         yield {"data": json.dumps(payload.body())}
                     yield {"data": "[DONE]"}
                     return
@@ -457,6 +481,7 @@ class _Run:
         finally:
             if not self.done:  # the client went away (or the server is stopping): free the row
                 self.engine.cancel(self.job)
+            self.events.tally.end("cancelled")  # unless it ended otherwise
 
     async def collect(self, request: Request):
         watcher = asyncio.create_task(self._watch_disconnect(request))
@@ -465,7 +490,7 @@ class _Run:
             while True:
                 kind, payload = await self.events.queue.get()
                 if kind == "token":
-                    self._timing()
+                    self._timing(payload)
                     text.append(payload.text)
                     tokens.append(self._token_entry(payload))
                     ids.append(payload.token)
@@ -475,12 +500,13 @@ class _Run:
                         self.id, self.model, "".join(text), payload["finish_reason"], usage,
                         tokens if self.with_logprobs else None, ids if self.with_ids else None, self.body.session_id))
                 else:
-                    self.done = True
+                    self._failed(payload)
                     raise payload
         finally:
             watcher.cancel()
             if not self.done:
                 self.engine.cancel(self.job)
+            self.events.tally.end("cancelled")  # unless it ended otherwise
 
     async def _watch_disconnect(self, request: Request):
         while True:

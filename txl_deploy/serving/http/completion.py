@@ -4,16 +4,31 @@ Both engines (the local scheduler and the Triton fleet) drive a `Completion` wit
 what to send: the text that may be shown now, the token's log-prob and alternatives. Stop strings are matched on
 the decoded text; text that could still become a stop string is held back until it cannot, and the match itself is
 never sent (OpenAI's behaviour). Stop strings are looked for once min_tokens tokens have been generated.
+
+A token's log-probs go out as JSON, which has no infinities: any log-prob below `LOGPROB_FLOOR` or not finite (a
+model's -inf for a token it rules out, fp16 underflow) is sent as `LOGPROB_FLOOR`, -9999.0, the value vLLM clamps to.
+Each token carries when it was made (`TokenOut.produced`, time.monotonic() in the engine's thread), for the latency
+metrics.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, top_logprobs
 from txl_deploy.vocab import CONTINUING, Vocab
+
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprob(value) -> float:
+    """A log-prob as it is sent: itself, or LOGPROB_FLOOR when it is below that or not finite."""
+    value = float(value)
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def token_text(vocab: Vocab, token: int) -> str:
@@ -61,9 +76,10 @@ class TokenOut:
     token: int
     text: str  # text released with this token (may be empty while held back, or longer than its own piece)
     piece: str  # this token's own text
-    logprob: float
-    top: dict | None  # {text: log-prob} of the most likely tokens, with logprobs requested
+    logprob: float  # as sent (wire_logprob)
+    top: dict | None  # {text: log-prob as sent} of the most likely tokens, with logprobs requested
     offset: int  # where the text this token released starts in the completion (before stop strings cut it)
+    produced: float  # time.monotonic() when the engine made it
 
 
 class Completion:
@@ -102,8 +118,8 @@ class Completion:
                 text, self.finish = text + self._rest(), "length"
         top = None
         if p.logprobs is not None:
-            top = {token_text(self.vocab, t): lp for t, lp in top_logprobs(log_probs, p.logprobs)}
-        out = TokenOut(tok, text, piece, float(log_probs[tok]), top, self.offset)
+            top = {token_text(self.vocab, t): wire_logprob(lp) for t, lp in top_logprobs(log_probs, p.logprobs)}
+        out = TokenOut(tok, text, piece, wire_logprob(log_probs[tok]), top, self.offset, time.monotonic())
         self.offset += len(decoded)
         return out
 
