@@ -35,4 +35,4 @@ def assert_state_equal(a, b):
     """Two saved states (`save_state()` dicts) hold the same arrays."""
     assert a.keys() == b.keys()
     for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)

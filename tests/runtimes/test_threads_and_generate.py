@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.streams import assert_state_equal
 
 from txl_deploy.cli import main
 from txl_deploy.errors import InputError, TxlError
@@ -27,12 +28,6 @@ def torch_threads():
 
 def _state(rt):
     return {k: np.array(v, copy=True) for k, v in rt.save_state().items()}
-
-
-def _assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def _finishes(fn, timeout=30.0):
@@ -151,7 +146,7 @@ def test_rejected_generate_leaves_the_memory_unchanged(ort_rt, kwargs, message):
     before, last = _state(ort_rt), ort_rt._last_log_probs.copy()
     with pytest.raises(InputError, match=message):
         ort_rt.generate(**kwargs)  # raised by the call itself, before any token is asked for
-    _assert_same_state(_state(ort_rt), before)
+    assert_state_equal(_state(ort_rt), before)
     np.testing.assert_array_equal(ort_rt._last_log_probs, last)
     ort_rt.reset()
 
@@ -173,7 +168,7 @@ def test_generate_against_a_multi_row_memory_is_refused_untouched(ort_rt):
         ort_rt.generate([7, 8])
     with pytest.raises(InputError, match="the memory holds 2 rows"):
         ort_rt.generate(None)
-    _assert_same_state(_state(ort_rt), before)
+    assert_state_equal(_state(ort_rt), before)
     ort_rt.reset()
 
 
@@ -202,7 +197,7 @@ def test_generate_feeds_its_tokens_and_continues(ort_rt):
         want.append(int(np.argmax(lp)))
         lp = ort_rt.step([[want[-1]]])[0, -1]
     assert toks == want
-    _assert_same_state(after, _state(ort_rt))  # every generated token was fed
+    assert_state_equal(after, _state(ort_rt))  # every generated token was fed
     more = list(ort_rt.generate(max_new_tokens=2, temperature=0))  # no prompt: continues the memory
     assert more[0] == int(np.argmax(lp))
     ort_rt.reset()
