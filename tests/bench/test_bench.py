@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers.distributions import mean_kl
 from helpers.paths import ROOT
 
 from txl_deploy.cli import main
@@ -83,16 +84,26 @@ def test_without_baseline(tiny_onnx, tmp_path):
 
 
 def test_parity_reports_a_difference():
-    """The comparison is real: sides that disagree show it (a shifted log-prob, a different argmax)."""
+    """The comparison is real: sides that disagree show it (a shifted log-prob, a different argmax, another
+    distribution: its KL divergence from the baseline's, as tests/helpers computes it)."""
     from txl_deploy.bench.timing import Side, parity
 
     a, b = Side("a", None), Side("b", None)
     a.log_probs = [np.log(np.full((2, 4), 0.25, np.float32))]
     b.log_probs = [a.log_probs[0].copy()]
-    assert parity(a, b) == {"max_abs_diff": 0.0, "top1_agreement": 1.0, "positions": 2}
+    assert parity(a, b) == {"max_abs_diff": 0.0, "kl_divergence": 0.0, "top1_agreement": 1.0, "positions": 2}
     b.log_probs[0][1, 3] += 0.5
     p = parity(a, b)
     assert p["max_abs_diff"] == pytest.approx(0.5) and p["top1_agreement"] == 0.5
+    # over several steps (the list) and rows, the mean per position, KL(b || a)
+    logits = np.random.default_rng(0).normal(size=(2, 2, 2, 5))  # side, step, row, word
+    log_probs = (logits - np.log(np.exp(logits).sum(-1, keepdims=True))).astype(np.float32)
+    a.log_probs, b.log_probs = list(log_probs[0]), list(log_probs[1])
+    want = mean_kl(np.stack(b.log_probs), np.stack(a.log_probs))
+    assert want > 0.1 and parity(a, b)["kl_divergence"] == pytest.approx(want, rel=1e-6)
+    a.log_probs[1][0, 2] = -np.inf  # a word the side rules out and the baseline does not: infinitely far
+    assert parity(a, b)["kl_divergence"] == float("inf")
+    a.log_probs, b.log_probs = [np.log(np.full((2, 4), 0.25, np.float32))], [np.log(np.full((2, 4), 0.25, np.float32))]
     b.log_probs[0][0, 0] = -np.inf  # a position one side masks and the other does not
     assert parity(a, b)["max_abs_diff"] == float("inf")
 

@@ -14,7 +14,9 @@ A, per round: `timing.run_pair`), one thread each:
 - `torch.compile`: the cached step compiled (`peer_compile`).
 
 Speeds are reported against ONNX Runtime (its median step / the side's: above 1 the peer is faster) and against
-eager; every side's log-probs are compared with eager's on every timed step of the first round.
+eager; every side's log-probs are compared with eager's on every timed step of the first round. Each side records
+the precision its arithmetic ran in (`precision`: what OpenVINO reports it compiled for, f32 for the fp32 export
+and the PyTorch sides), and a side that did not run in f32 says so in its row's name.
 """
 
 from __future__ import annotations
@@ -47,6 +49,20 @@ LABELS = {"onnxruntime": "onnxruntime (txl-deploy)", "openvino-f32": "openvino (
           "openvino-default": "openvino (default precision)", "transformers": "transformers TransfoXL (mems)",
           "eager": "torch (eager)", "torch-compile": "torch.compile (cached step)"}
 REFERENCE, BASELINE = "onnxruntime", "eager"
+_OV_TYPE_NAMES = {"fp32": "f32", "fp16": "f16"}  # a graph's precision (`Backend.precision`) in OpenVINO's names
+
+
+def computed_precision(backend) -> str:
+    """The precision a side's arithmetic ran in, in OpenVINO's names (f32, bf16, f16): what the OpenVINO plugin
+    reports it compiled the model for, else the precision of the model or graph the backend runs."""
+    reported = getattr(backend, "inference_precision", None)
+    return reported or _OV_TYPE_NAMES.get(backend.precision, backend.precision)
+
+
+def row_label(peer: str, precision: str) -> str:
+    """A side's name in the results: its label, and the precision it computed in where that was not f32 (the
+    tables' "fp32 unless said")."""
+    return LABELS[peer] if precision == "f32" else f"{LABELS[peer]}, computed in {precision}"
 
 
 def _torch_threads(threads):
@@ -54,6 +70,15 @@ def _torch_threads(threads):
 
     if threads:
         torch.set_num_threads(int(threads))  # process-wide: every torch side of this run gets the same
+
+
+def _recording(peer: str, open_fn, precisions: dict):
+    """`open_fn`, noting in `precisions[peer]` the precision the opened side computes in."""
+    def open_side():
+        rt = open_fn()
+        precisions[peer] = computed_precision(rt.backend)
+        return rt
+    return open_side
 
 
 def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
@@ -117,11 +142,13 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
                leave=False)
     for batch in batches:
         bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
-        sides = [measure.Side(p, open_fns[p], decode_only=True) for p in chosen]
+        precisions = {}
+        sides = [measure.Side(p, _recording(p, open_fns[p], precisions), decode_only=True) for p in chosen]
         stream = measure.make_stream(config.n_token, batch, mem_len, gen_len, 1, seed)
         measure.run_pair(sides, stream, repeat, warmup, progress=bar.update)
         by = {s.label: s for s in sides}
-        summary = {p: {"backend": LABELS[p], **measure.summarise(by[p], stream)} for p in chosen}
+        summary = {p: {"backend": row_label(p, precisions[p]), "precision": precisions[p],
+                       **measure.summarise(by[p], stream)} for p in chosen}
         for p in chosen:
             summary[p]["decode_rounds_ms"] = measure.decode_rounds_ms(by[p], repeat)
         ref, base = summary[REFERENCE]["decode_ms"]["p50"], summary[BASELINE]["decode_ms"]["p50"]
@@ -150,7 +177,7 @@ def faster_than_reference(reports) -> list[tuple[str, int, str, float]]:
         for res in rep["results"]:
             for p, x in res["relative_to_onnxruntime"].items():
                 if p != REFERENCE and x > 1:
-                    out.append((rep["name"], res["batch"], LABELS[p], x))
+                    out.append((rep["name"], res["batch"], res["sides"][p]["backend"], x))
     return out
 
 
@@ -162,7 +189,7 @@ def section(rep: dict) -> str:
     s, c = rep["settings"], rep["config"]
     batches = [res["batch"] for res in rep["results"]]
     head = ["side"] + [f"batch {b}: ms/step (p50)" for b in batches] + [f"batch {b}: vs ONNX Runtime" for b in batches] \
-        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "top-1 vs eager"]
+        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "KL vs eager", "top-1 vs eager"]
     lines = [f"## {rep['name']}", "",
              f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
              f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
@@ -177,6 +204,7 @@ def section(rep: dict) -> str:
         cells += [f"{res['relative_to_eager'][p]:.1f}x" for res in rep["results"]]
         par = [res["parity_vs_eager"].get(p) for res in rep["results"]]
         cells += ["-" if None in par else f"{max(q['max_abs_diff'] for q in par):.1e}",
+                  "-" if None in par else f"{max(q['kl_divergence'] for q in par):.1e}",
                   "-" if None in par else f"{min(q['top1_agreement'] for q in par):.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *[f"- {n}" for n in rep["notes"]]]
@@ -189,14 +217,17 @@ returns the full next-token distribution each step; the sides alternate within e
 ... C B A), one thread each (ONNX Runtime's and OpenVINO's intra-op threads, `torch.set_num_threads` for every
 torch side), so a slow moment of a shared machine hits them all. `vs ONNX Runtime` = ONNX Runtime's median step /
 the side's (above 1x the side is faster than txl-deploy's ONNX Runtime path); `vs eager` likewise against the
-model as trained. The last two columns compare each side's log-probs with eager's on every timed step of the
-first round (all rows).
+model as trained. The last three columns compare each side's log-probs with eager's on every timed step of the
+first round (all rows): the largest difference, the mean KL divergence of the side's next-token distribution from
+eager's (nats per step), and how often both pick the same top word. A side computing in bf16 differs by some
+1e-2 in log-probs and keeps KL and top-1 close to fp32's; an f32 side stays within about 1e-5.
 
 - onnxruntime (txl-deploy): the exported `.onnx` (incremental layout) through `TxlRuntime`.
 - openvino: OpenVINO's CPU plugin on the same `.onnx`, driven from the documented graph contract
   (`txl_deploy/bench/peer_openvino.py`): one thread, one stream, the latency hint, decode steps compiled with
   static shapes per batch size; `f32 hint` sets `INFERENCE_PRECISION_HINT` to f32, `default precision` leaves the
-  plugin's own (bf16 on CPUs with AVX512-BF16 or AMX, f32 elsewhere).
+  plugin's own (bf16 on CPUs with AVX512-BF16 or AMX, f32 elsewhere), and its row names the precision the
+  plugin reports it compiled for where that is not f32.
 - transformers TransfoXL: HuggingFace's deprecated `TransfoXLLMHeadModel` with its `mems`, built from the same
   weights (cluster rows reversed into its order; `txl_deploy/bench/peer_huggingface.py`), its memory started
   explicitly empty as the paper's; one `model(input_ids, mems)` per step.

@@ -15,9 +15,10 @@ JSON (`schema` "txl-deploy-bench/1"):
             decode_tokens_per_s null), compare (another graph of the same model, with `compare`),
     speedup: {decode_p50, decode_tokens_per_s, prefill, prefill_vs_as_written (with that side)} (baseline /
             candidate; null without a baseline),
-    parity: {max_abs_diff, top1_agreement, positions} (candidate against baseline log-probs on the same
-            stream; null without a baseline); as_written_parity (eager as written against the baseline, prefill
-            position), compare_parity (candidate against the compared graph),
+    parity: {max_abs_diff, kl_divergence (KL(baseline || candidate), nats per position), top1_agreement,
+            positions} (candidate against baseline log-probs on the same stream; null without a baseline);
+            as_written_parity (eager as written against the baseline, prefill position), compare_parity
+            (candidate against the compared graph),
     speedup_vs_compare: {decode_p50, prefill} (compared graph / candidate, with `compare`),
     floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap,
            bandwidth_rounds, gap_rounds} (the copy bandwidth is measured in every round, between the sides'

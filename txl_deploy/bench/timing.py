@@ -183,12 +183,19 @@ def summarise(side: Side, stream: Stream) -> dict:
 
 
 def parity(a: Side, b: Side) -> dict:
-    """Max abs log-prob difference and top-1 agreement over the positions both sides computed."""
-    diffs, agree, total = [], 0, 0
+    """Max abs log-prob difference, mean KL divergence of `a`'s next-token distribution from `b`'s (KL(b || a), in
+    nats per position: the measure a reduced-precision side is judged by) and top-1 agreement, over the positions
+    both sides computed."""
+    diffs, kl, agree, total = [], 0.0, 0, 0
     for x, y in zip(a.log_probs, b.log_probs):
         finite = np.isfinite(x) & np.isfinite(y)
         diffs.append(float(np.abs(x - y)[finite].max(initial=0.0)))
         diffs.append(0.0 if np.array_equal(np.isfinite(x), np.isfinite(y)) else float("inf"))
+        # words `b` gives no probability add nothing; a word only `a` rules out makes the divergence infinite
+        held = np.isfinite(y)
+        ref = y[held].astype(np.float64)
+        kl += float(np.sum(np.exp(ref) * (ref - x[held])))
         agree += int((x.argmax(-1) == y.argmax(-1)).sum())
         total += x.shape[0]
-    return {"max_abs_diff": max(diffs, default=0.0), "top1_agreement": agree / max(total, 1), "positions": total}
+    return {"max_abs_diff": max(diffs, default=0.0), "kl_divergence": kl / max(total, 1),
+            "top1_agreement": agree / max(total, 1), "positions": total}
