@@ -1,10 +1,10 @@
 """`txl-deploy web-demo`: the site it writes, and the page in a real browser (headless Chromium, onnxruntime-web).
 
 The browser tests serve the site on 127.0.0.1 (a random port) and drive Debian's `chromium` over the Chrome
-DevTools protocol; the page uses a local npm install of onnxruntime-web (`--ort-web`), and the browser resolves
-no host but 127.0.0.1, so nothing comes from a CDN. They need `chromium` and an npm install of onnxruntime-web
-(scripts/test.sh installs both when missing) and skip without them, unless TXL_WEB_TESTS=required (as in CI),
-where their absence fails.
+DevTools protocol (tests/helpers/browser.py); the page uses a local npm install of onnxruntime-web (`--ort-web`),
+and the browser resolves no host but 127.0.0.1, so nothing comes from a CDN. They need `chromium` and an npm
+install of the pinned onnxruntime-web (scripts/test.sh installs both where it can) and skip without them, unless
+TXL_WEB_TESTS=required (as in CI), where a missing browser or a missing or other-version onnxruntime-web fails.
 
 Tolerances, page (onnxruntime-web, wasm) against TxlRuntime (ONNX Runtime CPU) on the same file, on a stream
 that wraps the memory ring: fp32 1e-4 absolute on every log-prob (observed 1.2e-5, both state layouts), greedy
@@ -16,41 +16,23 @@ than native x86 ONNX Runtime: sums in another order in fp16, another MatMulNBits
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import functools
-import http.server
 import json
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers.devtools import open_page
+from helpers.browser import NPM_DIR, Browser, SiteServer, chromium, ort_web
 
 from txl_deploy.errors import InputError, OutputExistsError
 from txl_deploy.exporters.web.site import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRITY, ORT_WEB_VERSION, sri, write_site
 from txl_deploy.runtimes import TxlRuntime
 
-NPM_DIR = Path(os.environ.get("TXL_NPM_CACHE", Path.home() / ".cache" / "txl-deploy" / "npm"))
-ORT_WEB_DIR = NPM_DIR / "node_modules" / "onnxruntime-web"
-REQUIRED = os.environ.get("TXL_WEB_TESTS") == "required"
 PROMPT = "And God said"
 TOL = {"fp32": 1e-4, "fp16": 1e-2, "int4": 0.25}
-
-
-def _need(condition: bool, why: str):
-    if condition:
-        return
-    if REQUIRED:
-        pytest.fail(f"{why} (TXL_WEB_TESTS=required)")
-    pytest.skip(why)
 
 
 # -- the site ------------------------------------------------------------------------------------------------------
@@ -96,17 +78,14 @@ def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
 
 def test_pinned_hashes_are_those_of_the_npm_release():
     """The SRI hashes in the page are the sha384 of the pinned release's files (from its npm package)."""
-    _need(ORT_WEB_DIR.is_dir(), f"no npm install of onnxruntime-web in {NPM_DIR}")
-    version = json.loads((ORT_WEB_DIR / "package.json").read_text())["version"]
-    if version != ORT_WEB_VERSION:
-        pytest.skip(f"{ORT_WEB_DIR} holds onnxruntime-web {version}, the page pins {ORT_WEB_VERSION}")
+    dist = ort_web() / "dist"
     for name in (ORT_MODULE, ORT_WASM):
-        assert sri((ORT_WEB_DIR / "dist" / name).read_bytes()) == ORT_WEB_INTEGRITY[name]
+        assert sri((dist / name).read_bytes()) == ORT_WEB_INTEGRITY[name]
 
 
 def test_site_with_local_runtime_and_refusals(demo_exports, tmp_path):
-    _need(ORT_WEB_DIR.is_dir(), f"no npm install of onnxruntime-web in {NPM_DIR}")
-    site = write_site(demo_exports["int4"], tmp_path / "site", ort_web=NPM_DIR)
+    ort_web()
+    site = write_site(demo_exports["int4"], tmp_path / "site", ort_web=NPM_DIR)  # the npm prefix is enough
     assert sorted(p.name for p in (site / "ort").iterdir()) == sorted([ORT_MODULE, ORT_WASM])
     page = (site / "index.html").read_text()
     assert "cdn.jsdelivr" not in page and f"./ort/{ORT_MODULE}" in page
@@ -138,132 +117,10 @@ def test_cli(demo_exports, tiny_onnx, tmp_path):
 
 
 # -- the page in headless Chromium -----------------------------------------------------------------------------------
-class _Handler(http.server.SimpleHTTPRequestHandler):
-    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
-                      ".js": "text/javascript", ".wasm": "application/wasm", ".json": "application/json",
-                      ".onnx": "application/octet-stream"}
-
-    def log_message(self, *args):
-        pass
-
-
-class Server:
-    """The site on 127.0.0.1 at a random free port, in a thread; stop() shuts it down."""
-
-    def __init__(self, root):
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=root))
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
-
-
-class Browser:
-    """Headless Chromium driven over the DevTools protocol (aiohttp's websocket client), one page."""
-
-    def __init__(self, executable):
-        import aiohttp
-
-        self.profile = tempfile.mkdtemp(prefix="txl-chromium-")
-        log = open(os.path.join(self.profile, "stderr.log"), "wb")
-        self.proc = subprocess.Popen(
-            [executable, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
-             f"--user-data-dir={self.profile}", "--window-size=900,700",
-             # nothing but the test server resolves: the page must work offline
-             "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=log)
-        log.close()
-        self.loop = asyncio.new_event_loop()
-        self.next_id = 0
-        try:
-            port = self._devtools_port()
-            self.session = self.loop.run_until_complete(self._make_session())
-            self.ws = self.loop.run_until_complete(self._connect(port, aiohttp))
-        except BaseException:
-            self.close()
-            raise
-
-    def _devtools_port(self, timeout=60) -> int:
-        path = os.path.join(self.profile, "DevToolsActivePort")
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if os.path.exists(path):
-                lines = Path(path).read_text().split()
-                if lines:
-                    return int(lines[0])
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        err = Path(self.profile, "stderr.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"chromium did not start its DevTools endpoint: {err}")
-
-    async def _make_session(self):
-        import aiohttp
-
-        return aiohttp.ClientSession()
-
-    async def _connect(self, port, aiohttp):
-        async with self.session.get(f"http://127.0.0.1:{port}/json/list") as r:
-            pages = [t for t in await r.json() if t["type"] == "page"]
-        return await self.session.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=0)
-
-    def send(self, method, timeout=300, **params):
-        return self.loop.run_until_complete(asyncio.wait_for(self._send(method, params), timeout))
-
-    async def _send(self, method, params):
-        self.next_id += 1
-        mid = self.next_id
-        await self.ws.send_json({"id": mid, "method": method, "params": params})
-        while True:
-            msg = json.loads((await self.ws.receive()).data)
-            if msg.get("id") == mid:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    def evaluate(self, expression, timeout=300):
-        res = self.send("Runtime.evaluate", timeout=timeout, expression=expression, awaitPromise=True,
-                        returnByValue=True)
-        if "exceptionDetails" in res:
-            d = res["exceptionDetails"]
-            raise RuntimeError(f"page error: {d.get('exception', {}).get('description') or d.get('text')}")
-        return res["result"].get("value")
-
-    def open(self, url):
-        self.send("Page.enable")
-        return open_page(self.send, self.evaluate, url, timeout=60)
-
-    def screenshot(self) -> bytes:
-        return base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"])
-
-    def close(self):
-        try:
-            if getattr(self, "ws", None) is not None:
-                self.loop.run_until_complete(self.ws.close())
-            if getattr(self, "session", None) is not None:
-                self.loop.run_until_complete(self.session.close())
-        finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
-            self.loop.close()
-            shutil.rmtree(self.profile, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def browser():
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    _need(exe is not None, "no chromium (apt-get install chromium)")
-    _need(ORT_WEB_DIR.is_dir(), f"no npm install of onnxruntime-web in {NPM_DIR}")
-    pytest.importorskip("aiohttp")
+    exe = chromium()
+    ort_web()
     b = Browser(exe)
     yield b
     b.close()
@@ -271,17 +128,15 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def served(demo_exports, browser, tmp_path_factory):
+def served(browser, demo_exports, tmp_path_factory):
     """Each precision's site (local onnxruntime-web) behind one server on 127.0.0.1."""
     root = tmp_path_factory.mktemp("sites")
     for precision, path in demo_exports.items():
-        write_site(path, root / precision, ort_web=ORT_WEB_DIR)
-    server = Server(root)
+        write_site(path, root / precision, ort_web=ort_web())
+    server = SiteServer(root)
     yield server.url
     server.stop()
     with pytest.raises(OSError):  # the server this test started no longer answers
-        import urllib.request
-
         urllib.request.urlopen(server.url + "fp32/index.html", timeout=5)
 
 
@@ -342,10 +197,7 @@ def test_page_streams_text_and_screenshot_shows_it(served, browser, demo_exports
         document.getElementById('max-new').value = '60';
         document.getElementById('generate').click();
         return true; })()""" % json.dumps(PROMPT))
-    end = time.monotonic() + 120
-    while browser.evaluate("document.body.dataset.state") != "done":
-        assert time.monotonic() < end, "generation did not finish"
-        time.sleep(0.2)
+    browser.wait_for("document.body.dataset.state === 'done'", 120, "generation did not finish")
     with TxlRuntime.load(demo_exports["fp32"], providers=["cpu"]) as rt:
         text = rt.decode(list(rt.generate(PROMPT, max_new_tokens=60, temperature=0)))
     assert browser.evaluate("document.getElementById('prompt-echo').textContent") == PROMPT
@@ -431,10 +283,7 @@ def test_page_controls_sample_what_the_server_samples(served, browser, demo_expo
         set('no-repeat-ngram', 3); set('seed', 7); set('max-new', 80); set('stop-text', %s);
         document.getElementById('generate').click(); return true; })()""" % (json.dumps(PROMPT), json.dumps(stop))
     browser.evaluate(set_controls)
-    end = time.monotonic() + 120
-    while browser.evaluate("document.body.dataset.state") != "done":
-        assert time.monotonic() < end, "generation did not finish"
-        time.sleep(0.2)
+    browser.wait_for("document.body.dataset.state === 'done'", 120, "generation did not finish")
     on_page = browser.evaluate("document.getElementById('generated').textContent")
     ids, text = browser.evaluate(f"txlDemo.generate({json.dumps(PROMPT)}, {json.dumps(_camel(fields))}, "
                                  f"{json.dumps([stop])})")
@@ -459,9 +308,6 @@ def test_page_controls_sample_what_the_server_samples(served, browser, demo_expo
     # a control out of range is refused, on the page, with the sampler's message
     browser.evaluate("(() => { document.getElementById('top-p').value = '2'; "
                      "document.getElementById('generate').click(); return true; })()")
-    end = time.monotonic() + 30
-    while "top_p" not in browser.evaluate("document.getElementById('status').textContent"):
-        assert time.monotonic() < end, "no error shown"
-        time.sleep(0.1)
+    browser.wait_for("document.getElementById('status').textContent.includes('top_p')", 30, "no error shown")
     assert browser.evaluate("document.getElementById('status').textContent") == \
         "error: top_p must be in (0, 1], got 2"

@@ -1,4 +1,4 @@
-"""Opening a page in headless Chromium over the DevTools protocol, for the browser tests' two drivers."""
+"""Opening a page in headless Chromium over the DevTools protocol, for the browser driver (helpers.browser)."""
 
 from __future__ import annotations
 
