@@ -28,124 +28,23 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import pytest
+from helpers.doc_examples import PAGES, Block, all_blocks, is_cli, parse, parse_text
+from helpers.paths import ROOT
 
 from txl_deploy.assets import DEMO_DIR, demo_heldout_path
 from txl_deploy.cli.main import main as cli_group
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SHELL = {"bash", "sh", "shell", "console"}
-PYTHON = {"python", "py"}
 HELDOUT_CHARS = 4096
 TIMEOUT_S = 600
 
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^`]*$")
-NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<reason>.*?)-->\s*$")
 WRITES_MODEL = re.compile(r"(?:^|\s)(?:-o|--output)(?:\s+|=)model\.onnx(?:\s|$)", re.MULTILINE)
 INLINE_CLI = re.compile(r"`(txl-deploy(?:\s[^`]*)?)`")
 
-@dataclass
-class Block:
-    page: Path
-    line: int  # of the opening fence, 1-based
-    lang: str
-    code: str
-    not_run: str | None  # the reason, or None when the block runs
-
-    @property
-    def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
-
-    @property
-    def kind(self) -> str | None:
-        return "shell" if self.lang in SHELL else "python" if self.lang in PYTHON else None
-
-    def commands(self) -> list[tuple[int, str]]:
-        """Shell commands with their line numbers: continuation lines joined, comments and blank lines dropped;
-        in a console block only the `$ ` lines."""
-        out, pending, start = [], "", None
-        for offset, raw in enumerate(self.code.split("\n"), start=self.line + 1):
-            line = raw.rstrip()
-            if self.lang == "console" and not pending:
-                if not line.startswith("$ "):
-                    continue
-                line = line[2:]
-            if not pending and (not line.strip() or line.lstrip().startswith("#")):
-                continue
-            start = start if pending else offset
-            if line.endswith("\\"):
-                pending += line[:-1] + " "
-                continue
-            out.append((start, pending + line))
-            pending = ""
-        if pending:
-            out.append((start, pending))
-        return out
-
-    def runnable(self) -> bool:
-        if self.not_run is not None or self.kind is None:
-            return False
-        return self.kind == "python" or all(_is_cli(cmd) for _, cmd in self.commands())
-
-
-def _is_cli(command: str) -> bool:
-    return command.split(maxsplit=1)[0] == "txl-deploy"
-
-
-def parse(page: Path) -> tuple[list[Block], list[str]]:
-    """The fenced blocks of a page, and what is wrong with its not-run comments."""
-    lines = page.read_text(encoding="utf-8").split("\n")
-    rel = page.relative_to(ROOT)
-    blocks, problems = [], []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        marker = NOT_RUN.match(lines[i])
-        if marker:
-            j = i + 1
-            while j < len(lines) and not lines[j].strip():
-                j += 1
-            if j == len(lines) or not FENCE.match(lines[j]):
-                problems.append(f"{rel}:{i + 1}: a not-run comment that no code block follows")
-            i += 1
-            continue
-        if not m:
-            i += 1
-            continue
-        indent, fence, lang = m["indent"], m["fence"], m["lang"].lower()
-        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
-        j = i + 1
-        while j < len(lines) and not close.match(lines[j]):
-            j += 1
-        if j == len(lines):
-            problems.append(f"{rel}:{i + 1}: a code block that is never closed")
-        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1:j]]
-        k = i - 1
-        while k >= 0 and not lines[k].strip():
-            k -= 1
-        reason = None
-        if k >= 0 and NOT_RUN.match(lines[k]):
-            reason = NOT_RUN.match(lines[k])["reason"].strip()
-            if not reason:
-                problems.append(f"{rel}:{k + 1}: a not-run comment must say why")
-        block = Block(page, i + 1, lang, "\n".join(body), reason)
-        if reason is not None and block.kind is None:
-            problems.append(f"{rel}:{k + 1}: a not-run comment before a {lang or 'plain'} block, which never runs")
-        if block.kind == "shell" and reason is None and not block.runnable():
-            others = [cmd.split()[0] for _, cmd in block.commands() if not _is_cli(cmd)]
-            problems.append(f"{block.where}: runs {', '.join(sorted(set(others)))}, not only txl-deploy: split it, "
-                            "or put <!-- not run: REASON --> before it")
-        blocks.append(block)
-        i = j + 1
-    return blocks, problems
-
-
-ALL_BLOCKS = [b for page in PAGES for b in parse(page)[0]]
+ALL_BLOCKS = all_blocks()
 RUNNABLE = [b for b in ALL_BLOCKS if b.runnable()]
 
 
@@ -154,6 +53,32 @@ def test_every_block_runs_or_says_why_not():
     problems = [p for page in PAGES for p in parse(page)[1]]
     assert not problems, "\n".join(problems)
     assert RUNNABLE, "no runnable examples found"
+
+
+def test_a_not_run_comment_applies_to_the_next_block_across_blank_lines():
+    """The parser the docs test and the serving examples' test share: a comment a blank line away from its fence
+    still marks that block (so neither test loses it), and only that block."""
+    page = """<!-- not run: needs a running txl-deploy serve (the serving tests run it) -->
+
+```bash
+curl -s http://127.0.0.1:8000/v1/models
+```
+<!-- not run: needs an NVIDIA GPU -->
+
+
+```python
+import tensorrt
+```
+```bash
+txl-deploy --help
+```
+"""
+    blocks, problems = parse_text(page, "page.md")
+    assert not problems
+    assert [(b.line, b.not_run is not None, b.needs_server, b.runnable()) for b in blocks] == [
+        (3, True, True, False), (9, True, False, False), (12, False, False, True)]
+    assert parse_text("<!-- not run: why -->\n\nplain text\n", "page.md")[1] == [
+        "page.md:1: a not-run comment that no code block follows"]
 
 
 def test_python_blocks_that_do_not_run_still_compile():
@@ -202,16 +127,17 @@ def test_txl_deploy_commands_name_real_commands_and_options():
     for block in ALL_BLOCKS:
         if block.kind == "shell":
             for line, cmd in block.commands():
-                problem = _check_cli(cmd) if _is_cli(cmd) else None
+                problem = _check_cli(cmd) if is_cli(cmd) else None
                 if problem:
-                    wrong.append(f"{block.page.relative_to(ROOT)}:{line}: {problem}: {cmd}")
+                    wrong.append(f"{block.page}:{line}: {problem}: {cmd}")
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT)
         for m in INLINE_CLI.finditer(text):  # a code span may wrap to the next line
             span = " ".join(m[1].split())
             problem = _check_cli(span)
             if problem:
-                wrong.append(f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {problem}: `{span}`")
+                wrong.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {problem}: `{span}`")
     assert not wrong, "\n".join(wrong)
 
 
@@ -224,7 +150,7 @@ def test_the_option_check_can_fail():
 # -- running the runnable ones -------------------------------------------------------------------------------------
 def _setup_block() -> Block:
     """The README's block that exports model.onnx: every other example starts from what it wrote."""
-    found = [b for b in RUNNABLE if b.page.name == "README.md" and WRITES_MODEL.search(b.code)]
+    found = [b for b in RUNNABLE if b.page == "README.md" and WRITES_MODEL.search(b.code)]
     assert len(found) == 1, ("README.md must have exactly one runnable block that exports model.onnx (the examples' "
                              f"starting point), found {[b.where for b in found]}")
     return found[0]
@@ -291,13 +217,13 @@ def _run(block: Block, work: Path, home: Path) -> str | None:
         if not r.returncode:
             return None
         lines = re.findall(r'example\.py", line (\d+)', r.stderr)  # the traceback's last frame in the block
-        where = f"{block.page.relative_to(ROOT)}:{block.line + int(lines[-1])}" if lines else block.where
+        where = f"{block.page}:{block.line + int(lines[-1])}" if lines else block.where
         return _report(where, block.code, r)
     for line, cmd in block.commands():
         r = subprocess.run(["bash", "-c", cmd], check=False, cwd=work, env=env, capture_output=True, text=True,
                            timeout=TIMEOUT_S)
         if r.returncode:
-            return _report(f"{block.page.relative_to(ROOT)}:{line}", cmd, r)
+            return _report(f"{block.page}:{line}", cmd, r)
     return None
 
 
