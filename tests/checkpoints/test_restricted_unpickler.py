@@ -5,9 +5,11 @@ pickled module), with a one-line error naming the callable, and nothing runs; Hu
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
+import sys
 
 import pytest
 
@@ -57,17 +59,27 @@ def _payloads(marker):
     }
 
 
-@pytest.mark.parametrize("kind", ["os.system", "builtins.eval", "subprocess.call"])
-@pytest.mark.parametrize("container", ["pickle", "torch-zip", "torch-legacy", "nvidia-dict"])
-def test_malicious_pickle_is_refused_and_nothing_runs(kind, container, tmp_path):
-    marker = tmp_path / "pwned"
-    payload = _payloads(marker)[kind]
-    # Self-check: a plain pickle.load of this payload would create the marker.
-    if container == "pickle" and kind == "os.system":
-        pickle.loads(pickle.dumps(payload))
-        assert marker.exists()
-        marker.unlink()
-    path = tmp_path / "model.pt"
+KINDS = ["os.system", "builtins.eval", "subprocess.call"]
+CONTAINERS = ["pickle", "torch-zip", "torch-legacy", "nvidia-dict"]
+
+# Reads each file as an unrestricted reader of its container does: pickle.load for a pickle, torch.load with
+# weights_only=False (pickle, plus torch's storages) for what torch.save wrote.
+PLAIN_READER = """
+import json, pickle, sys
+import torch
+for path, container in json.loads(sys.argv[1]):
+    try:
+        if container == "pickle":
+            with open(path, "rb") as f:
+                pickle.load(f)
+        else:
+            torch.load(path, weights_only=False)
+    except Exception as e:
+        print(path, type(e).__name__, e, file=sys.stderr)
+"""
+
+
+def _write(container, payload, path):
     if container == "pickle":
         path.write_bytes(pickle.dumps(payload, protocol=2))
     elif container == "torch-zip":
@@ -77,6 +89,37 @@ def test_malicious_pickle_is_refused_and_nothing_runs(kind, container, tmp_path)
     else:
         torch.save({"model_config": {"n_token": V}, "model_state": {}, "args": payload}, path)
 
+
+@pytest.fixture(scope="module")
+def malicious(tmp_path_factory):
+    """{(kind, container): (the file, its marker, whether an unrestricted reader created the marker, what that
+    reader said)}. One subprocess reads every file as plain pickle / torch.load would; its markers are removed."""
+    root = tmp_path_factory.mktemp("malicious")
+    cases = {}
+    for kind in KINDS:
+        for container in CONTAINERS:
+            folder = root / f"{container}-{kind}"
+            folder.mkdir()
+            marker = folder / "pwned"
+            _write(container, _payloads(marker)[kind], folder / "model.pt")
+            cases[kind, container] = (folder / "model.pt", marker)
+    order = [[str(path), container] for (_, container), (path, _) in cases.items()]
+    run = subprocess.run([sys.executable, "-c", PLAIN_READER, json.dumps(order)], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    out = {}
+    for key, (path, marker) in cases.items():
+        out[key] = (path, marker, marker.exists(), run.stderr)
+        marker.unlink(missing_ok=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_malicious_pickle_is_refused_and_nothing_runs(malicious, kind, container):
+    path, marker, ran_unrestricted, said = malicious[kind, container]
+    assert ran_unrestricted, f"an unrestricted reader of {path} did not run its payload, so this case shows " \
+                             f"nothing:\n{said}"
     with pytest.raises(CheckpointError) as err:
         load_model(path)
     message = str(err.value)
