@@ -8,10 +8,9 @@ import warnings
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from helpers.cli import cli
 from helpers.streams import assert_state_equal
 
-from txl_deploy.cli import main
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -96,7 +95,7 @@ def test_bad_thread_counts_are_refused(tiny_onnx, bad):
 
 @pytest.mark.parametrize("command", ["generate", "eval", "export", "verify", "demo", "bench"])
 def test_every_command_that_runs_a_model_takes_threads(command):
-    r = CliRunner().invoke(main, [command, "--help"])
+    r = cli(command, "--help")
     assert r.exit_code == 0
     assert "--threads" in r.output and "intra-op" in r.output and "TensorRT" in r.output
 
@@ -110,17 +109,16 @@ def test_cli_threads_reach_the_runtime(tiny_ckpt, tiny_onnx, tmp_path, monkeypat
         return load(cls, path, *a, **k)
 
     monkeypatch.setattr(TxlRuntime, "load", classmethod(spy))
-    runner = CliRunner()
-    r = runner.invoke(main, ["generate", str(tiny_onnx), "--prompt", "w1", "--max-new-tokens", "2", "--threads", "1"])
+    r = cli("generate", tiny_onnx, "--prompt", "w1", "--max-new-tokens", 2, "--threads", 1)
     assert r.exit_code == 0, r.output
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"w{i % 50}" for i in range(40)))
-    r = runner.invoke(main, ["eval", str(tiny_onnx), "--text", str(text), "--threads", "1"])
+    r = cli("eval", tiny_onnx, "--text", text, "--threads", 1)
     assert r.exit_code == 0, r.output
     out = tmp_path / "m.onnx"
-    r = runner.invoke(main, ["export", str(tiny_ckpt), "-o", str(out), "--max-segment", "16", "--threads", "1"])
+    r = cli("export", tiny_ckpt, "-o", out, "--max-segment", 16, "--threads", 1)
     assert r.exit_code == 0, r.output
-    r = runner.invoke(main, ["verify", str(out), "--against", str(tiny_ckpt), "--threads", "1"])
+    r = cli("verify", out, "--against", tiny_ckpt, "--threads", 1)
     assert r.exit_code == 0, r.output
     assert seen == [1, 1, 1, 1]  # generate, eval, export's verification, verify
 
