@@ -1,9 +1,12 @@
 """Reduced-precision ONNX (fp16, int8 Q/DQ, int8-dynamic) against the fp32 graph, on the CPU with ONNX Runtime.
 
 Tolerances against the fp32 graph over a multi-segment stream with the memory threaded through and the ring
-wrapping (the tiny random model's log-probs are around -log(60) = -4.1): max abs log-prob difference
-- fp16: 5e-2 (observed ~7e-3), mean KL divergence <= 1e-3 nats (STREAM_TOLERANCE);
-- int8 (static Q/DQ) and int8-dynamic: 0.5 (observed ~0.15), KL <= 0.1, top-1 agreement >= 0.9 (observed 1.0).
+wrapping, in both state layouts (the tiny random model's log-probs reach -10 and below), as MAX_ABS, MEAN_ABS,
+STREAM_TOLERANCE (mean KL divergence) and TOP1 below:
+- fp16: max abs log-prob difference 5e-2 (observed ~7e-3), KL <= 1e-3 nats, top-1 agreement >= 0.98;
+- int8 (static Q/DQ): max abs 2.0 (observed below 0.5, and 1.42 on an AVX2-only CPU), KL <= 0.1 (observed
+  0.006), top-1 >= 0.9 (observed 1.0);
+- int8-dynamic: max abs 0.5 (observed ~0.15), KL <= 0.1, top-1 >= 0.9 (observed 1.0).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from helpers.distributions import mean_kl, top1_agreement
 from helpers.streams import stream as _stream
 from helpers.tiny import TINY_VOCAB
 
@@ -75,9 +79,8 @@ def test_variant_runs_in_txlruntime_and_matches_fp32(reduced, tiny_onnx, precisi
     assert got.dtype == np.float32 and got.shape == want.shape and np.isfinite(got).all()
     assert np.abs(got - want).max() <= MAX_ABS[precision]
     assert np.abs(got - want).mean() <= MEAN_ABS[precision]
-    kl = (np.exp(want.astype(np.float64)) * (want - got)).sum(-1).mean()
-    assert 0 <= kl <= STREAM_TOLERANCE[precision]
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= TOP1[precision]
+    assert 0 <= mean_kl(want, got) <= STREAM_TOLERANCE[precision]
+    assert top1_agreement(want, got) >= TOP1[precision]
 
 
 def test_fp16_graph_types(reduced):
@@ -175,15 +178,19 @@ def test_calibration_threads_the_memory(tiny_onnx):
 
 
 def test_full_state_layout(tiny_onnx_full, tmp_path):
+    """The full-state graph reduced to fp16 and int8 meets the same gates as the incremental one."""
     ids = np.random.default_rng(2).integers(0, 60, size=400)
     segs = _segments()
     for precision in ("fp16", "int8"):
         out = tmp_path / f"{precision}.onnx"
         reduce_onnx(tiny_onnx_full, out, precision=precision, calib=ids)
         with TxlRuntime.load(out) as rt, TxlRuntime.load(tiny_onnx_full) as ref:
-            assert rt.backend.spec.state == "full"
-            diff = np.abs(_stream(rt, segs) - _stream(ref, segs))
-            assert diff.max() <= MAX_ABS[precision] and diff.mean() <= MEAN_ABS[precision]
+            assert rt.backend.spec.state == "full" and rt.backend.precision == precision
+            got, want = _stream(rt, segs), _stream(ref, segs)
+        diff = np.abs(got - want)
+        assert diff.max() <= MAX_ABS[precision] and diff.mean() <= MEAN_ABS[precision]
+        assert 0 <= mean_kl(want, got) <= STREAM_TOLERANCE[precision]
+        assert top1_agreement(want, got) >= TOP1[precision]
 
 
 # -- errors ----------------------------------------------------------------------------------------------------
