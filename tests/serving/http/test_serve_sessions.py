@@ -5,15 +5,16 @@ the idle TTL end sessions, and a request for a session that is gone is a 404 tha
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-from helpers import conversations
+from helpers import conversations, streams
 
-from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes import SamplingParams, TxlRuntime
 
 A = [int(t) for t in np.random.default_rng(7).integers(0, 58, size=20)]  # longer than mem_len 12 and max_segment 16
 B = [5, 9, 13, 2]
@@ -193,17 +194,54 @@ def test_unknown_busy_deleted_and_empty_sessions(make_server):
     assert httpx.post(srv.url + "/v1/sessions", json={"id": "bad id!"}).status_code == 400
 
 
+def _streamed(r) -> tuple[str, list[int], str]:
+    """A streamed completion's text, token ids and finish reason, read from its server-sent events."""
+    text, ids, reasons = "", [], []
+    for line in r.iter_lines():
+        if line.startswith("data: {"):
+            choice = json.loads(line.removeprefix("data: "))["choices"][0]
+            text += choice["text"]
+            ids += choice.get("token_ids") or []
+            reasons.append(choice["finish_reason"])
+    return text, ids, reasons[-1]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_session_takes_its_stop_string_tokens_into_memory(make_server, tiny_onnx, stream):
     """The text returned leaves a stop string out; the memory holds every token generated (documented)."""
     srv = make_server()
-    want, _, last = _reference_stream(tiny_onnx, [(A, 6)])
+    # sampled, not greedy: the tiny model's greedy continuation repeats one word, so a stop string would match at
+    # once and leave no text to check
+    sampling = dict(temperature=1.0, seed=0)
+    toks = list(TxlRuntime.load(tiny_onnx).generate(A, params=SamplingParams(max_tokens=8, **sampling)))
     vocab = srv.engine.vocab
-    stop = vocab.piece(want[0][0][3])
+    pieces = [vocab.piece(t) for t in toks]
+    stop = pieces[3] + pieces[4]  # across a token boundary
+    # the request ends at the token that completes the stop string's first match in the text
+    ends = next(k for k in range(1, len(toks) + 1) if stop in "".join(pieces[:k]))
+    text = "".join(pieces)
+    want_text = text[:text.index(stop)]
+    assert want_text and ends < len(toks)  # text to return, and tokens the stop string cut off
     httpx.post(srv.url + "/v1/sessions", json={"id": "s"})
-    body = {"prompt": A, "max_tokens": 6, "temperature": 0, "stop": [stop], "session_id": "s", "stream": stream}
-    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200
+    body = {"prompt": A, "max_tokens": len(toks), **sampling, "stop": [stop], "session_id": "s", "stream": stream,
+            "return_token_ids": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        if stream:
+            got_text, got_ids, reason = _streamed(r)
+        else:
+            r.read()
+            choice = r.json()["choices"][0]
+            got_text, got_ids, reason = choice["text"], choice["token_ids"], choice["finish_reason"]
+    assert (got_text, got_ids, reason) == (want_text, toks[:ends], "stop")
     info = httpx.get(srv.url + "/v1/sessions/s").json()
-    first = want[0][0].index(want[0][0][3])
-    assert info["tokens"] == len(A) + first + 1
+    assert info["tokens"] == len(A) + ends
+    # the memory is that of one stream fed the prompt and every token generated, the one that ended it too
+    rt = TxlRuntime.load(tiny_onnx)
+    assert list(rt.generate(A, params=SamplingParams(max_tokens=ends, **sampling))) == toks[:ends]
+    want = rt.save_state()
+    np.testing.assert_array_equal(srv.engine.sessions.get("s").last_log_probs, want["__last_log_probs__"][0])
+    parked = httpx.post(srv.url + "/v1/sessions/s/park")
+    assert parked.status_code == 200
+    with np.load(io.BytesIO(parked.content), allow_pickle=False) as z:
+        streams.assert_state_equal({k: z[k] for k in z.files}, want)
