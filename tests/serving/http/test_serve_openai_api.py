@@ -5,6 +5,7 @@ events through httpx, the models list, health and Prometheus metrics; with a see
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
@@ -58,10 +59,10 @@ def test_streaming_gives_the_same_text_in_chunks(client, reference):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
-def test_logprobs_in_openais_shape_are_the_models(client, reference):
+def test_logprobs_in_openais_shape_are_the_models(client, reference, alone):
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
-    toks, lps = _greedy_with_log_probs(reference, PROMPT, 5)
+    toks, lps = alone(PROMPT, 5)
     rt = reference()
     assert lp.tokens == [rt.vocab.piece(t) for t in toks]
     np.testing.assert_allclose(lp.token_logprobs, [float(p[t]) for p, t in zip(lps, toks)], rtol=0, atol=1e-5)
@@ -71,17 +72,6 @@ def test_logprobs_in_openais_shape_are_the_models(client, reference):
         np.testing.assert_allclose(list(top.values()), p[best], rtol=0, atol=1e-5)
     offsets = np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
     assert lp.text_offset == offsets
-
-
-def _greedy_with_log_probs(reference, prompt, n):
-    rt = reference()
-    lp = rt.prefill(rt.encode(prompt)[None])[0]
-    toks, lps = [], []
-    for _ in range(n):
-        lps.append(lp)
-        toks.append(int(np.argmax(lp)))
-        lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    return toks, lps
 
 
 def test_stop_string_ends_the_text_before_it(client, reference):
@@ -110,10 +100,16 @@ def test_stop_token_ids_and_min_tokens(client, reference):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == ids[:first + 1]
     rt = reference()
     assert r.choices[0].text == "".join(rt.vocab.piece(t) for t in ids[:first])  # the stop token is not text
+    # min_tokens: the stop token cannot end the completion before that many tokens; TxlRuntime.generate with the
+    # same SamplingParams is what the server must give
+    least = first + 3
+    extra = dict(stop_token_ids=[stop_id], min_tokens=least)
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id], "min_tokens": first + 1,
-                                              "return_token_ids": True})
-    assert stop_id not in r.choices[0].model_extra["token_ids"][:first + 1]
+                                  extra_body={**extra, "return_token_ids": True})
+    want = list(reference().generate(PROMPT, params=SamplingParams(max_tokens=20, temperature=0, **extra)))
+    assert stop_id not in want[:least] and want[-1] == stop_id  # the minimum held the stop off, then it stopped
+    assert r.choices[0].model_extra["token_ids"] == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == "".join(rt.vocab.piece(t) for t in want[:-1])
 
 
 def test_seeded_sampling_equals_generate_with_every_control(client, reference):
@@ -145,25 +141,59 @@ def test_raw_server_sent_events(server, reference):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def _metrics(server) -> dict:
+    """Every sample of /metrics: {(sample name, sorted labels): value}, creation times left out."""
+    text = httpx.get(server.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if not s.name.endswith("_created")}
+
+
+def _made(before: dict, after: dict) -> dict:
+    """The samples that changed, and by how much (a series new since `before` counts from 0)."""
+    def same(a, b):
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if not same(v, before.get(k, 0.0))}
+
+
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].owned_by == "txl-deploy"
     assert models.data[0].model_extra["session_memory_bytes"] > 0
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    before = _metrics(server)
+    names = {name for name, _ in before}
+    for name in ("txl_requests_total", "txl_prompt_tokens_total", "txl_generated_tokens_total",
+                 "txl_time_to_first_token_seconds_count", "txl_inter_token_latency_seconds_count",
+                 "txl_batch_size_count", "txl_queue_depth", "txl_running_streams", "txl_sessions",
+                 "txl_session_bytes"):
+        assert name in names, name
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("txl_requests", "txl_prompt_tokens", "txl_generated_tokens", "txl_time_to_first_token_seconds",
-                 "txl_inter_token_latency_seconds", "txl_batch_size", "txl_queue_depth", "txl_running_streams",
-                 "txl_sessions", "txl_session_bytes"):
-        assert name in families, name
-    ok = [s for s in families["txl_requests"].samples
-          if s.labels.get("endpoint") == "/v1/completions" and s.labels.get("status") == "200"]
-    assert ok and ok[0].value >= 1
-    generated = [s for s in families["txl_generated_tokens"].samples if s.name == "txl_generated_tokens_total"]
-    assert generated[0].value >= 3
-    ttft = [s for s in families["txl_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
-    assert ttft[0].value >= 1
+    ok = ("txl_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    end = time.monotonic() + 10
+    while (after := _metrics(server)).get(ok, 0.0) == before.get(ok, 0.0):  # counted once the answer is sent
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    made = {k: v for k, v in _made(before, after).items() if dict(k[1]).get("endpoint") != "/metrics"}  # scrapes
+    sums = {name: made.pop((name, ())) for name, _ in list(made) if name.endswith("_sum")}
+    for name, labels in list(made):  # the finite buckets depend on timing; +Inf holds every observation
+        if name.endswith("_bucket") and dict(labels)["le"] != "+Inf":
+            assert 0 <= made.pop((name, labels)) <= made.get((name, (("le", "+Inf"),)), 0.0)
+    generated = [k for k in after if k[0] == "txl_generated_tokens_total"]
+    # by finish reason where the server labels them so
+    ended = (("finish_reason", "length"),) if any(labels for _, labels in generated) else ()
+    inf = (("le", "+Inf"),)
+    assert made == {
+        ok: 1.0,
+        ("txl_prompt_tokens_total", ()): 4.0,
+        ("txl_generated_tokens_total", ended): 3.0,
+        ("txl_time_to_first_token_seconds_count", ()): 1.0, ("txl_time_to_first_token_seconds_bucket", inf): 1.0,
+        ("txl_inter_token_latency_seconds_count", ()): 2.0, ("txl_inter_token_latency_seconds_bucket", inf): 2.0,
+        # a request alone: the decode calls that fed its first two tokens, one stream each
+        ("txl_batch_size_count", ()): 2.0, ("txl_batch_size_bucket", inf): 2.0,
+    }
+    assert sums["txl_batch_size_sum"] == 2.0
+    assert sums["txl_time_to_first_token_seconds_sum"] > 0 and sums["txl_inter_token_latency_seconds_sum"] > 0
 
 
 def test_health_is_503_until_the_model_is_loaded(tiny_onnx):
