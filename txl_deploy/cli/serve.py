@@ -64,7 +64,8 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
 
     A session keeps the model's memory between requests, so continuing it costs only the new tokens. The log
     says how much memory each session holds. SIGTERM drains: no new requests, running streams finish (at most
-    --drain-timeout seconds), exit 0.
+    --drain-timeout seconds), exit 0. If the engine stops on an internal error, every request gets an answer,
+    /health answers 503 and the process exits 1, for a supervisor to restart it.
 
     \b
     Example:

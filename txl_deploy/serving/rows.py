@@ -13,6 +13,10 @@ steps (see python_model.py).
 
 `SeparateStates` is the fallback for backends whose state is not host numpy arrays (TensorRT engines, ONNX Runtime
 on CUDA, the PyTorch backends): one state per stream, run one after another. `row_store` picks one for a backend.
+
+Both account for what they hand out (`used`, `accounted()`): a row is used from `start` to `release`, released once,
+and never handed out beyond the capacity (`RowsExhausted`), so a caller that loses track of a row finds out. A call
+over several spans or states that fails part way raises `PartialRun`, which says which rows advanced before it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ import heapq
 import numpy as np
 
 from txl_deploy.contract import io_spec
+
+
+class RowsExhausted(RuntimeError):
+    """Every row is in use: the caller handed out more streams than it made room for (its bug, not a user's)."""
+
+
+class PartialRun(Exception):
+    """A call failed after some of its spans (or separate states) had run: those rows advanced, the others are as
+    they were. `committed`: the indices (into the rows given) that advanced; the failure is the __cause__."""
+
+    def __init__(self, committed: list[int]):
+        super().__init__(f"failed after {len(committed)} rows had advanced")
+        self.committed = committed
 
 
 def row_store(backend, capacity: int):
@@ -44,19 +61,34 @@ class RowPool:
 
     def __init__(self, backend, capacity):
         self.backend = backend
+        self.size = int(capacity)
         self.state = backend.new_state(capacity)  # np.zeros: pages are only touched once a row is used
         self.free = list(range(capacity))
         heapq.heapify(self.free)
+        self.used: set[int] = set()
         self.with_holes = self.viewed = 0  # spans run with / without hole rows (logged at finalize)
         self.incremental = getattr(getattr(backend, "spec", None), "state", "full") == "incremental"
 
     def start(self):
-        row = heapq.heappop(self.free)
+        if not self.free:
+            raise RowsExhausted(f"all {self.size} memory rows are in use")
+        row = self.free[0]
         self.backend.reset_rows(self.state, np.array([row], dtype=np.int64))
+        heapq.heappop(self.free)  # only once the row is empty: a failed reset hands nothing out
+        self.used.add(row)
         return row
 
     def release(self, row):
+        if row not in self.used:
+            raise ValueError(f"row {row} is not in use: released twice, or never handed out")
+        self.used.remove(row)
         heapq.heappush(self.free, row)
+
+    def accounted(self) -> bool:
+        """Every row is either free or used, once."""
+        free = set(self.free)
+        return (len(free) == len(self.free) and not free & self.used and len(free) + len(self.used) == self.size
+                and free | self.used == set(range(self.size)))
 
     def load(self, row, arrays):
         for name, value in arrays.items():
@@ -89,31 +121,42 @@ class RowPool:
         `rows` (holes) are computed with token 0 and then put back exactly as they were."""
         rows = np.asarray(rows, dtype=np.int64)
         out = [None] * rows.size
+        committed = []
         for lo, hi, members in self.spans(rows):
-            mine = rows[members]
-            n = hi - lo
-            if n == len(members):
-                tok, pos = tokens[members], positions[members]
-                holes = ()
-                self.viewed += 1
-            else:
-                tok = np.zeros((n, tokens.shape[1]), np.int64)
-                pos = np.zeros((n, positions.shape[1]), np.int64)
-                tok[mine - lo], pos[mine - lo] = tokens[members], positions[members]
-                holes = np.setdiff1d(np.arange(lo, hi), mine)
-                self.with_holes += 1
-            sub = {name: value[lo:hi] for name, value in self.state.items()}  # views: no copy
-            before = dict(sub)
-            undo = self._keep(holes, tokens.shape[1]) if len(holes) and self.incremental else None
-            log_probs = self.backend.run(sub, tok, pos)
-            for name, value in sub.items():
-                if value is not before[name]:  # a full-state graph returns new arrays: take the members' rows
-                    self.state[name][mine] = value[mine - lo]
-            if undo is not None:
-                self._restore(undo)
-            for j, m in enumerate(members):
-                out[m] = log_probs[mine[j] - lo]
+            try:
+                self._run_span(rows, tokens, positions, lo, hi, members, out)
+            except Exception as e:
+                if not committed:
+                    raise  # the backend commits nothing on failure: every row is as it was
+                raise PartialRun(committed) from e
+            committed += members
         return np.stack(out)
+
+    def _run_span(self, rows, tokens, positions, lo, hi, members, out):
+        """One span's call; its members' log-probs go into `out`."""
+        mine = rows[members]
+        n = hi - lo
+        if n == len(members):
+            tok, pos = tokens[members], positions[members]
+            holes = ()
+            self.viewed += 1
+        else:
+            tok = np.zeros((n, tokens.shape[1]), np.int64)
+            pos = np.zeros((n, positions.shape[1]), np.int64)
+            tok[mine - lo], pos[mine - lo] = tokens[members], positions[members]
+            holes = np.setdiff1d(np.arange(lo, hi), mine)
+            self.with_holes += 1
+        sub = {name: value[lo:hi] for name, value in self.state.items()}  # views: no copy
+        before = dict(sub)
+        undo = self._keep(holes, tokens.shape[1]) if len(holes) and self.incremental else None
+        log_probs = self.backend.run(sub, tok, pos)
+        for name, value in sub.items():
+            if value is not before[name]:  # a full-state graph returns new arrays: take the members' rows
+                self.state[name][mine] = value[mine - lo]
+        if undo is not None:
+            self._restore(undo)
+        for j, m in enumerate(members):
+            out[m] = log_probs[mine[j] - lo]
 
     def _keep(self, holes, q):
         """What the ring write of a q-token segment will overwrite in the hole rows (the backend writes rows in
@@ -143,12 +186,27 @@ class SeparateStates:
 
     def __init__(self, backend, capacity):
         self.backend = backend
+        self.size = int(capacity)
+        self._used: dict[int, list] = {}  # id(handle) -> handle
+
+    @property
+    def used(self) -> list:
+        return list(self._used.values())
 
     def start(self):
-        return [self.backend.new_state(1)]  # a list: the handle stays the same object when the state is replaced
+        if len(self._used) >= self.size:
+            raise RowsExhausted(f"all {self.size} memories are in use")
+        handle = [self.backend.new_state(1)]  # a list: the handle stays the same object when the state is replaced
+        self._used[id(handle)] = handle
+        return handle
 
     def release(self, handle):
+        if self._used.pop(id(handle), None) is None:
+            raise ValueError("this memory is not in use: released twice, or never handed out")
         handle[0] = None
+
+    def accounted(self) -> bool:
+        return len(self._used) <= self.size and all(h[0] is not None for h in self._used.values())
 
     def load(self, handle, arrays):
         handle[0] = self.backend.state_from_arrays(arrays, copy=False)  # arrays just read from the request
@@ -157,5 +215,12 @@ class SeparateStates:
         return {k: np.array(v) for k, v in self.backend.state_arrays(handle[0]).items()}
 
     def run(self, handles, tokens, positions):
-        return np.concatenate([self.backend.run(h[0], tokens[j:j + 1], positions[j:j + 1])
-                               for j, h in enumerate(handles)])
+        out = []
+        for j, h in enumerate(handles):
+            try:
+                out.append(self.backend.run(h[0], tokens[j:j + 1], positions[j:j + 1]))
+            except Exception as e:
+                if not out:
+                    raise
+                raise PartialRun(list(range(len(out)))) from e
+        return np.concatenate(out)

@@ -220,6 +220,9 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     app.state.txl = state
 
     def engine():
+        if state["engine"] is not None and state["engine"].failure is not None:
+            raise ApiError(503, f"the engine stopped on an internal error ({type(state['engine'].failure).__name__}): "
+                                "this server takes no more requests", type="server_error", code="engine_failed")
         if state["draining"] or (state["engine"] is not None and state["engine"].draining):
             raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
                            code="draining")
@@ -280,6 +283,9 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     # -- health, metrics, models --------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if state["engine"] is not None and not state["engine"].alive and not state["draining"]:
+            return JSONResponse({"status": "failed" if state["engine"].failure is not None else "stopped"},
+                                status_code=503)
         if state["engine"] is None or state["draining"] or state["engine"].draining:
             what = "draining" if state["draining"] or state["engine"] is not None else "loading"
             return JSONResponse({"status": what}, status_code=503)

@@ -9,6 +9,15 @@ A session is a conversation kept open between requests. Its Triton sequence id i
 so the client's rendezvous hashing always sends it to the same server (and every frontend with the same server
 list would pick the same one); parking returns the Triton model's parked state (`Conversation.park`), restoring
 resumes it on the server its id routes to. A session whose server was lost answers 404 saying so.
+
+Sessions go through the same states as the local engine's (`sessions.py`): a restoring session is `loading` until
+its conversation is resumed (nothing may use it or delete it meanwhile), a parking one keeps its conversation until
+the parked bytes are in hand, and a new conversation under a session's sequence id waits until the one of an
+earlier session of that name has been ended on its server (else that late end would end the new one).
+
+A request's own failure is answered (502 for the fleet's, 500 for anything else). If the frontend's bookkeeping
+itself fails, the engine stops as the local one does: `failure` is set, queued requests get 503, new ones too, and
+`on_failure` is called.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -24,7 +33,7 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.serving.http.completion import Completion
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.scheduler import Job, admit
-from txl_deploy.serving.http.sessions import GONE, PARKED, Session, SessionStore
+from txl_deploy.serving.http.sessions import GONE, Session, SessionStore
 from txl_deploy.serving.triton.client import ServingError, TxlTritonClient, split_url
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
 
@@ -60,10 +69,14 @@ class FleetEngine:
         self.sessions = SessionStore(int(max_sessions), session_ttl, self._dropped)
         self.on_batch = lambda n: None  # Triton batches; nothing to report here
         self.draining = False
+        self.failure: BaseException | None = None  # what stopped the engine, if anything did
+        self.on_failure = lambda e: None
+        self._stopped = False
         self._lock = threading.Lock()
         self._queued = self._running = 0
         self._workers = ThreadPoolExecutor(self.max_batch, thread_name_prefix="txl-serve-fleet")
         self._closer = ThreadPoolExecutor(1, thread_name_prefix="txl-serve-close")
+        self._closing: dict[int, Future] = {}  # sequence id -> the close of a gone session's conversation
         self._idle = threading.Condition(self._lock)
 
     @classmethod
@@ -82,12 +95,17 @@ class FleetEngine:
     def running(self) -> int:
         return self._running
 
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and not self._stopped
+
     def start(self):
         pass
 
     def stop(self, timeout: float = 30.0):
         with self._lock:
             self.draining = True
+            self._stopped = True
             self._idle.wait_for(lambda: self._queued + self._running == 0, timeout)
         self._workers.shutdown(wait=False, cancel_futures=True)
         for id_ in self.sessions.all_ids():
@@ -99,12 +117,27 @@ class FleetEngine:
         self.client.close()
 
     # -- requests ---------------------------------------------------------------------------------------------
+    def _not_running(self) -> ApiError:
+        if self.failure is not None:
+            return ApiError(503, f"the engine stopped on an internal error ({type(self.failure).__name__}): this "
+                                 "server takes no more requests", type="server_error", code="engine_failed")
+        return ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
+
     def submit(self, job: Job):
         job.params.check_vocabulary(self.n_token)
         with self._lock:
+            if self.failure is not None:
+                raise self._not_running()
             admit(job, self.sessions, self.draining, self._queued, self.max_queue)
             self._queued += 1
-        self._workers.submit(self._run, job)
+        try:
+            self._workers.submit(self._run, job)
+        except RuntimeError:  # the workers were shut down meanwhile (the server stops)
+            with self._lock:
+                self._queued -= 1
+            if job.session is not None:
+                self.sessions.release(job.session)
+            raise self._not_running() from None
 
     def cancel(self, job: Job):
         job.cancelled = True
@@ -113,15 +146,37 @@ class FleetEngine:
         if session is None:
             return self.client.conversation()
         if session.handle is None:
-            session.handle = self.client.conversation(sequence_id(session.id))
+            seq = sequence_id(session.id)
+            self._settle(seq)
+            session.handle = self.client.conversation(seq)
         return session.handle
 
     def _run(self, job: Job):
+        try:
+            self._serve(job)
+        except BaseException as e:  # noqa: BLE001 - the bookkeeping failed: the counts can no longer be trusted
+            self._fail_engine(e)
+
+    def _fail_engine(self, error: BaseException):
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = error
+        logger.error("the engine stopped", exc_info=error)
+        try:
+            self.on_failure(error)
+        except Exception:  # noqa: BLE001 - the engine has stopped either way
+            logger.exception("on_failure failed")
+
+    def _serve(self, job: Job):
         with self._lock:
             self._queued -= 1
             self._running += 1
         conv, last = None, None  # last: the request's final event, sent once its session is released
         try:
+            if self.failure is not None:  # queued when the engine stopped: answered, never run
+                last = ("error", self._not_running())
+                return
             if job.cancelled:
                 return
             conv = self._conversation(job.session)
@@ -178,29 +233,58 @@ class FleetEngine:
         self.sessions.remove(id_, f"was deleted; {GONE}")
 
     def _dropped(self, session: Session, why: str):
+        # under the store's lock: the conversation is ended by the closer thread, and remembered until it is
         if session.handle is not None:
             conv, session.handle = session.handle, None
-            self._closer.submit(self._close, conv)
+            try:
+                future = self._closer.submit(self._close, conv)
+            except RuntimeError:  # stopped: the servers forget it at their idle timeout
+                return
+            self._closing[conv.id] = future
+            future.add_done_callback(lambda f, seq=conv.id: self._closing.pop(seq, None)
+                                     if self._closing.get(seq) is f else None)
+
+    def _settle(self, seq: int):
+        """Wait until an earlier conversation with this sequence id has been ended on its server."""
+        future = self._closing.get(seq)
+        if future is not None:
+            future.result()
 
     def park(self, id_: str) -> bytes:
-        """The session's memory as the Triton model's parked state (bytes); the session ends."""
-        session = self.sessions.remove(id_, PARKED, notify=False)
-        conv, session.handle = session.handle, None
-        if conv is None or not conv.started:
-            raise ApiError(400, f"session {id_!r} has no memory yet: nothing to park", param="session_id")
+        """The session's memory as the Triton model's parked state (bytes); the session ends once they are in hand.
+        A session with nothing to park (400) or whose park failed (502) stays as it was."""
+        session = self.sessions.begin_park(id_)
+        parked = False
         try:
-            return conv.park()
-        except ServingError as e:
-            raise ApiError(502, f"the Triton fleet could not park the session: {e}", type="server_error",
-                           code="upstream_error") from None
+            conv = session.handle
+            if conv is None or not conv.started:
+                raise ApiError(400, f"session {id_!r} has no memory yet: nothing to park (the session is kept)",
+                               param="session_id")
+            try:
+                blob = conv.park()
+            except ServingError as e:
+                raise ApiError(502, f"the Triton fleet could not park the session: {e}", type="server_error",
+                               code="upstream_error") from None
+            session.handle = None  # ended on its server by the park itself
+            parked = True
+            return blob
+        finally:
+            self.sessions.end_park(session, parked)
 
     def restore(self, id_: str | None, blob: bytes) -> Session:
-        session = self.sessions.create(id_)
+        """A session from parked bytes, `loading` until its conversation is resumed on its server."""
+        session = self.sessions.create(id_, loading=True)
         try:
-            conv = self.client.resume(blob, sequence_id=sequence_id(session.id))
-        except (ServingError, InputError) as e:
-            self.sessions.remove(session.id, "could not be restored")
-            raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
-        session.handle = conv
-        session.last_log_probs = conv.last_log_probs
+            seq = sequence_id(session.id)
+            self._settle(seq)
+            try:
+                conv = self.client.resume(blob, sequence_id=seq)
+            except (ServingError, InputError) as e:
+                raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
+            session.handle = conv
+            session.last_log_probs = conv.last_log_probs
+        except BaseException:
+            self.sessions.discard(session, f"could not be restored; {GONE}")
+            raise
+        self.sessions.loaded(session)
         return session

@@ -20,7 +20,16 @@ its last token too, so the session's memory holds everything generated, exactly 
 it: a session continued request after request gives the log-probs of one long stream fed the same segments.
 
 Threads: HTTP handlers call `submit`, `cancel` and the session methods from the event loop; these only take a
-short lock or queue a command; the engine thread alone touches the memory and the rows.
+short lock or queue a command; the engine thread alone touches the memory and the rows, and alone gives a session a
+row or takes it back (a session that is gone is told to the engine, which frees its row between two steps). The
+session's states (`sessions.py`) decide what may happen to it meanwhile: a row is only ever given to a session that
+is being restored or runs a request, and such a session cannot be taken away.
+
+Failures: an exception in a step fails the requests it concerns with a 500 in OpenAI's shape (a failed batched call,
+its rows' requests; a failed admission or sampling, that request; anything else, every running request), then the
+engine checks its state (every row free or used once, every running request's and session's row in use). If that
+holds it goes on; if not it stops: `failure` is the exception, `alive` is False, every request running, waiting or
+still in the inbox is answered, new ones get 503, and `on_failure(exception)` is called (the server exits on it).
 """
 
 from __future__ import annotations
@@ -41,8 +50,8 @@ from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.http.completion import Completion, TokenOut
 from txl_deploy.serving.http.protocol import ApiError
-from txl_deploy.serving.http.sessions import GONE, PARKED, Session, SessionStore
-from txl_deploy.serving.rows import RowPool, row_bytes, row_store
+from txl_deploy.serving.http.sessions import GONE, LOADING, PARKING, Session, SessionStore
+from txl_deploy.serving.rows import PartialRun, RowPool, row_bytes, row_store
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,7 @@ class Job:
         self.finishing = False  # only the last token is left to feed (sessions), nothing more to send
         self.completion: Completion | None = None
         self.admitted = 0.0
+        self.touched = False  # the memory has taken tokens of this request
 
     @property
     def prefilling(self) -> bool:
@@ -100,6 +110,9 @@ class Scheduler:
         self._running: list[Job] = []
         self._stopping = False
         self.draining = False
+        self._ended = False  # set (under the lock) once the engine takes nothing more
+        self.failure: BaseException | None = None  # what stopped the engine, if anything did
+        self.on_failure: Callable[[BaseException], None] = lambda e: None
         self._thread = threading.Thread(target=self._loop, name="txl-serve-engine", daemon=True)
         self._last_expiry = 0.0
 
@@ -132,16 +145,32 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def alive(self) -> bool:
+        """The engine takes requests (started, and neither stopped nor failed)."""
+        return self._thread.is_alive() and not self._ended
+
     def start(self):
         self._thread.start()
 
+    def _not_running(self) -> ApiError:
+        if self.failure is not None:
+            return ApiError(503, f"the engine stopped on an internal error ({type(self.failure).__name__}): this "
+                                 "server takes no more requests", type="server_error", code="engine_failed")
+        return ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
+
     def submit(self, job: Job):
-        """Queue a request, or raise ApiError at once (429 queue full, 503 draining, 404/409 session)."""
+        """Queue a request, or raise ApiError at once (503 engine stopped or draining, 429 queue full, 404/409
+        session)."""
         job.params.check_vocabulary(self.n_token)
+        # Posted under the lock: once the engine has ended (under it too) nothing more is queued, so every request
+        # that was is answered by the engine's last turn.
         with self._lock:
+            if not self.alive:
+                raise self._not_running()
             admit(job, self.sessions, self.draining, self._queued, self.max_queue)
             self._queued += 1
-        self._post(("job", job))
+            self._post(("job", job))
 
     def cancel(self, job: Job):
         """The client went away: the job's row is freed at the engine's next turn."""
@@ -150,10 +179,11 @@ class Scheduler:
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run fn() in the engine thread between two steps; its result or exception in the future."""
-        if not self._thread.is_alive():
-            raise ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
         future = concurrent.futures.Future()
-        self._post(("call", (fn, future)))
+        with self._lock:
+            if not self.alive:
+                raise self._not_running()
+            self._post(("call", (fn, future)))
         return future
 
     def stop(self, timeout: float = 30.0):
@@ -179,66 +209,163 @@ class Scheduler:
         self.sessions.remove(id_, f"was deleted; {GONE}")
 
     def park(self, id_: str) -> bytes:
-        """The session's memory as the bytes of a `TxlRuntime.save_state` .npz; the session ends. Blocks until the
-        engine has copied the row out (between two steps): call it from a worker thread."""
-        session = self.sessions.remove(id_, PARKED, notify=False)
-        return _npz_bytes(self.rt, self.call(lambda: self._take_row(session)).result())
+        """The session's memory as the bytes of a `TxlRuntime.save_state` .npz; then the session ends. It ends only
+        once the bytes exist: if they cannot be made (or it has no memory yet: 400), it stays as it was. Blocks
+        until the engine has copied the row out (between two steps): call it from a worker thread."""
+        session = self.sessions.begin_park(id_)
+        parked = False
+        try:
+            blob = _npz_bytes(self.rt, self.call(lambda: self._read_row(session)).result())
+            parked = True
+            return blob
+        finally:
+            self.sessions.end_park(session, parked)
 
     def restore(self, id_: str | None, blob: bytes) -> Session:
-        """A new session from parked bytes; refused (400) when they are not a state of this model. Blocks: call it
-        from a worker thread."""
+        """A new session from parked bytes; refused (400) when they are not a state of this model. The session is
+        `loading` (nothing may use it or take it away) until its row holds the state. Blocks: call it from a
+        worker thread."""
         state = _read_state(self.rt, blob)  # checked before a session is made
-        session = self.sessions.create(id_)
+        session = self.sessions.create(id_, loading=True)
 
-        def restore():
-            session.handle = self.rows.start()
-            self.rows.load(session.handle, state["arrays"])
+        def load():
+            if session.state != LOADING:
+                raise ApiError(409, f"session {session.id!r} ended while it was being restored", code="session_gone")
+            handle = self.rows.start()
+            try:
+                self.rows.load(handle, state["arrays"])
+            except BaseException:
+                self.rows.release(handle)
+                raise
+            session.handle = handle
             session.last_log_probs, session.tokens = state["last"], state["tokens"]
+            self.sessions.loaded(session)
             return session
         try:
-            return self.call(restore).result()
-        except Exception:
-            self.sessions.remove(session.id, "could not be restored")
+            return self.call(load).result()
+        except BaseException:
+            self.sessions.discard(session, f"could not be restored; {GONE}")
             raise
 
     def _dropped(self, session: Session, why: str):
-        # called by the store (any thread): the row goes back to the pool in the engine thread
-        if session.handle is not None:
-            handle, session.handle = session.handle, None
-            self._post(("release", handle))
+        # called by the store (any thread, under its lock): the engine frees the row between two steps
+        self._post(("drop", session))
 
-    def _take_row(self, session: Session) -> dict:
+    def _free_row(self, session: Session):
+        handle, session.handle = session.handle, None
+        if handle is not None:
+            self.rows.release(handle)
+
+    def _read_row(self, session: Session) -> dict:
+        if session.state != PARKING:
+            raise ApiError(409, f"session {session.id!r} is no longer being parked", code="session_gone")
         if session.handle is None:
-            raise ApiError(400, f"session {session.id!r} has no memory yet: nothing to park", param="session_id")
-        arrays = self.rows.save(session.handle)
-        self.rows.release(session.handle)
-        session.handle = None
-        return {"arrays": arrays, "last": session.last_log_probs}
+            raise ApiError(400, f"session {session.id!r} has no memory yet: nothing to park (the session is kept)",
+                           param="session_id")
+        return {"arrays": self.rows.save(session.handle), "last": session.last_log_probs}
 
     # -- the engine thread --------------------------------------------------------------------------------------
     def _loop(self):
+        failure = None
         try:
-            while True:
-                self._take_inbox()
-                self._admit()
-                if not self._running:
-                    if self._stopping and not self._waiting:
-                        return
-                    self._expire()
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                self._decode()
-                self._prefill()
-                self._expire()
+            while not self._turn():
+                pass
         except _Abort:
-            for job in list(self._running) + list(self._waiting):
-                self._fail(job, ApiError(503, "the server stopped before this request finished", type="server_error",
-                                         code="shutdown"))
-        except Exception:  # noqa: BLE001 - a bug must fail the requests, not hang them
+            pass
+        except BaseException as e:  # noqa: BLE001 - the engine cannot go on: everything it holds is answered
             logger.exception("the engine stopped")
-            for job in list(self._running) + list(self._waiting):
-                self._fail(job, ApiError(500, "the engine stopped on an internal error", type="server_error"))
+            failure = e
+        finally:
+            self._close(failure)
+
+    def _turn(self) -> bool:
+        """One turn of the loop; True once the engine has finished (stopping, and nothing is left to do)."""
+        try:
+            self._take_inbox()
+            self._admit()
+            if not self._running:
+                if self._stopping and not self._waiting and not self._inbox:
+                    return True
+                self._expire()
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                return False
+            self._decode()
+            self._prefill()
+            self._expire()
+        except (_Abort, EngineBroken):
+            raise
+        except Exception as e:  # noqa: BLE001 - not one request's: which of the running ones it hit is unknown
+            logger.exception("an engine step failed")
+            for job in list(self._running):
+                self._fail(job, _internal(e, "the engine failed a step"))
+            self._check()
+        return False
+
+    def _check(self):
+        """After a failure: go on only if the engine's state is intact (raises EngineBroken otherwise)."""
+        problem = self._broken()
+        if problem is not None:
+            raise EngineBroken(problem)
+
+    def _broken(self) -> str | None:
+        if not self.rows.accounted():
+            return "the memory rows are not accounted for (a row both free and used, or lost)"
+        key = (lambda h: h) if self.batched else id
+        used = {key(h) for h in self.rows.used}
+        running = [key(j.handle) for j in self._running]
+        if len(running) > self.max_batch or len(set(running)) != len(running):
+            return "two running requests share a row"
+        held = running + [key(s.handle) for s in self.sessions.live() if s.handle is not None]
+        if not set(held) <= used:
+            return "a running request or a session holds a row that is free"
+        return None
+
+    def _close(self, failure: BaseException | None):
+        """The engine's last act: nothing more is queued, and every request it holds is answered."""
+        with self._lock:
+            self._ended = True
+            self.failure = failure
+            leftover = list(self._inbox)
+            self._inbox.clear()
+        if failure is not None:
+            running = _internal(failure, "the engine stopped")
+            waiting = self._not_running()
+        else:
+            running = waiting = ApiError(503, "the server stopped before this request finished", type="server_error",
+                                         code="shutdown")
+        queued = list(self._waiting) + [item for kind, item in leftover if kind == "job"]
+        self._waiting.clear()
+        for job in list(self._running):
+            self._answer(job, running)
+        for job in queued:
+            self._answer(job, waiting)
+        for kind, item in leftover:
+            if kind == "call" and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(waiting)
+        with self._lock:
+            self._queued = 0
+        if failure is not None:
+            try:
+                self.on_failure(failure)
+            except Exception:  # noqa: BLE001 - the engine has stopped either way
+                logger.exception("on_failure failed")
+
+    def _answer(self, job: Job, error: ApiError):
+        """_fail, for a state that may be broken: the client hears the error whatever the bookkeeping does."""
+        try:
+            self._fail(job, error)
+        except Exception:  # noqa: BLE001 - the engine is stopping: answering the client is what is left
+            if job in self._running:
+                self._running.remove(job)
+            self._emit(job, "error", error)
+
+    def _emit(self, job: Job, kind: str, payload):
+        try:
+            job.emit(kind, payload)
+        except Exception:  # noqa: BLE001 - a client that cannot be told (its loop gone) must not stop the engine
+            logger.exception("a request's event could not be delivered")
+            job.cancelled = True
 
     def _take_inbox(self):
         while self._inbox:
@@ -247,8 +374,8 @@ class Scheduler:
                 self._waiting.append(item)
             elif kind == "cancel":
                 self._cancelled(item)
-            elif kind == "release":
-                self.rows.release(item)
+            elif kind == "drop":
+                self._free_row(item)
             elif kind == "call":
                 fn, future = item
                 if future.set_running_or_notify_cancel():
@@ -284,8 +411,9 @@ class Scheduler:
                 else:
                     job.handle = self.rows.start()
                 job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt)
-            except TxlError as e:
+            except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
                 self._fail(job, e)
+                self._check()
                 continue
             job.admitted = time.monotonic()
             self._running.append(job)
@@ -297,12 +425,24 @@ class Scheduler:
         order = sorted(range(len(jobs)), key=lambda i: jobs[i].handle if self.batched else 0)
         jobs[:] = [jobs[i] for i in order]
         try:
-            return self.rows.run([j.handle for j in jobs], tokens[order], positions[order])
-        except Exception as e:  # the backend commits nothing on failure: every memory is as it was
-            logger.exception("a batched call failed")
+            log_probs = self.rows.run([j.handle for j in jobs], tokens[order], positions[order])
+        except Exception as e:  # noqa: BLE001 - the call's requests fail; the engine checks it can go on
+            # the backend commits nothing on failure, but a call over several spans may have run some of them
+            committed = e.committed if isinstance(e, PartialRun) else []
+            cause = e.__cause__ if isinstance(e, PartialRun) else e
+            logger.error("a batched call failed", exc_info=cause)
+            for i in committed:
+                jobs[i].touched = True
+                if jobs[i].session is not None:
+                    jobs[i].session.tokens += tokens.shape[1]
             for job in jobs:
-                self._fail(job, ApiError(500, f"the model failed on this batch: {e}", type="server_error"))
+                self._fail(job, ApiError(500, f"the model failed on this batch: {type(cause).__name__}: {cause}",
+                                         type="server_error", code="model_error"))
+            self._check()
             return None
+        for job in jobs:
+            job.touched = True
+        return log_probs
 
     def _decode(self):
         jobs = [j for j in self._running if j.pending is not None]
@@ -352,10 +492,11 @@ class Scheduler:
             return
         try:
             out: TokenOut = completion.next(job.log_probs)
-        except TxlError as e:
+        except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
             self._fail(job, e)
+            self._check()
             return
-        job.emit("token", out)
+        self._emit(job, "token", out)
         job.pending = out.token
         if completion.finish is not None:
             if job.session is not None:
@@ -364,32 +505,34 @@ class Scheduler:
                 self._end(job, completion.finish)
 
     def _end(self, job: Job, finish_reason: str | None):
-        if job in self._running:
-            self._running.remove(job)
-        if job.session is not None:
-            complete = job.pending is None and not job.prefilling and job.log_probs is not None
-            # the next-token log-probs of what the memory holds; a request cut short mid-prompt has none
-            job.session.last_log_probs = np.array(job.log_probs, dtype=np.float32) if complete else None
-            self.sessions.release(job.session)
-        elif job.handle is not None:
-            self.rows.release(job.handle)
-        job.handle = None
+        self._let_go(job)
         if finish_reason is not None and not job.cancelled:
-            job.emit("done", {"finish_reason": finish_reason, "prompt_tokens": int(job.prompt.size),
-                              "completion_tokens": job.completion.generated})
+            self._emit(job, "done", {"finish_reason": finish_reason, "prompt_tokens": int(job.prompt.size),
+                                     "completion_tokens": job.completion.generated})
 
     def _fail(self, job: Job, error: Exception):
+        if not isinstance(error, ApiError):
+            if isinstance(error, TxlError):
+                error = ApiError(400, str(error))
+            else:
+                logger.error("a request failed", exc_info=error)
+                error = _internal(error, "this request failed")
+        self._let_go(job)
+        self._emit(job, "error", error)
+
+    def _let_go(self, job: Job):
+        """The job is over: out of the batch, its session free again, its own row back in the pool."""
         if job in self._running:
             self._running.remove(job)
         if job.session is not None:
-            job.session.last_log_probs = None
+            if job.touched:  # a request that never ran (cancelled or refused in the queue) leaves the session as it was
+                complete = job.pending is None and not job.prefilling and job.log_probs is not None
+                # the next-token log-probs of what the memory holds; a request cut short mid-prompt has none
+                job.session.last_log_probs = np.array(job.log_probs, dtype=np.float32) if complete else None
             self.sessions.release(job.session)
         elif job.handle is not None:
             self.rows.release(job.handle)
         job.handle = None
-        if not isinstance(error, ApiError):
-            error = ApiError(400, str(error))
-        job.emit("error", error)
 
     def _expire(self):
         now = time.monotonic()
@@ -404,6 +547,15 @@ def _mib(n: int) -> str:
 
 class _Abort(Exception):
     """stop() ran out of time: fail what is left."""
+
+
+class EngineBroken(RuntimeError):
+    """The engine's own state is no longer consistent (rows): it cannot go on."""
+
+
+def _internal(error: BaseException, what: str) -> ApiError:
+    return ApiError(500, f"{what}: internal error ({type(error).__name__}: {error})", type="server_error",
+                    code="internal_error")
 
 
 # -- parked states: TxlRuntime's own writer and reader ------------------------------------------------------------

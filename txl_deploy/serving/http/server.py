@@ -4,6 +4,11 @@
 SIGTERM (or Ctrl-C): uvicorn stops accepting connections, the app answers 503 to new requests on open connections,
 /health turns 503, running streams go on to their end for at most `drain_timeout` seconds, then the engine stops
 and the process exits 0.
+
+An engine that stops on an internal error (see scheduler.py) has answered every request it held; /health answers
+503 and new requests get 503 while the server shuts down, and `serve` raises `EngineFailed`, so the process exits 1
+and a supervisor (systemd's Restart=on-failure, a Kubernetes pod) starts it again. `BackgroundServer` keeps
+serving those 503s instead, for its caller to look at.
 """
 
 from __future__ import annotations
@@ -41,22 +46,53 @@ def _config(asgi, host: str, port: int, settings: ServeSettings) -> uvicorn.Conf
                           ws="none")
 
 
+class EngineFailed(TxlError):
+    """The engine stopped on an internal error while serving."""
+
+    exit_code = 1
+
+
+def exit_error(load_failure: BaseException | None, engine_failure: BaseException | None, listened: bool,
+               where: str) -> TxlError | None:
+    """Why `serve` ended, as the error it raises (the CLI exits with its exit_code), or None for a clean stop
+    (exit 0): the model could not be loaded (2), the engine failed (1), or the address could not be bound (2)."""
+    if load_failure is not None:
+        if isinstance(load_failure, TxlError):
+            return load_failure
+        return TxlError(f"the model could not be loaded: {load_failure}")
+    if engine_failure is not None:
+        return EngineFailed(f"the engine stopped on an internal error ({type(engine_failure).__name__}: "
+                            f"{engine_failure}); the server exited so that it can be restarted")
+    if not listened:
+        return TxlError(f"could not listen on {where} (is the port in use?)")
+    return None
+
+
 def _exit_quietly(signum, frame):
     # uvicorn re-raises the signal it drained on once it has finished; by then the work is done: exit 0.
     raise SystemExit(0)
 
 
 def serve(load_engine, settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000):
-    """Serve in the foreground until SIGTERM or Ctrl-C. Raises the loader's TxlError if the model cannot be
-    loaded."""
-    failure = []
+    """Serve in the foreground until SIGTERM or Ctrl-C, or until the engine fails. Raises what `exit_error` says
+    (the loader's TxlError if the model cannot be loaded, EngineFailed if the engine stopped on an error)."""
+    failure, engine_failure = [], []
     holder = {}
 
     def load_failed(e):
         failure.append(e)
         holder["server"].should_exit = True
 
-    asgi = create_app(load_engine, settings, on_load_error=load_failed)
+    def engine_failed(e):  # in the engine thread, once it has answered every request it held
+        engine_failure.append(e)
+        holder["server"].should_exit = True
+
+    def load():
+        engine = load_engine()
+        engine.on_failure = engine_failed
+        return engine
+
+    asgi = create_app(load, settings, on_load_error=load_failed)
     app_state = asgi.app.state.txl
     server = _Server(_config(asgi, host, port, settings), on_exit=lambda: app_state.update(draining=True))
     holder["server"] = server
@@ -66,16 +102,16 @@ def serve(load_engine, settings: ServeSettings, host: str = "127.0.0.1", port: i
     except SystemExit as e:
         if e.code not in (0, None):
             raise
-    if failure:
-        e = failure[0]
-        raise e if isinstance(e, TxlError) else TxlError(f"the model could not be loaded: {e}")
-    if not server.started:
-        raise TxlError(f"could not listen on {host}:{port} (is the port in use?)")
+    error = exit_error(failure[0] if failure else None, engine_failure[0] if engine_failure else None,
+                       server.started, f"{host}:{port}")
+    if error is not None:
+        raise error
 
 
 class BackgroundServer:
     """The app on 127.0.0.1 at a free port in a thread: `with BackgroundServer(load_engine, settings) as srv:`
-    gives srv.url once /health is 200; leaving the block drains and stops it."""
+    gives srv.url once /health is 200; leaving the block drains and stops it. An engine that fails leaves it
+    running, answering 503."""
 
     def __init__(self, load_engine, settings: ServeSettings, host: str = "127.0.0.1", port: int | None = None,
                  ready_timeout: float = 120.0):
