@@ -66,10 +66,10 @@ def reference(tiny_onnx):
 
 @pytest.fixture
 def hf(monkeypatch):
-    """HuggingFace's TransfoXL module (transformers' deprecated transfo_xl), made to run on current torch; skips
-    where transformers is not installed."""
-    transfo = pytest.importorskip("transformers.models.deprecated.transfo_xl")
+    """HuggingFace's TransfoXL module (transformers' deprecated transfo_xl), made to run on current torch.
+    transformers is in the test extra: where it is missing, the tests that compare with it fail."""
     import torch
+    from transformers.models.deprecated import transfo_xl as transfo  # heavy: only the parity tests load it
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -95,8 +95,7 @@ def enwik8_cycle():
 def tf_enwik8(enwik8_cycle, tmp_path_factory):
     """That model as the paper's TensorFlow checkpoint folder (pretrained_xl/tf_enwik8/: model/ written by
     TensorFlow's Saver, data/cache.pkl, data/corpus-info.json; flags.json with its training flags)."""
-    pytest.importorskip("tensorflow")
-    from helpers import character_corpora as cc
+    from helpers import character_corpora as cc  # writes with TensorFlow (the test extra), which it imports
 
     symbols, _, weights, hp = enwik8_cycle
     return cc.write_tf_published(tmp_path_factory.mktemp("pretrained_xl") / "tf_enwik8", weights, hp, symbols,

@@ -6,12 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 from helpers.paths import ROOT
 
 
 def test_no_undefined_names_or_syntax_errors():
-    pytest.importorskip("ruff")
     dirs = [str(ROOT / d) for d in ("txl_deploy", "exporters", "runtimes", "benchmarks", "examples", "tools", "tests")
             if (ROOT / d).is_dir()]
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "E9,F63,F7,F82",

@@ -7,12 +7,11 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from txl_deploy.assets import demo_heldout_path, demo_model_path, demo_training_record
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.evaluation import streaming_eval
-
-torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")

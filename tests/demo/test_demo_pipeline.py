@@ -11,8 +11,6 @@ from click.testing import CliRunner
 from txl_deploy.assets import demo_heldout_path, demo_model_path, demo_training_record
 from txl_deploy.cli import main
 
-pytest.importorskip("torch")
-
 
 @pytest.fixture(scope="module")
 def demo_onnx(tmp_path_factory):

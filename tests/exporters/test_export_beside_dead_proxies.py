@@ -8,10 +8,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
-
-pytest.importorskip("torch")
-
 
 def test_export_with_a_dead_weak_proxy_in_the_process(tiny_ckpt, tmp_path):
     from txl_deploy.exporters.onnx.export import export_onnx

@@ -29,8 +29,6 @@ def variants(tiny_ckpt, tiny_onnx, tiny_onnx_full, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lint_results(variants, tmp_path_factory):
-    pytest.importorskip("polygraphy")
-    pytest.importorskip("onnx_graphsurgeon")
     return polygraphy_lint([variants[k] for k in KEYS], tmp_path_factory.mktemp("lint"))
 
 

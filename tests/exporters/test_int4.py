@@ -177,7 +177,6 @@ def test_cli_block_size_only_with_int4(tiny_ckpt, tmp_path):
 def test_int4_passes_the_strict_checks_and_polygraphy_lint(int4, tmp_path):
     """The strict checks of every export (node order + full_check), and `polygraphy check lint`, which runs the
     graph through ONNX Runtime and so does know the com.microsoft operators."""
-    pytest.importorskip("polygraphy")
     from helpers.strict_variants import polygraphy_lint
 
     from txl_deploy.exporters.graph_checks import check_strict

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from helpers import original_checkpoints as oc
+from helpers import reference_models as models
+from helpers.cli import cli
 
-torch = pytest.importorskip("torch")
-
-from helpers import original_checkpoints as oc  # noqa: E402
-from helpers import reference_models as models  # noqa: E402
-from helpers.cli import cli  # noqa: E402
-
-from txl_deploy.contract.metadata import read_onnx_info  # noqa: E402
-from txl_deploy.errors import InputError  # noqa: E402
-from txl_deploy.exporters.onnx.export import export_onnx  # noqa: E402
-from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.errors import InputError
+from txl_deploy.exporters.onnx.export import export_onnx
+from txl_deploy.runtimes import TxlRuntime
 
 TOL = 1e-4
 

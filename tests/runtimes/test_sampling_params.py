@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from transformers.generation import logits_process as lp_mod
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.sampling import (
@@ -19,9 +21,6 @@ from txl_deploy.runtimes.sampling import (
     repetition_penalty,
     top_logprobs,
 )
-
-torch = pytest.importorskip("torch")
-lp_mod = pytest.importorskip("transformers.generation.logits_process")
 
 
 def _random_log_probs(rng, n, vocab):

@@ -36,6 +36,8 @@ from fuzz_harness import (
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
+from txl_deploy.serving.triton.repository import write_repository
+
 FORMATS = ["tf-bundle", "cache-pkl", "safetensors", "config-json", "vocab-json", "torch-pickle", "onnx-metadata",
            "saved-state", "triton-requests"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
@@ -45,18 +47,10 @@ BATCH = 10  # Hypothesis examples per round; rounds run until the format's share
 def fuzz(tiny_ckpt, tiny_onnx, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")
     seeds = make_seeds(tiny_ckpt, tiny_onnx, folder)
-    repo = None
-    try:
-        import tritonclient.grpc  # noqa: F401  (the Python model's config is read with it)
-
-        from txl_deploy.serving.triton.repository import write_repository
-
-        repo = write_repository(tiny_onnx, folder / "repo", backend="python", max_batch=4, max_sequences=16)
-    except ImportError:
-        pass
+    repo = write_repository(tiny_onnx, folder / "repo", backend="python", max_batch=4, max_sequences=16)
     worker = Worker(tiny_onnx, tiny_ckpt / "config.json", triton_repo=repo)
     failures = Path(os.environ.get("TXL_FUZZ_FAILURES") or folder / "failures")
-    yield {"seeds": seeds, "worker": worker, "failures": failures, "triton": repo is not None}
+    yield {"seeds": seeds, "worker": worker, "failures": failures}
     worker.stop()
 
 
@@ -186,8 +180,6 @@ def test_fuzz_saved_states(fuzz):
 
 
 def test_fuzz_triton_request_inputs(fuzz, tiny_onnx):
-    if not fuzz["triton"]:
-        pytest.skip("pip install 'tritonclient[all]' (the Python model's config is read with it)")
     from txl_deploy.runtimes import TxlRuntime
     from txl_deploy.serving.triton.protocol import STATE_FORMAT, STATE_FORMAT_VERSION
 

@@ -14,8 +14,6 @@ from helpers.triton_stub import Request, ShapeOnly, load_model_module, start_mod
 
 from txl_deploy.runtimes import TxlRuntime
 
-pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
-
 
 @pytest.fixture(scope="module")
 def model(tiny_onnx, tmp_path_factory):

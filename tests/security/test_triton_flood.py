@@ -14,13 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import tritonclient.http as th
 from crafted_files import Member, deflated_zeros, npy_header, state_zip
+from tritonclient.utils import InferenceServerException
 
-th = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from txl_deploy.runtimes import TxlRuntime  # noqa: E402
-from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.serving.triton.repository import write_repository
 
 PROMPTS = [[5, 17, 42, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [33]]
 NEW_TOKENS = 8

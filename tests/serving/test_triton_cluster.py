@@ -14,12 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from helpers.conversations import alone
 
-pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
-
-from helpers.conversations import alone  # noqa: E402
-
-from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
+from txl_deploy.serving.triton.repository import write_repository
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from google.protobuf import text_format  # comes with tritonclient[grpc]
+from helpers.conversations import alone
+from tritonclient.grpc import model_config_pb2 as mc
 
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import ExportError, OutputExistsError
-
-tc_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
-from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
-from helpers.conversations import alone  # noqa: E402
-from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
-
-from txl_deploy.serving.triton.repository import pbtxt_string, write_repository  # noqa: E402
+from txl_deploy.serving.triton.repository import pbtxt_string, write_repository
 
 
 def parse(path):
