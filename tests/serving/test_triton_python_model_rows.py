@@ -61,6 +61,52 @@ def test_batched_rows_match_each_conversation_alone(model_module, tiny_onnx, tin
     assert pool.start() == 3 and int(pool.state["mem_count"][3]) == 0
 
 
+def test_a_call_that_fails_part_way_says_which_rows_advanced(model_module, tiny_onnx, monkeypatch):
+    """Rows 0-1 and 10-11 are two spans, so two backend calls: when the second fails, the first's rows have
+    advanced and the others are as they were, and the error says which; a failure of the first call commits
+    nothing and is the backend's own. Rows are handed out once each, within the pool."""
+    from txl_deploy.runtimes import TxlRuntime
+    from txl_deploy.serving.rows import PartialRun, RowsExhausted
+
+    shared = TxlRuntime.load(tiny_onnx)
+    pool = model_module.RowPool(shared.backend, 12)
+    rows = [pool.start() for _ in range(12)]
+    with pytest.raises(RowsExhausted):
+        pool.start()
+    run, calls = shared.backend.run, []
+
+    def fails_at(n):
+        def run_or_fail(*args):
+            calls.append(n)
+            if len(calls) == n:
+                raise RuntimeError("the device went away")
+            return run(*args)
+        return run_or_fail
+
+    chosen = np.array([0, 1, 10, 11])
+    tokens, positions = np.array([[3], [4], [5], [6]]), np.zeros((4, 1), dtype=np.int64)
+    before = {r: pool.save(r) for r in rows}
+    monkeypatch.setattr(shared.backend, "run", fails_at(2))
+    with pytest.raises(PartialRun) as e:
+        pool.run(chosen, tokens, positions)
+    assert e.value.committed == [0, 1] and isinstance(e.value.__cause__, RuntimeError)
+    count = pool.state["mem_count"]
+    assert [int(count[r]) for r in (0, 1, 10, 11)] == [1, 1, 0, 0]
+    for r in (10, 11):
+        for name, value in pool.save(r).items():
+            np.testing.assert_array_equal(value, before[r][name], err_msg=name)
+    calls.clear()
+    monkeypatch.setattr(shared.backend, "run", fails_at(1))
+    with pytest.raises(RuntimeError, match="went away"):
+        pool.run(chosen, tokens, positions)
+    assert [int(count[r]) for r in (0, 1, 10, 11)] == [1, 1, 0, 0]
+    for r in rows:
+        pool.release(r)
+    with pytest.raises(ValueError, match="not in use"):
+        pool.release(rows[0])
+    assert pool.accounted() and len(pool.free) == 12
+
+
 def test_one_execute_serves_mixed_segment_lengths_positions_and_a_bad_request(model_module, tiny_onnx, tmp_path):
     """A batch as the sequence batcher hands it over: different segment lengths (separate calls), different
     out_positions (padded), a conversation starting from a parked state, and a bad request that gets its own error."""

@@ -147,3 +147,45 @@ def test_the_triton_client_and_serve_client_sample_as_generate_does(tritons, tin
     assert result.output.strip() == want.strip()
     bad = CliRunner().invoke(main, ["serve-client", tritons[1].grpc_url, "--prompt", prompt, "--top-p", "2"])
     assert bad.exit_code == 2 and "top_p must be in (0, 1]" in bad.output
+
+
+def test_restores_racing_deletes_and_requests_leave_no_conversation_open(fleet, tiny_onnx):
+    """A session being restored is refused to a DELETE or a request (409) until its conversation is resumed, so
+    no conversation is resumed for a session that is gone; every one left open belongs to a live session."""
+    engine = fleet.engine
+    assert httpx.post(fleet.url + "/v1/sessions", json={"id": "race-seed"}).status_code == 201
+    _complete(fleet, PROMPT, 3, session_id="race-seed")
+    blob = httpx.post(fleet.url + "/v1/sessions/race-seed/park").content
+    ids = [f"race-{i}" for i in range(16)]
+
+    def race(sid):
+        with ThreadPoolExecutor(2) as pool:
+            restoring = pool.submit(httpx.post, f"{fleet.url}/v1/sessions/{sid}/restore", content=blob, timeout=120)
+            if int(sid.split("-")[1]) % 2:
+                other = pool.submit(httpx.delete, f"{fleet.url}/v1/sessions/{sid}", timeout=120)
+            else:
+                other = pool.submit(httpx.post, fleet.url + "/v1/completions", timeout=120, json={
+                    "prompt": [4, 4], "max_tokens": 2, "temperature": 0, "session_id": sid})
+            r, o = restoring.result(), other.result()
+        assert r.status_code in (201, 429), r.text
+        assert o.status_code in (200, 404, 409), o.text
+        if o.status_code == 409:
+            assert o.json()["error"]["code"] == "session_busy"
+        return r.status_code, o.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(race, ids))
+    assert any(r == 201 for r, _ in results)
+    # the restored sessions that are left go on exactly where the parked one was
+    live = [sid for sid in ids if httpx.get(f"{fleet.url}/v1/sessions/{sid}").status_code == 200]
+    want, = _reference(tiny_onnx, [(PROMPT, 3), ([7], 2)])[1:]
+    for sid in live:
+        info = httpx.get(f"{fleet.url}/v1/sessions/{sid}").json()
+        if info["tokens"] == len(PROMPT) + 3:  # not continued by its racing request
+            assert _complete(fleet, [7], 2, session_id=sid)["token_ids"] == want[0]
+    for sid in live:
+        assert httpx.delete(f"{fleet.url}/v1/sessions/{sid}").status_code == 200
+    for future in list(engine._closing.values()):
+        future.result(60)
+    open_ids = set(engine.client._conversations)
+    assert not open_ids & {sequence_id(sid) for sid in ids + ["race-seed"]}, "a conversation of a gone session"
