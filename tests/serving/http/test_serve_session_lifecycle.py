@@ -235,6 +235,49 @@ def test_a_cancelled_queued_request_leaves_its_session_as_it_was(engine, tiny_on
     assert _turn(engine, "s", [], 5) == _stream_tokens(tiny_onnx, [(A, 3), ([], 5)])[1]
 
 
+def test_a_call_failing_part_way_counts_what_each_session_took(tiny_onnx, monkeypatch):
+    """Two sessions whose rows (0 and 4) are two backend calls of one step: the second call fails. Both requests
+    get 500; the first session's memory took the prompt (counted, nothing to continue from), the second's took
+    nothing and goes on as if never asked."""
+    eng = Scheduler(TxlRuntime.load(tiny_onnx), max_batch=2, max_sessions=5, max_queue=8)
+    eng.start()
+    try:
+        for sid in "abcde":
+            eng.create_session(sid)
+            _turn(eng, sid, A, 1)
+        for sid in "bcd":
+            eng.delete_session(sid)
+        assert (eng.sessions.get("a").handle, eng.sessions.get("e").handle) == (0, 4)
+        before = eng.sessions.get("e").last_log_probs.copy()
+        run, calls = eng.backend.run, []
+
+        def second_fails(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected fault in the second span")
+            return run(*args)
+
+        recs = {sid: _Recorder() for sid in "ae"}
+        with _engine_held(eng):  # both in the same step
+            monkeypatch.setattr(eng.backend, "run", second_fails)
+            for sid, rec in recs.items():
+                eng.submit(Job(B, _greedy(3), rec.emit, session_id=sid))
+        for rec in recs.values():
+            assert rec.done.wait(BOUND_S)
+            kind, error = rec.events[-1]
+            assert kind == "error" and error.status == 500 and error.code == "model_error"
+        monkeypatch.undo()
+        a, e = eng.sessions.get("a"), eng.sessions.get("e")
+        assert a.tokens == len(A) + 1 + len(B) and a.last_log_probs is None
+        assert e.tokens == len(A) + 1
+        np.testing.assert_array_equal(e.last_log_probs, before)
+        assert _turn(eng, "e", [], 3) == _stream_tokens(tiny_onnx, [(A, 1), ([], 3)])[1]
+        assert eng.alive
+        _rows_accounted(eng)
+    finally:
+        eng.stop(10)
+
+
 def test_rows_are_handed_out_within_their_count_and_back_once(engine):
     rows = engine.rows
     taken = [rows.start() for _ in range(len(rows.free))]

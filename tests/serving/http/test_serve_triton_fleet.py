@@ -1,11 +1,13 @@
 """`txl-deploy serve --triton`: the same API, served through Triton servers (the bundled tritonserver on loopback,
 two of them): completions equal the local server's and TxlRuntime's, sessions stay on one server and continue
-exactly, park and restore go through the Triton model's parked states."""
+exactly, park and restore go through the Triton model's parked states; a restore raced by a delete or a request
+leaves no conversation open for a session that is gone, and a fleet whose own bookkeeping fails stops and says so."""
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +20,8 @@ pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'
 from txl_deploy.runtimes import SamplingParams, TxlRuntime  # noqa: E402
 from txl_deploy.serving.http.app import ServeSettings  # noqa: E402
 from txl_deploy.serving.http.fleet import FleetEngine, sequence_id  # noqa: E402
+from txl_deploy.serving.http.protocol import ApiError  # noqa: E402
+from txl_deploy.serving.http.scheduler import Job  # noqa: E402
 from txl_deploy.serving.http.server import BackgroundServer  # noqa: E402
 from txl_deploy.serving.triton.client import rendezvous_order  # noqa: E402
 from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
@@ -189,3 +193,43 @@ def test_restores_racing_deletes_and_requests_leave_no_conversation_open(fleet, 
         future.result(60)
     open_ids = set(engine.client._conversations)
     assert not open_ids & {sequence_id(sid) for sid in ids + ["race-seed"]}, "a conversation of a gone session"
+
+
+def test_a_fleet_whose_bookkeeping_fails_stops_and_says_so(tritons, monkeypatch):
+    """An error outside any one request's handling (here: releasing a session) stops the fleet engine: that request
+    hears a 500, the ones queued behind it and every new one a 503, and `on_failure` tells the server to exit."""
+    engine = FleetEngine.connect([s.grpc_url for s in tritons], model="txl", max_batch=1, max_sessions=2,
+                                 max_queue=4)
+    stopped, heard = [], {}
+    done = {name: threading.Event() for name in ("first", "queued")}
+    engine.on_failure = stopped.append
+
+    def recorder(name):
+        def emit(kind, payload):
+            if kind != "token" and name not in heard:
+                heard[name] = payload
+                done[name].set()
+        return emit
+
+    def broken(session):
+        raise RuntimeError("injected fault in the bookkeeping")
+
+    try:
+        engine.create_session("s")
+        monkeypatch.setattr(engine.sessions, "release", broken)
+        engine.submit(Job(PROMPT, SamplingParams(temperature=0, max_tokens=3), recorder("first"), session_id="s"))
+        try:
+            engine.submit(Job([1, 2], SamplingParams(max_tokens=2), recorder("queued")))
+        except ApiError as e:  # the first one had failed already
+            heard["queued"] = e
+            done["queued"].set()
+        assert done["first"].wait(120) and done["queued"].wait(120)
+        assert heard["first"].status == 500 and heard["queued"].status == 503
+        assert heard["queued"].code == "engine_failed"
+        assert not engine.alive and isinstance(engine.failure, RuntimeError) and stopped == [engine.failure]
+        with pytest.raises(ApiError) as e:
+            engine.submit(Job([1], SamplingParams(max_tokens=1), recorder("later")))
+        assert e.value.status == 503
+    finally:
+        monkeypatch.undo()
+        engine.stop(10)

@@ -154,8 +154,13 @@ class FleetEngine:
     def _run(self, job: Job):
         try:
             self._serve(job)
-        except BaseException as e:  # noqa: BLE001 - the bookkeeping failed: the counts can no longer be trusted
+        except BaseException as e:  # noqa: BLE001 - the bookkeeping failed: the sessions can no longer be trusted
             self._fail_engine(e)
+            try:  # the client may not have heard the end (a second error after it is never read)
+                job.emit("error", ApiError(500, f"the engine stopped on an internal error ({type(e).__name__}: {e})",
+                                           type="server_error", code="internal_error"))
+            except Exception:  # noqa: BLE001 - its event loop is gone: nobody is waiting
+                logger.exception("a request's event could not be delivered")
 
     def _fail_engine(self, error: BaseException):
         with self._lock:
@@ -206,17 +211,19 @@ class FleetEngine:
             logger.exception("a fleet request failed")
             last = ("error", ApiError(500, f"internal error: {e}", type="server_error"))
         finally:
-            # The session is released before the client hears the end: a client that sends its next request on
-            # the session as soon as this one answers must find it free, not busy.
-            if job.session is not None:
-                self.sessions.release(job.session)
-            if last is not None:
-                job.emit(*last)
-            if job.session is None and conv is not None:
-                self._close(conv)
-            with self._lock:
-                self._running -= 1
-                self._idle.notify_all()
+            try:
+                # The session is released before the client hears the end: a client that sends its next request on
+                # the session as soon as this one answers must find it free, not busy.
+                if job.session is not None:
+                    self.sessions.release(job.session)
+                if last is not None:
+                    job.emit(*last)
+                if job.session is None and conv is not None:
+                    self._close(conv)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self._idle.notify_all()
 
     @staticmethod
     def _close(conv):
