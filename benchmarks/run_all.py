@@ -59,6 +59,8 @@ SCRIPTS = {
                "--force"],
     "serve": ["benchmarks/serve_load.py", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base",
               "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_serve.md", "--force"],
+    "chaos": ["benchmarks/serve_chaos.py", "--md", "benchmarks/results_chaos.md", "--json",
+              "benchmarks/results_chaos.json", "--force"],
     "peak-ram": ["benchmarks/peak_ram.py"],
 }
 

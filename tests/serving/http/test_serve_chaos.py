@@ -1,0 +1,52 @@
+"""A bounded chaos run (about a minute) against the app on a real uvicorn socket over loopback: mixed load and the
+faults a client can make (txl_deploy/bench/serve_chaos.py), then every pass criterion its own assert. The longer
+run is benchmarks/serve_chaos.py."""
+
+from __future__ import annotations
+
+import os
+
+from helpers import conversations
+
+from txl_deploy.bench.chaos_mix import MIX
+from txl_deploy.bench.serve_chaos import ChaosSettings, Target, markdown, run_chaos, summary
+
+KEY = "chaos-key-0123456789"
+MAX_BATCH, MAX_SESSIONS, MAX_PROMPT = 8, 16, 256
+
+
+def test_the_server_survives_a_minute_of_chaos(make_server, reference):
+    srv = make_server({"api_key": KEY, "max_prompt_tokens": MAX_PROMPT}, max_batch=MAX_BATCH,
+                      max_sessions=MAX_SESSIONS, max_queue=64)
+    target = Target(srv.url, os.getpid(), MAX_BATCH, MAX_SESSIONS, max_prompt_tokens=MAX_PROMPT, api_key=KEY,
+                    engine=srv.engine)
+
+    def one_stream(segments):  # the golden conversation alone, in an in-process runtime
+        rt = reference()
+        try:
+            out, _ = conversations.greedy_segments(rt, segments)
+        finally:
+            rt.close()
+        return [(toks, [float(lp[t]) for lp, t in zip(lps, toks)]) for toks, lps in out]
+
+    report = run_chaos(target, ChaosSettings(duration_s=30, warmup_s=6, workers=6, golden=2, timeout_s=30, seed=3),
+                       one_stream)
+    why = summary(report)
+    failures = report["failures"]
+    assert not failures["hangs"], why  # every request answered in time, streams included
+    assert not failures["server_errors"], why  # no 5xx but a documented 503
+    assert not failures["answers"], why  # every answer one the API documents for what was sent
+    assert not failures["rows"], why  # idle: every row free or a live session's, and all usable at once
+    assert not failures["fds"], why  # descriptors back to their count after the warm-up
+    assert not failures["rss"], why  # resident memory flat after the warm-up
+    assert not failures["golden"], why  # the golden sessions equal one stream
+    assert not failures["labels"], why  # the endpoint label set bounded by the routes
+    # and the run did what it says: every kind of operation ran, golden sessions went through restores
+    assert set(report["mix"]) == set(MIX), report["mix"]
+    assert sum(g["restored"] for g in report["golden"]) >= 1 and all(g["turns"] for g in report["golden"])
+    # what benchmarks/serve_chaos.py writes of such a run
+    machine = {"cpus": 2, "cpu": "cpu", "system": "Linux", "load_average_start": [0.0]}
+    text = markdown(report, {"label": "tiny", "server": "the app in this process", "date": "today",
+                             "machine": machine, "versions": {"python": "3", "txl-deploy": "0", "onnxruntime": "1"}})
+    assert "| golden sessions equal one in-process stream | yes | 0 |" in text and "**NO**" not in text
+    assert all(f"| {op} | {n} |" in text for op, n in report["mix"].items())
