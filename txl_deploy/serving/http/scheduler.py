@@ -314,7 +314,9 @@ class Scheduler:
         key = (lambda h: h) if self.batched else id
         used = {key(h) for h in self.rows.used}
         running = [key(j.handle) for j in self._running]
-        if len(running) > self.max_batch or len(set(running)) != len(running):
+        if len(running) > self.max_batch:
+            return f"{len(running)} requests are running, more than --max-batch {self.max_batch}"
+        if len(set(running)) != len(running):
             return "two running requests share a row"
         held = running + [key(s.handle) for s in self.sessions.live() if s.handle is not None]
         if not set(held) <= used:
