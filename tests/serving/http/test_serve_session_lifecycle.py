@@ -569,6 +569,8 @@ def test_a_broken_engine_stops_answers_every_request_and_refuses_new_ones(make_s
     async def clients():
         async with httpx.AsyncClient(base_url=srv.url, timeout=BOUND_S) as c:
             running = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while eng.running < 1:
+                await asyncio.sleep(0.005)
             waiting = asyncio.ensure_future(c.post("/v1/completions", json={**body, "stream": True}))
             while not inside.is_set():
                 await asyncio.sleep(0.005)
