@@ -20,6 +20,10 @@ from txl_deploy.serving.http.scheduler import Scheduler
 from txl_deploy.serving.http.server import BackgroundServer
 
 PROMPT = "w1 w2 w3 w4"
+# The tiny model's greedy continuation of any prompt is " w3" over and over, which a server that lost the prompt,
+# the memory or a stop would give as well; sampled with a seed, every token depends on the model's distribution at
+# its step, and the server must draw what TxlRuntime.generate draws.
+SAMPLED = {"temperature": 1.0, "seed": 42}
 
 
 def _want_text(reference, prompt, n, **sampling):
@@ -28,9 +32,14 @@ def _want_text(reference, prompt, n, **sampling):
     return "".join(rt.vocab.piece(t) for t in ids), ids
 
 
-def test_plain_completion_is_greedy_generate(client, reference):
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-    text, ids = _want_text(reference, PROMPT, 12, temperature=0)
+def _pieces(reference, ids) -> list[str]:
+    rt = reference()
+    return [rt.vocab.piece(t) for t in ids]
+
+
+def test_plain_completion_is_generate(client, reference):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **SAMPLED)
+    text, _ = _want_text(reference, PROMPT, 12, **SAMPLED)
     choice = r.choices[0]
     assert choice.text == text and choice.finish_reason == "length" and choice.index == 0
     assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
@@ -38,18 +47,18 @@ def test_plain_completion_is_greedy_generate(client, reference):
 
 
 def test_prompt_as_token_ids_and_returned_ids(client, reference):
-    r = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0,
+    r = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, **SAMPLED,
                                   extra_body={"return_token_ids": True})
-    _, ids = _want_text(reference, [5, 6, 7], 6, temperature=0)
+    _, ids = _want_text(reference, [5, 6, 7], 12, **SAMPLED)
     assert r.choices[0].model_extra["token_ids"] == ids
 
 
 def test_streaming_gives_the_same_text_in_chunks(client, reference):
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **SAMPLED, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    want_text, want_ids = _want_text(reference, PROMPT, 12, temperature=0)
+    want_text, want_ids = _want_text(reference, PROMPT, 12, **SAMPLED)
     assert text == want_text
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
@@ -74,42 +83,58 @@ def test_logprobs_in_openais_shape_are_the_models(client, reference, alone):
     assert lp.text_offset == offsets
 
 
-def test_stop_string_ends_the_text_before_it(client, reference):
-    text, _ = _want_text(reference, PROMPT, 20, temperature=0)
-    words = text.split()
-    stop = " " + words[3]  # the fourth generated word, with its space: a match across the token boundary
-    want = text[:text.index(stop)]
-    for stream in (False, True):
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop, "zzz"],
-                                      stream=stream)
-        if stream:
-            chunks = list(r)
-            got = "".join(c.choices[0].text for c in chunks)
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            got, reason = r.choices[0].text, r.choices[0].finish_reason
-        assert got == want and reason == "stop", (stream, got, want)
+def _stop_request(client, stream, extra_body=None, **request):
+    """(text, token ids, finish reason, completion tokens) of one request, plain or streamed."""
+    if stream:
+        request["stream_options"] = {"include_usage": True}
+    r = client.completions.create(model="tiny", prompt=PROMPT, stream=stream, **request,
+                                  extra_body={**(extra_body or {}), "return_token_ids": True})
+    if not stream:
+        c = r.choices[0]
+        return c.text, c.model_extra["token_ids"], c.finish_reason, r.usage.completion_tokens
+    chunks = list(r)
+    choices = [c.choices[0] for c in chunks if c.choices]
+    ids = [t for c in choices for t in c.model_extra.get("token_ids") or []]
+    return "".join(c.text for c in choices), ids, choices[-1].finish_reason, chunks[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_text_before_it(client, reference, stream):
+    text, ids = _want_text(reference, PROMPT, 20, **SAMPLED)
+    pieces = _pieces(reference, ids)
+    ends = [len("".join(pieces[:k + 1])) for k in range(len(pieces))]
+    # From the fourth token's last character into the sixth token: the text it begins with is held back until it
+    # is known to be the stop string's, the sixth token's text after the match is dropped, and the request ends
+    # at the token that completes the match.
+    begin = ends[3] - 1
+    stop = text[begin:ends[5] - 1]
+    assert text.find(stop) == begin and len(pieces[3]) > 1 and len(pieces[5]) > 1  # nowhere earlier in the text
+    want = (text[:begin], ids[:6], "stop", 6)
+    assert _stop_request(client, stream, max_tokens=20, **SAMPLED, stop=["zzz", stop]) == want
 
 
 def test_stop_token_ids_and_min_tokens(client, reference):
-    _, ids = _want_text(reference, PROMPT, 20, temperature=0)
-    stop_id = ids[2]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
-    first = ids.index(stop_id)
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == ids[:first + 1]
+    _, free = _want_text(reference, PROMPT, 20, **SAMPLED)
+    # a token the seeded run first meets after a few others
+    first = next(k for k, t in enumerate(free) if k >= 3 and t not in free[:k])
+    stop_id = free[first]
     rt = reference()
-    assert r.choices[0].text == "".join(rt.vocab.piece(t) for t in ids[:first])  # the stop token is not text
+    extra = {"stop_token_ids": [stop_id]}
+    want = list(reference().generate(PROMPT, params=SamplingParams(max_tokens=20, **SAMPLED, **extra)))
+    assert want == free[:first + 1]  # generate ends at the stop token too
+    for stream in (False, True):
+        got = _stop_request(client, stream, max_tokens=20, **SAMPLED, extra_body=extra)
+        # the stop token is sent as an id, not as text
+        assert got == ("".join(rt.vocab.piece(t) for t in want[:-1]), want, "stop", len(want)), stream
     # min_tokens: the stop token cannot end the completion before that many tokens; TxlRuntime.generate with the
     # same SamplingParams is what the server must give
-    least = first + 3
-    extra = dict(stop_token_ids=[stop_id], min_tokens=least)
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
-                                  extra_body={**extra, "return_token_ids": True})
-    want = list(reference().generate(PROMPT, params=SamplingParams(max_tokens=20, temperature=0, **extra)))
-    assert stop_id not in want[:least] and want[-1] == stop_id  # the minimum held the stop off, then it stopped
-    assert r.choices[0].model_extra["token_ids"] == want and r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == "".join(rt.vocab.piece(t) for t in want[:-1])
+    least = first + 2
+    extra = {"stop_token_ids": [stop_id], "min_tokens": least}
+    want = list(reference().generate(PROMPT, params=SamplingParams(max_tokens=20, **SAMPLED, **extra)))
+    assert stop_id not in want[:least] and want[-1] == stop_id and len(want) < 20  # held off, then it stopped
+    for stream in (False, True):
+        got = _stop_request(client, stream, max_tokens=20, **SAMPLED, extra_body=extra)
+        assert got == ("".join(rt.vocab.piece(t) for t in want[:-1]), want, "stop", len(want)), stream
 
 
 def test_seeded_sampling_equals_generate_with_every_control(client, reference):
@@ -129,7 +154,7 @@ def test_seeded_sampling_equals_generate_with_every_control(client, reference):
 
 
 def test_raw_server_sent_events(server, reference):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, **SAMPLED, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
@@ -137,7 +162,7 @@ def test_raw_server_sent_events(server, reference):
     assert all(line.startswith("data: ") or line.startswith(":") for line in lines)
     assert data[-1] == "[DONE]"
     events = [json.loads(d) for d in data[:-1]]
-    assert "".join(e["choices"][0]["text"] for e in events) == _want_text(reference, PROMPT, 6, temperature=0)[0]
+    assert "".join(e["choices"][0]["text"] for e in events) == _want_text(reference, PROMPT, 6, **SAMPLED)[0]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
