@@ -435,8 +435,9 @@ class ChaosClient:
 
     async def op_junk_path(self, rng):
         tag = f"{JUNK}{rng.randrange(1 << 30):x}"
-        path = rng.choice([f"/v1/sessions/{self.sid('j')}/{tag}", f"/{tag}", f"/v1/{tag}", f"/v1/completions/{tag}",
-                           f"/v1/sessions/{self.sid('j')}/park/{tag}", f"/v1/sessions/{tag}/restore/x",
+        session = f"/v1/sessions/{self.sid('j')}"  # half of them under a session, as scanners walk an API's tree
+        path = rng.choice([f"{session}/{tag}", f"{session}/{tag}/park", f"{session}/park/{tag}", f"{session}/{tag}/x",
+                           f"/{tag}", f"/v1/{tag}", f"/v1/completions/{tag}", f"/v1/sessions/{tag}/restore/x",
                            f"/metrics/{tag}", f"/{tag}/%2e%2e/v1/models"])
         method = rng.choice(["GET", "POST", "DELETE", "PUT", "PATCH"])
         await self.request("junk_path", method, path, {400, 401, 404, 405}, content=b"{}")

@@ -307,6 +307,15 @@ class _Chaos(ChaosClient):
         return False
 
     async def probe(self, label: str) -> list[str]:
+        """The capacity probe (`fill_rows`); a request of it that got no answer is a hang, and ends the run."""
+        try:
+            return await self.fill_rows(label)
+        except Hang as e:
+            self.fail("hangs", f"capacity probe: {e}")
+            self.stop.set()
+            return []
+
+    async def fill_rows(self, label: str) -> list[str]:
         """Every row in use at once: `max_sessions` sessions holding memory and `max_batch` streams generating
         together (each has a token while none has finished); then all of it let go."""
         problems = []
