@@ -346,7 +346,8 @@ class TxlRuntime:
         temperature 0 is greedy; top_k / top_p filter before sampling; `seed` makes sampling reproducible.
         stop: token ids that end generation (yielded, then stop).
         controls: the other token-level sampling parameters by name (min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens; see runtimes/sampling.py), or all of them
+        frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens, ban_unk=True to keep `<unk>` out of the
+        text; see runtimes/sampling.py), or all of them
         as one `params=SamplingParams(...)` (whose max_tokens and stop_token_ids then apply). Stop strings and
         log-probs belong to text responses: asking for them here is an error.
 
@@ -374,7 +375,8 @@ class TxlRuntime:
                 ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
             else:
                 self._check_can_continue()
-        return self._generate(ids, Sampler(params, self.n_token, context=() if ids is None else ids[0]))
+        sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab)
+        return self._generate(ids, sampler)
 
     def _check_can_continue(self):
         if self._last_log_probs is None or self.batch_size is None:

@@ -19,7 +19,9 @@ order:
 3. `presence_penalty`, `frequency_penalty` (OpenAI's formula): s[j] - c[j] * frequency - (c[j] > 0) * presence,
    with c[j] the number of times token j was generated so far in this request.
 4. `no_repeat_ngram_size` n (HuggingFace): a token that would repeat an n-gram of the context gets -inf.
-5. `min_tokens`: the stop token ids get -inf until that many tokens have been generated.
+5. `min_tokens`: the stop token ids get -inf until that many tokens have been generated. `ban_unk`: the
+   vocabulary's `<unk>` gets -inf, so no sampled text holds it (a word model trained on WikiText-103 predicts
+   `<unk>` often: its corpus replaced every rare word by it).
 6. `temperature` 0: greedy, the first maximum of these scores (nothing is drawn). Otherwise the scores / T, then
 7. `top_k` (ties with the k-th score stay), `top_p` (a token stays while the probability of the more likely ones,
    ties in id order, is below p: the most likely always stays), `min_p` (a token stays if its probability is at
@@ -52,7 +54,7 @@ PENALTY_LIMIT = 2.0  # OpenAI: presence and frequency penalties lie in [-2, 2]
 # response that only a path producing text can give.
 TOKEN_CONTROLS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                             "frequency_penalty", "no_repeat_ngram_size", "logit_bias", "seed", "stop_token_ids",
-                            "max_tokens", "min_tokens"})
+                            "max_tokens", "min_tokens", "ban_unk"})
 TEXT_CONTROLS = frozenset({"stop", "logprobs"})
 
 
@@ -82,6 +84,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None  # report the chosen token's log-prob and this many alternatives
+    ban_unk: bool = False  # never choose the vocabulary's <unk> (needs the vocabulary: see `unk_id`)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -124,6 +127,9 @@ class SamplingParams:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
                 raise InputError(f"logprobs must be a whole number in [0, {MAX_LOGPROBS}], got {n!r}")
             set_("logprobs", int(n))
+        if not isinstance(self.ban_unk, (bool, np.bool_)):
+            raise InputError(f"ban_unk must be true or false, got {self.ban_unk!r}")
+        set_("ban_unk", bool(self.ban_unk))
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +154,18 @@ class SamplingParams:
             bad = [t for t in ids if t >= n_token]
             if bad:
                 raise InputError(f"{what} names token id {bad[0]}, outside the vocabulary [0, {n_token})")
+
+
+def unk_id(params: SamplingParams, vocab) -> int | None:
+    """The token id `ban_unk` bans: the vocabulary's `<unk>`, or None when nothing is banned (ban_unk off, or a
+    vocabulary without `<unk>`, which can never produce one). InputError when ban_unk is asked of a model without a
+    vocabulary: which id is `<unk>` is then unknown, and a ban on nothing would be a request silently ignored."""
+    if not params.ban_unk:
+        return None
+    if vocab is None:
+        raise InputError("ban_unk needs the model's vocabulary, to know which token is <unk>; this model has none "
+                         "(ban the id with logit_bias ID=-100 instead)")
+    return None if vocab.unk is None else vocab.index[vocab.unk]
 
 
 def _token_key(key) -> int:
@@ -227,10 +245,11 @@ class Sampler:
 
     `context`: the token ids the stream was given (the prompt of this request); the repetition penalty and the
     n-gram bans look at them and at the generated tokens, the presence and frequency penalties at the generated
-    tokens only."""
+    tokens only. `vocab`: the model's vocabulary (`ban_unk` needs it, to find `<unk>`)."""
 
-    def __init__(self, params: SamplingParams, n_token: int, context=()):
+    def __init__(self, params: SamplingParams, n_token: int, context=(), vocab=None):
         params.check_vocabulary(n_token)
+        self.unk = unk_id(params, vocab)
         self.params, self.n_token = params, n_token
         self.rng = np.random.default_rng(params.seed)
         self.context = [int(t) for t in np.asarray(context, dtype=np.int64).reshape(-1)]
@@ -238,7 +257,7 @@ class Sampler:
         self.counts = np.zeros(n_token, dtype=np.int64)
         self._plain = not (params.logit_bias or params.repetition_penalty != 1 or params.presence_penalty
                            or params.frequency_penalty or params.no_repeat_ngram_size or
-                           (params.min_tokens and params.stop_token_ids))
+                           (params.min_tokens and params.stop_token_ids) or self.unk is not None)
 
     def scores(self, log_probs: np.ndarray) -> np.ndarray:
         """Steps 1-5 on one distribution [V]: the scores that temperature and the filters act on (float64)."""
@@ -259,6 +278,8 @@ class Sampler:
             s[banned_ngram_tokens(self.context + self.generated, p.no_repeat_ngram_size)] = -np.inf
         if p.min_tokens and len(self.generated) < p.min_tokens and p.stop_token_ids:
             s[list(p.stop_token_ids)] = -np.inf
+        if self.unk is not None:
+            s[self.unk] = -np.inf
         return s
 
     def choose(self, log_probs: np.ndarray) -> int:

@@ -40,7 +40,7 @@ async function generate(prompt, params, stops, onToken) {
   stream.reset();
   const ids = vocab.encode(prompt);
   if (ids.length === 0) throw new Error("the prompt is empty");
-  const sampler = new Sampler(params, spec.n_token, ids);
+  const sampler = new Sampler(params, spec.n_token, ids, null, vocab);
   const stopText = new StopText(stops);
   const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
   const finish = () => { // the decoder's rest (an incomplete last character) and what the stop check held back
@@ -80,7 +80,7 @@ function readControls() {
     temperature: num("temperature"), topK: num("top-k") || null, topP: num("top-p"), minP: num("min-p"),
     repetitionPenalty: num("repetition-penalty"), presencePenalty: num("presence-penalty"),
     frequencyPenalty: num("frequency-penalty"), noRepeatNgramSize: num("no-repeat-ngram"),
-    seed: seed === "" ? null : Number(seed), maxTokens: num("max-new"),
+    seed: seed === "" ? null : Number(seed), maxTokens: num("max-new"), banUnk: $("ban-unk").checked,
   });
   return { params, stops: $("stop-text").value ? [$("stop-text").value] : [] };
 }
@@ -150,8 +150,9 @@ window.txlDemo = {
     return [ids, text];
   },
   // the sampler alone: tokens chosen from given log-prob rows; the generator's first uniform numbers
-  sampleRows(rows, fields, context = []) {
-    const sampler = new Sampler(new SamplingParams(fields), rows[0].length, context);
+  async sampleRows(rows, fields, context = []) {
+    const { vocab } = await ready;
+    const sampler = new Sampler(new SamplingParams(fields), rows[0].length, context, null, vocab);
     return rows.map((row) => sampler.choose(row));
   },
   uniforms(seed, n) {

@@ -120,14 +120,20 @@ function bits(data) {
 // The model's vocabulary (vocab.json), as txl_deploy.vocab.Vocab reads and writes text. Kinds: "word" (words split
 // on whitespace, <eos> at line ends), "char" (one symbol per character), "bytes" (the paper's enwik8: each symbol
 // a byte's decimal value; text is UTF-8 and newlines are dropped, as its preprocessing dropped them) and "text8"
-// (a-z, "_" for the space). Another kind (from a newer txl-deploy) is refused, never read as one of these.
+// (a-z, "_" for the space). Another kind (from a newer txl-deploy) is refused, never read as one of these. A word
+// vocabulary read with the Moses tokenizer (tokenizer "wikitext" or "lm1b": WikiText-103's and One Billion Word's
+// models) is refused too: the page has no Moses, and splitting on whitespace would give the model other words.
 const KINDS = ["word", "char", "bytes", "text8"];
 const UNK = "<unk>", EOS = "<eos>";
 
 export class Vocab {
-  constructor({ kind, symbols }) {
+  constructor({ kind, symbols, tokenizer = null }) {
     if (!KINDS.includes(kind)) {
       throw new Error(`vocabulary kind ${JSON.stringify(kind)} is not one this txl.js knows (${KINDS.join(", ")})`);
+    }
+    if (kind === "word" && tokenizer !== null && tokenizer !== "whitespace") {
+      throw new Error(`this model reads and writes text with the ${tokenizer} tokenizer (Moses), which the page ` +
+        "does not have; run it with txl-deploy generate or serve");
     }
     this.kind = kind;
     this.symbols = symbols;
@@ -343,7 +349,7 @@ const inRange = (name, v, lo, hi, loOpen = false) => {
 export class SamplingParams {
   constructor({ temperature = 1, topK = null, topP = 1, minP = 0, repetitionPenalty = 1, presencePenalty = 0,
                 frequencyPenalty = 0, noRepeatNgramSize = 0, logitBias = {}, seed = null, stopTokenIds = [],
-                maxTokens = 16, minTokens = 0 } = {}) {
+                maxTokens = 16, minTokens = 0, banUnk = false } = {}) {
     if (typeof temperature !== "number" || !Number.isFinite(temperature) || temperature < 0) {
       throw new RangeError(`temperature must be a finite number >= 0, got ${temperature}`);
     }
@@ -370,6 +376,8 @@ export class SamplingParams {
     if (this.minTokens > this.maxTokens) {
       throw new RangeError(`min_tokens (${this.minTokens}) must not exceed max_tokens (${this.maxTokens})`);
     }
+    if (typeof banUnk !== "boolean") throw new RangeError(`ban_unk must be true or false, got ${banUnk}`);
+    this.banUnk = banUnk;
   }
 }
 
@@ -387,9 +395,13 @@ export function bannedNgramTokens(ids, n) {
 }
 
 // One stream's sampling: choose(logProbs) -> token id. `random` (uniform in [0, 1)) defaults to Pcg64(seed), or
-// Math.random without a seed.
+// Math.random without a seed. `vocab`: the model's Vocab, which banUnk needs (to find <unk>).
 export class Sampler {
-  constructor(params, nToken, context = [], random = null) {
+  constructor(params, nToken, context = [], random = null, vocab = null) {
+    if (params.banUnk && vocab === null) {
+      throw new RangeError("ban_unk needs the model's vocabulary, to know which token is <unk>");
+    }
+    this.unk = params.banUnk ? vocab.unk : undefined; // undefined: nothing to ban
     for (const [what, ids] of [["logit_bias", [...params.logitBias.keys()]], ["stop_token_ids", params.stopTokenIds]]) {
       const bad = ids.find((id) => id >= nToken);
       if (bad !== undefined) throw new RangeError(`${what} names token id ${bad}, outside the vocabulary [0, ${nToken})`);
@@ -423,6 +435,7 @@ export class Sampler {
       for (const id of bannedNgramTokens([...this.context, ...this.generated], p.noRepeatNgramSize)) s[id] = -Infinity;
     }
     if (p.minTokens && this.generated.length < p.minTokens) for (const id of p.stopTokenIds) s[id] = -Infinity;
+    if (this.unk !== undefined) s[this.unk] = -Infinity;
     return s;
   }
 

@@ -88,7 +88,7 @@ class Completion:
 
     def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=()):
         self.params, self.vocab = params, vocab
-        self.sampler = Sampler(params, n_token, context)
+        self.sampler = Sampler(params, n_token, context, vocab=vocab)
         self.stops = StopText(params.stop)
         # The completion continues text the client sent: a word gets its leading space, and a character that a
         # byte-level model spells over several tokens is released once whole.

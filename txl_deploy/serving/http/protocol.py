@@ -5,8 +5,9 @@ that names it, never silently dropped. Responses are plain dicts in OpenAI's sha
 the `openai` client parses.
 
 Extensions, all optional (vLLM's names where vLLM has the parameter): `session_id` (continue a session's memory),
-`top_k`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`, and
-`return_token_ids` (each choice then carries `token_ids`, the generated token ids).
+`top_k`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`, `ban_unk` (true:
+never sample the vocabulary's `<unk>`), and `return_token_ids` (each choice then carries `token_ids`, the generated
+token ids).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class CompletionRequest(BaseModel):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = False
+    ban_unk: bool | None = None
 
     def unsupported(self) -> ApiError | None:
         """OpenAI fields this server cannot honour, set to anything but their no-op values."""
@@ -96,7 +98,7 @@ class CompletionRequest(BaseModel):
         """The SamplingParams keyword arguments this request sets (None: the default)."""
         fields = ("max_tokens", "temperature", "top_p", "logprobs", "stop", "presence_penalty", "frequency_penalty",
                   "logit_bias", "seed", "top_k", "min_p", "repetition_penalty", "no_repeat_ngram_size", "min_tokens",
-                  "stop_token_ids")
+                  "stop_token_ids", "ban_unk")
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 

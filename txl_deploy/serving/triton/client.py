@@ -34,7 +34,7 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
-from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params, unk_id
 from txl_deploy.runtimes.saved_state import read_state_metadata
 from txl_deploy.serving.triton.protocol import (
     PARAM_PREFIX,
@@ -379,6 +379,7 @@ class Conversation:
         params = generation_params("Conversation.generate()", params, given, GENERATE_DEFAULTS, controls)
         if self.client.n_token is not None:
             params.check_vocabulary(self.client.n_token)
+        unk_id(params, self.client.vocab)  # refused now, not at the first token, if it cannot be honoured
         ids = None
         if prompt is not None:
             ids = self.client.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int64)
@@ -394,7 +395,8 @@ class Conversation:
             if self.pending is not None:
                 self.feed([])
             if sampler is None:
-                sampler = Sampler(params, self.last_log_probs.size, context=() if ids is None else ids.reshape(-1))
+                sampler = Sampler(params, self.last_log_probs.size, context=() if ids is None else ids.reshape(-1),
+                                  vocab=self.client.vocab)
             tok = sampler.choose(self.last_log_probs)
             self.pending = tok
             yield tok
