@@ -1,5 +1,5 @@
-"""A WikiText-103-style word model's text: `<unk>` can be kept out of sampled text (`ban_unk`), where the model
-would write it.
+"""A WikiText-103-style word model's text: `<unk>` can be kept out of sampled text, where the model would write it
+(`ban_unk` in the API, `--no-unk` on `txl-deploy generate`).
 
 The model is `helpers.word_models`: the tiny random model over WikiText-103's kind of symbols; seeded sampling at a
 high temperature writes every kind of symbol."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.cli import cli
 from helpers.word_models import NATURAL_LINE, save_wikitext_model
 
 from txl_deploy.errors import InputError
@@ -87,3 +88,25 @@ def test_ban_unk_is_checked():
     plain = Vocab(["a", "b", "c"])
     sampler = Sampler(SamplingParams(ban_unk=True, temperature=0), 3, vocab=plain)
     assert sampler.choose(np.log(np.array([0.2, 0.5, 0.3]))) == 1
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+def test_generate_prints_detokenized_text_and_no_unk_keeps_it_out(rt, wikitext):
+    unk = rt.vocab.index["<unk>"]
+    unbanned = []
+    for seed in SEEDS[:3]:
+        args = ["generate", wikitext[1], "--prompt", NATURAL_LINE, "--max-new-tokens", N, "--temperature", 1.5,
+                "--seed", seed, "--logit-bias", f"{unk}=2", "--threads", 1]
+        free = cli(*args)
+        assert free.exit_code == 0, free.output
+        want = "".join(rt.generate_text(NATURAL_LINE, N, temperature=1.5, seed=seed, logit_bias={unk: 2.0}))
+        rt.reset()
+        assert free.stdout == NATURAL_LINE + want + "\n"
+        unbanned.append(free.stdout)
+        banned = cli(*args, "--no-unk")
+        assert banned.exit_code == 0, banned.output
+        want = "".join(rt.generate_text(NATURAL_LINE, N, temperature=1.5, seed=seed, logit_bias={unk: 2.0},
+                                        ban_unk=True))
+        rt.reset()
+        assert banned.stdout == NATURAL_LINE + want + "\n" and "<unk>" not in banned.stdout
+    assert any("<unk>" in text for text in unbanned)  # the seeds tried do write <unk> when it is not banned

@@ -25,8 +25,9 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, th
     """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT.
 
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
-    several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. The sampling options are
-    those of the HTTP server (`txl-deploy serve`) and of `TxlRuntime.generate`."""
+    several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. --no-unk keeps `<unk>` out
+    of the text. The sampling options are those of the HTTP server (`txl-deploy serve`) and of
+    `TxlRuntime.generate`."""
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
         if rt.vocab is None:

@@ -92,11 +92,15 @@ def sampling_options(temperature: float):
         click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
                      help="A token id that ends generation; repeatable."),
         click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output)."),
+        click.option("--no-unk", "ban_unk", is_flag=True, default=False,
+                     help="Never sample <unk> (the word WikiText-103 and lm1b put in place of every rare word), so "
+                          "it never appears in the text."),
     ]
 
     def decorate(f):
         names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "no_repeat_ngram_size", "logit_bias", "min_tokens", "stop_token_ids", "seed")
+                 "frequency_penalty", "no_repeat_ngram_size", "logit_bias", "min_tokens", "stop_token_ids", "seed",
+                 "ban_unk")
 
         def wrapper(*args, **kwargs):
             kwargs["sampling"] = {name: kwargs.pop(name) for name in names}

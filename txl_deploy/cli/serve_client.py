@@ -23,16 +23,18 @@ from txl_deploy.serving.triton.client import TxlTritonClient
 def serve_client(url, prompt, model, max_new_tokens, sampling, vocab, timeout):
     """Generate text from a Triton server at URL (http://HOST:PORT or grpc://HOST:PORT), streaming tokens as
     they arrive. The conversation is one Triton sequence, ended when generation stops. The server returns
-    log-probs; this client samples them with the sampler every txl-deploy path uses (the options of `generate`)."""
+    log-probs; this client samples them with the sampler every txl-deploy path uses (the options of `generate`).
+    The text continues PROMPT, decoded as `generate` prints it; the prompt itself is not printed again."""
     client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout)
-    if client.vocab is None:
-        raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
-    decoder = client.vocab.stream_decoder()  # a character over several byte tokens prints once complete
-    for tok in client.generate(prompt, max_new_tokens=max_new_tokens, **sampling):
-        sys.stdout.write(decoder.feed(tok))
-        sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
-    client.close()
+    try:
+        if client.vocab is None:
+            raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
+        for piece in client.generate_text(prompt, max_new_tokens=max_new_tokens, **sampling):
+            sys.stdout.write(piece)  # a character over several byte tokens prints once complete
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        client.close()
 
 
 COMMANDS = [serve_client]
