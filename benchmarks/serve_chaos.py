@@ -27,7 +27,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from txl_deploy.bench.report import command_line, results_markdown, stop_on_sigterm, write_text
+from txl_deploy.bench.report import command_line, refuse_existing, results_markdown, stop_on_sigterm, write_text
 from txl_deploy.bench.serve_chaos import ChaosSettings, Target, markdown, passed, run_chaos, runtime_reference, summary
 from txl_deploy.bench.serve_load import ServeProcess
 from txl_deploy.bench.triton_load import _machine, _versions, prepare_model
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     stop_on_sigterm()  # the server is stopped on the way out, as on Ctrl-C
     try:
-        for path in (args.json, args.md):
-            if path and Path(path).exists() and not args.force:
-                raise TxlError(f"{path} already exists (use --force to overwrite)")
+        refuse_existing((args.json, args.md), args.force)
         if args.max_sessions < 2 * (args.workers + args.golden):
             raise TxlError("--max-sessions must be at least 2 x (--workers + --golden): the golden sessions must "
                            "never be the least recently used one evicted")

@@ -14,9 +14,8 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from txl_deploy.bench.report import command_line, stop_on_sigterm, write_text
+from txl_deploy.bench.report import command_line, refuse_existing, stop_on_sigterm, write_text
 from txl_deploy.bench.serve_load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT,
@@ -58,9 +57,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     stop_on_sigterm()  # the servers are stopped on the way out, as on Ctrl-C
     try:
-        for path in (args.json, args.md):
-            if path and Path(path).exists() and not args.force:
-                raise TxlError(f"{path} already exists (use --force to overwrite)")
+        refuse_existing((args.json, args.md), args.force)
         results = [run_benchmark(model, args.concurrency, args.tokens, args.prompt_len, args.threads, args.repeat,
                                  args.context, args.follow_up, triton=not args.no_triton, mem_len=args.mem_len,
                                  cache_dir=args.cache_dir)

@@ -40,9 +40,8 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from txl_deploy.bench.report import command_line, int_list, stop_on_sigterm, write_text
+from txl_deploy.bench.report import command_line, int_list, refuse_existing, stop_on_sigterm, write_text
 from txl_deploy.bench.triton_load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_BATCH,
@@ -104,9 +103,7 @@ def main(argv=None) -> int:
     # KeyboardInterrupt so `with TritonServer(...)` stops them, as it does on Ctrl-C.
     stop_on_sigterm()
     try:
-        for path in (args.json, args.md):  # refuse before minutes of measuring, not after
-            if path and Path(path).exists() and not args.force:
-                raise TxlError(f"{path} already exists (use --force to overwrite)")
+        refuse_existing((args.json, args.md), args.force)
         models = args.model or [model for model, _ in DEFAULT_MODELS]
         delays = args.queue_delay_us or ([DEFAULT_QUEUE_DELAY_US] if args.model else [d for _, d in DEFAULT_MODELS])
         if len(delays) not in (1, len(models)):

@@ -39,7 +39,7 @@ import shlex
 import signal
 from pathlib import Path
 
-from txl_deploy.errors import InputError
+from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
 SCHEMA = "txl-deploy-bench/1"
@@ -151,6 +151,14 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
     return values
+
+
+def refuse_existing(paths, force: bool):
+    """A TxlError for the first results file that exists (unless force): called before minutes of measuring, so
+    a run is never lost to a file it may not overwrite."""
+    for path in paths:
+        if path and Path(path).exists() and not force:
+            raise TxlError(f"{path} already exists (use --force to overwrite)")
 
 
 def write_text(path, text: str, force: bool):
