@@ -1,4 +1,5 @@
-"""Holding a serving engine at a chosen backend call, so a test knows exactly what the engine has made when it acts."""
+"""Driving a serving engine directly: holding it at a chosen backend call, so a test knows exactly what the engine
+has made when it acts, and recording what it sends a job."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ class EngineGate:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class EventRecorder:
+    """A job's `emit`: the events the engine sends it, in order; `done` is set by its last (done or error)."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def emit(self, kind, payload):
+        self.events.append((kind, payload))
+        if kind != "token":
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [p.token for k, p in self.events if k == "token"]

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from helpers.engine_gate import EventRecorder
 
 from txl_deploy.runtimes import SamplingParams, TxlRuntime
 from txl_deploy.serving.http.scheduler import Job, Scheduler
@@ -71,23 +72,6 @@ def test_32_concurrent_streams_each_get_their_tokens_alone(server, alone):
     assert max(batches) > 8, batches  # the streams really ran as rows of shared calls
 
 
-class _Recorder:
-    """The engine's collector: events per job."""
-
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def emit(self, kind, payload):
-        self.events.append((kind, payload))
-        if kind != "token":
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [p.token for k, p in self.events if k == "token"]
-
-
 @pytest.fixture
 def engine(tiny_onnx):
     """A scheduler with its backend calls recorded: (segment length, rows)."""
@@ -109,7 +93,7 @@ def engine(tiny_onnx):
 
 def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, alone):
     short, long_ = _prompts(1, seed=3)[0][:3], list(range(40)) + list(range(10))  # 50 tokens: 13 chunks of <= 4
-    a, b = _Recorder(), _Recorder()
+    a, b = EventRecorder(), EventRecorder()
     # a runs for 200 steps (over 0.4 s), far longer than b's 13 chunks and 5 steps take, so a is still decoding
     # between b's chunks even when this thread is descheduled for a while after a's first token
     engine.submit(Job(short, SamplingParams(temperature=0, max_tokens=200), a.emit))
@@ -136,7 +120,7 @@ def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, alone):
 
 
 def test_streams_join_and_leave_between_steps(engine, alone):
-    recs = [_Recorder() for _ in range(6)]
+    recs = [EventRecorder() for _ in range(6)]
     prompts = _prompts(6, seed=5)
     lengths = [3, 12, 5, 20, 1, 8]
     for i, (rec, prompt, n) in enumerate(zip(recs, prompts, lengths)):
@@ -154,7 +138,7 @@ def test_streams_join_and_leave_between_steps(engine, alone):
 
 
 def test_a_cancelled_stream_frees_its_row_within_one_step(engine):
-    rec, other = _Recorder(), _Recorder()
+    rec, other = EventRecorder(), EventRecorder()
     job = Job([1, 2, 3], SamplingParams(temperature=0, max_tokens=500), rec.emit)
     engine.submit(job)
     engine.submit(Job([4, 5], SamplingParams(temperature=0, max_tokens=500), other.emit))

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import conversations
+from helpers.engine_gate import EventRecorder
 
 from txl_deploy.errors import TxlError
 from txl_deploy.runtimes import SamplingParams, TxlRuntime
@@ -41,30 +42,13 @@ C = [40, 41, 7]
 BOUND_S = 60  # no single wait in these tests takes longer on any machine that runs the suite
 
 
-class _Recorder:
-    """A job's events, as the engine sends them."""
-
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def emit(self, kind, payload):
-        self.events.append((kind, payload))
-        if kind != "token":
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [p.token for k, p in self.events if k == "token"]
-
-
 def _greedy(n):
     return SamplingParams(temperature=0, max_tokens=n)
 
 
 def _turn(engine, session, prompt, n) -> list[int]:
     """One request on the session, run to its end: the tokens."""
-    rec = _Recorder()
+    rec = EventRecorder()
     engine.submit(Job(prompt, _greedy(n), rec.emit, session_id=session))
     assert rec.done.wait(BOUND_S)
     assert rec.events[-1][0] == "done", rec.events[-1]
@@ -150,7 +134,7 @@ def test_a_restoring_session_is_refused_to_everyone_until_its_memory_is_in(engin
             assert engine.sessions.get("r").state == "loading"
             _refused(lambda: engine.delete_session("r"), 409, "is being restored")
             _refused(lambda: engine.park("r"), 409, "is being restored")
-            _refused(lambda: engine.submit(Job(B, _greedy(2), _Recorder().emit, session_id="r")), 409,
+            _refused(lambda: engine.submit(Job(B, _greedy(2), EventRecorder().emit, session_id="r")), 409,
                      "is being restored")
             # neither eviction nor the TTL takes it: 3 sessions at most, the idle ones go first
             for sid in ("e1", "e2", "e3"):
@@ -190,7 +174,7 @@ def test_parking_ends_a_session_only_once_its_bytes_exist(engine, tiny_onnx, mon
             assert began.wait(BOUND_S)
             assert engine.sessions.get("p").state == "parking"
             _refused(lambda: engine.delete_session("p"), 409, "is being parked")
-            _refused(lambda: engine.submit(Job(B, _greedy(2), _Recorder().emit, session_id="p")), 409,
+            _refused(lambda: engine.submit(Job(B, _greedy(2), EventRecorder().emit, session_id="p")), 409,
                      "is being parked")
             _refused(lambda: engine.park("p"), 409, "is being parked")
         assert parking.result(BOUND_S)[:2] == b"PK"  # an .npz
@@ -225,7 +209,7 @@ def test_a_cancelled_queued_request_leaves_its_session_as_it_was(engine, tiny_on
     _turn(engine, "s", A, 3)
     before = engine.sessions.get("s").last_log_probs.copy()
     with _engine_held(engine):
-        job = Job(prompt, _greedy(4), _Recorder().emit, session_id="s")
+        job = Job(prompt, _greedy(4), EventRecorder().emit, session_id="s")
         engine.submit(job)
         engine.cancel(job)  # taken in the same turn as the job: it never reaches a row
     _between_steps(engine, lambda: None)
@@ -257,7 +241,7 @@ def test_a_call_failing_part_way_counts_what_each_session_took(tiny_onnx, monkey
                 raise RuntimeError("injected fault in the second span")
             return run(*args)
 
-        recs = {sid: _Recorder() for sid in "ae"}
+        recs = {sid: EventRecorder() for sid in "ae"}
         with _engine_held(eng):  # both in the same step
             monkeypatch.setattr(eng.backend, "run", second_fails)
             for sid, rec in recs.items():
@@ -600,7 +584,7 @@ def test_a_broken_engine_stops_answers_every_request_and_refuses_new_ones(make_s
             assert r.status_code == 503, (path, r.text)
             _openai_error(r.json(), "server_error", "engine_failed")
     with pytest.raises(ApiError) as e:
-        eng.submit(Job(B, _greedy(2), _Recorder().emit))
+        eng.submit(Job(B, _greedy(2), EventRecorder().emit))
     assert e.value.status == 503
 
 
