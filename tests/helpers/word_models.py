@@ -30,3 +30,11 @@ def save_wikitext_model(path, seed: int = 3):
 
     save_checkpoint(path, make_tiny_model(seed), Vocab(WIKITEXT_SYMBOLS))
     return path
+
+
+def export_wikitext_onnx(root):
+    """save_wikitext_model under `root`, exported to `root`/wt.onnx (what the runtime, the server and Triton run);
+    returns the ONNX file's path."""
+    from txl_deploy.exporters.onnx.export import export_onnx
+
+    return export_onnx(save_wikitext_model(root / "wt"), root / "wt.onnx", max_segment=16, verify=False).path

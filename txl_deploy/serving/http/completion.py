@@ -23,6 +23,7 @@ from txl_deploy.runtimes.sampling import Sampler, SamplingParams, top_logprobs
 from txl_deploy.vocab import CONTINUING, Vocab
 
 LOGPROB_FLOOR = -9999.0
+PROMPT_TAIL_TOKENS = 32  # how much of the prompt is decoded for the completion's decoder to continue
 
 
 def wire_logprob(value) -> float:
@@ -35,6 +36,16 @@ def token_text(vocab: Vocab, token: int) -> str:
     """One token's own text, as logprobs list it (a byte of a longer character shows as U+FFFD there). The text
     a completion streams comes from the vocabulary's incremental decoder instead (`Completion`)."""
     return vocab.piece(token)
+
+
+def prompt_tail(vocab: Vocab, context) -> object:
+    """What a completion's decoder continues: the decoded text of the prompt's last PROMPT_TAIL_TOKENS tokens (all
+    the decoder looks back on: a word's leading space depends on the text just before it; decoding the whole of a
+    long prompt again would cost the engine's thread), or CONTINUING when there is no prompt."""
+    context = np.asarray(context, dtype=np.int64).reshape(-1)
+    if not context.size:
+        return CONTINUING
+    return vocab.decode(context[-PROMPT_TAIL_TOKENS:]) or CONTINUING
 
 
 class StopText:
@@ -78,7 +89,9 @@ class TokenOut:
     piece: str  # this token's own text
     logprob: float  # as sent (wire_logprob)
     top: dict | None  # {text: log-prob as sent} of the most likely tokens, with logprobs requested
-    offset: int  # where the text this token released starts in the completion (before stop strings cut it)
+    # where the text this token released starts in the completion (before stop strings cut it): the offsets run
+    # through the completion's text, and text[offset[i]:offset[i + 1]] is what token i released
+    offset: int
     produced: float  # time.monotonic() when the engine made it
 
 
@@ -90,9 +103,10 @@ class Completion:
         self.params, self.vocab = params, vocab
         self.sampler = Sampler(params, n_token, context, vocab=vocab)
         self.stops = StopText(params.stop)
-        # The completion continues text the client sent: a word gets its leading space, and a character that a
-        # byte-level model spells over several tokens is released once whole.
-        self.decoder = vocab.stream_decoder(CONTINUING)
+        # The completion continues the prompt's text (or, with none, a session's earlier text it was not shown): a
+        # word gets its leading space unless the prompt ends a line, and a character that a byte-level model spells
+        # over several tokens is released once whole.
+        self.decoder = vocab.stream_decoder(prompt_tail(vocab, context))
         self.finish = None if params.max_tokens > 0 else "length"
         self.offset = 0
         self.tokens: list[int] = []
