@@ -1,6 +1,6 @@
 """The restricted unpickler: a checkpoint whose pickle would run code (os.system, builtins.eval, subprocess.call) is
 refused in every container (a plain pickle, torch's zip and legacy files, NVIDIA's checkpoint dict, an attribute of a
-pickled module), with a one-line error naming the callable, and nothing runs; HuggingFace's vocab.pkl is never read.
+pickled module, HuggingFace's vocab.pkl), with a one-line error naming the callable, and nothing runs.
 """
 
 from __future__ import annotations
@@ -143,17 +143,18 @@ def test_pickled_module_holding_a_malicious_attribute_is_refused(tmp_path):
 
 
 # -- HuggingFace's pickled vocabulary ------------------------------------------------------------------
-def test_huggingface_vocab_pickle_is_never_read(hf, tmp_path):
+def test_a_hostile_huggingface_vocab_pickle_is_refused_and_an_explicit_vocabulary_skips_it(hf, tmp_path):
     marker = tmp_path / "pwned"
     model = build_hf(hf, untie_r=True, same_length=True)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     (folder / "vocab.pkl").write_bytes(pickle.dumps(_Evil(["touch", str(marker)])))
-    loaded = load_model(folder)
-    assert loaded.vocab is None and not marker.exists()
-    assert any("vocab.pkl" in note for note in loaded.notes)
-    # ...and the CLI says what is missing when a vocabulary is needed.
-    assert_one_line_error(cli("convert", folder, "-o", tmp_path / "out"), "model.safetensors", "no vocabulary")
+    with pytest.raises(CheckpointError, match="vocab.pkl: refused to unpickle subprocess.call"):
+        load_model(folder)
+    assert_one_line_error(cli("convert", folder, "-o", tmp_path / "out"), "vocab.pkl", "refused to unpickle",
+                          "subprocess.call", "nothing from the file was run")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # --vocab names the vocabulary: the pickle beside the model is then not opened at all
     vocab_file = tmp_path / "words.txt"
     vocab_file.write_text("".join(f"{w}\n" for w in WORDS))
     result = cli("convert", folder, "-o", tmp_path / "out", "--vocab", vocab_file)

@@ -28,8 +28,8 @@ from helpers.cli import assert_one_line_error, cli
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint, crc32c
-from txl_deploy.checkpoints.tensorflow.corpus import read_cache_vocab
 from txl_deploy.checkpoints.tensorflow.presets import PRESETS, eval_settings, matching_presets
+from txl_deploy.checkpoints.vocab_files import read_vocab_file
 from txl_deploy.errors import CheckpointError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -636,7 +636,7 @@ def test_malicious_cache_pkl_is_refused_and_nothing_runs(published, tmp_path):
     evil = py2_cache_pickle(["a", "b"], "x").replace(b"ccollections\nCounter\n", b"cbuiltins\neval\n")
     (root / "data" / "cache.pkl").write_bytes(evil)
     with pytest.raises(CheckpointError, match="refused to unpickle builtins.eval"):
-        read_cache_vocab(root / "data" / "cache.pkl")
+        read_vocab_file(root / "data" / "cache.pkl")
 
 
 def test_info_and_tf_semantics_for_other_formats(published, tmp_path):

@@ -2,7 +2,8 @@
 (fuzz_worker.py) that reads each damaged file under a memory and a time limit.
 
 Seeds are files the test suite makes anyway: the tiny checkpoint (model.safetensors, config.json, vocab.json), its
-ONNX export, saved states of it, torch.save files of its state_dict in both formats, a corpus cache pickle and a
+ONNX export, saved states of it, torch.save files of its state_dict in both formats, a corpus cache pickle,
+HuggingFace's TransfoXLTokenizer vocabularies (vocab.pkl as transformers writes it, the plain dict, vocab.bin) and a
 TensorFlow bundle. Damage is byte-level (bit flips, truncation, inserted runs, huge varints and 64-bit lengths,
 deletions, splices) or structure-aware: fields rewritten inside a valid container whose checksums are recomputed
 (the TF index's block crc32c and each entry's data crc32c, zip's CRC-32, safetensors' header length), so that the
@@ -100,6 +101,31 @@ def _corpus_pickles() -> list[bytes]:
                 sys.modules[k] = v
 
 
+def _tokenizer_vocabularies(folder: Path) -> list[dict]:
+    """HuggingFace's TransfoXLTokenizer vocabularies: the vocab.pkl its own save_vocabulary writes (sacremoses
+    objects and compiled patterns inside), the older plain-dict layout, and vocab.bin (torch.save) in both formats."""
+    import torch  # the vocab.bin seeds
+    from transformers.models.deprecated.transfo_xl import TransfoXLTokenizer  # writes the real file (test extra)
+    from transformers.utils import logging  # its deprecation warning is not what is fuzzed
+
+    logging.set_verbosity_error()
+    words = folder / "hf-words.txt"
+    symbols = ["<eos>", "<unk>", "the", "@-@", "@,@", "caf\u00e9", "state-of-the-art"]
+    words.write_text("".join(f"{s}\n" for s in symbols), encoding="utf-8")
+    out = folder / "hf-vocab"
+    out.mkdir()
+    tok = TransfoXLTokenizer(vocab_file=str(words), never_split=["state-of-the-art"], lower_case=True)
+    (saved,) = tok.save_vocabulary(str(out))
+    plain = {k: tok.__dict__[k] for k in ("idx2sym", "sym2idx", "counter", "special", "min_freq", "max_size",
+                                          "lower_case", "delimiter", "vocab_file", "never_split", "unk_idx")}
+    seeds = [{"vocab.pkl": Path(saved).read_bytes()}, {"vocab.pkl": pickle.dumps(plain, protocol=2)}]
+    for legacy in (False, True):
+        buf = io.BytesIO()
+        torch.save(plain, buf, _use_new_zipfile_serialization=not legacy)
+        seeds.append({"vocab.bin": buf.getvalue()})
+    return seeds
+
+
 def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
     """{format: [seed, ...]}; a seed is {file name: bytes} (or, for states, the state's arrays too)."""
     import torch  # the torch.save seeds
@@ -129,6 +155,7 @@ def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
         torch.save(state_dict, buf, _use_new_zipfile_serialization=not legacy)
         seeds["torch"].append({"model.pt": buf.getvalue()})
     seeds["cache"] = [{"cache.pkl": p} for p in _corpus_pickles()]
+    seeds["tokenizer-vocab"] = _tokenizer_vocabularies(folder)
     prefix = folder / "tf" / "model.ckpt-0"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -264,14 +291,14 @@ def npz_structured(draw, seed: bytes) -> bytes:
 @st.composite
 def torch_zip_structured(draw, seed: bytes) -> bytes:
     """A zip-format torch.save file re-zipped (valid CRC-32s, which torch's reader checks) with its data.pkl
-    damaged, or a data record cut or dropped."""
+    damaged, or a data record cut or dropped (when it has any)."""
     z = zipfile.ZipFile(io.BytesIO(seed))
     members = [(i.filename, z.read(i.filename)) for i in z.infolist()]
     pkl = next(j for j, (n, _) in enumerate(members) if n.endswith("data.pkl"))
-    if draw(st.booleans()):
+    records = [j for j, (n, _) in enumerate(members) if "/data/" in n]
+    if not records or draw(st.booleans()):  # a file of no tensors (vocab.bin) has only its data.pkl to damage
         members[pkl] = (members[pkl][0], draw(damaged(members[pkl][1])))
     else:
-        records = [j for j, (n, _) in enumerate(members) if "/data/" in n]
         j = draw(st.sampled_from(records))
         if draw(st.booleans()):
             members.pop(j)

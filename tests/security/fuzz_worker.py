@@ -32,7 +32,7 @@ import torch  # noqa: F401  (imported before the limit: the pickle readers need 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.safe_pickle import torch_load
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
-from txl_deploy.checkpoints.tensorflow.corpus import read_cache_vocab
+from txl_deploy.checkpoints.vocab_files import read_vocab_file
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data, weight_file_bytes
 from txl_deploy.errors import TxlError
@@ -78,7 +78,12 @@ class Targets:
         load_model(prefix)
 
     def cache_pkl(self, folder, case):
-        read_cache_vocab(folder / "cache.pkl")
+        read_vocab_file(folder / "cache.pkl")
+
+    def tokenizer_vocab(self, folder, case):  # vocab.pkl or vocab.bin
+        for name in ("vocab.pkl", "vocab.bin"):
+            if (folder / name).is_file():
+                read_vocab_file(folder / name)
 
     def checkpoint_folder(self, folder, case):  # safetensors, config.json, vocab.json
         load_model(folder)

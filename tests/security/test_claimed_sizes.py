@@ -32,7 +32,7 @@ WORKER = textwrap.dedent("""
     from txl_deploy.checkpoints.huggingface import read_weights
     from txl_deploy.checkpoints.safe_pickle import torch_load
     from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
-    from txl_deploy.checkpoints.tensorflow.corpus import read_cache_vocab
+    from txl_deploy.checkpoints.vocab_files import read_vocab_file
     from txl_deploy.contract.metadata import read_onnx_info
     from txl_deploy.contract.onnx_file import external_data
     from txl_deploy.exporters.precision.token_data import read_token_ids
@@ -78,7 +78,7 @@ WORKER = textwrap.dedent("""
         "pickle memo index": lambda: torch_load(write("memo.pt", pickled(b"N", b"r" + (2**32 - 1).to_bytes(4, "little")))),
         "pickle bytes of a size": lambda: torch_load(write("bytesof.pt", cf.legacy_torch_file(
             cf.Reduce(bytes, (BIG,)), {}))),
-        "cache.pkl bytes length": lambda: read_cache_vocab(write("cache.pkl", pickled(b"\\x8e" + BIG.to_bytes(8, "little")))),
+        "cache.pkl bytes length": lambda: read_vocab_file(write("cache.pkl", pickled(b"\\x8e" + BIG.to_bytes(8, "little")))),
         "onnx field length": lambda: read_onnx_info(write("len.onnx", cf.onnx_with_length(onnx_bytes, 7, BIG))),
         "onnx external data walk": lambda: external_data(write("walk.onnx", cf.onnx_with_length(onnx_bytes, 7, BIG))),
         "npy token ids": lambda: read_token_ids(write("ids.npy", cf.npy_header((BIG,), "<i8") + bytes(64)), None, 60),

@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 
 from txl_deploy.serving.triton.repository import write_repository
 
-FORMATS = ["tf-bundle", "cache-pkl", "safetensors", "config-json", "vocab-json", "torch-pickle", "onnx-metadata",
-           "saved-state", "triton-requests"]
+FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "safetensors", "config-json", "vocab-json", "torch-pickle",
+           "onnx-metadata", "saved-state", "triton-requests"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
 
 
@@ -112,6 +112,19 @@ def test_fuzz_cache_pkl(fuzz):
         return "cache_pkl", {"cache.pkl": data.draw(damaged(seed))}
 
     fuzz_case(fuzz, "cache-pkl", build)
+
+
+def test_fuzz_tokenizer_vocabularies(fuzz):
+    seeds = fuzz["seeds"]["tokenizer-vocab"]
+
+    def build(data):
+        ((name, seed),) = data.draw(st.sampled_from(seeds)).items()
+        if name == "vocab.bin" and zipfile.is_zipfile(io.BytesIO(seed)) and data.draw(st.booleans(),
+                                                                                      label="structure-aware"):
+            return "tokenizer_vocab", {name: data.draw(torch_zip_structured(seed))}
+        return "tokenizer_vocab", {name: data.draw(damaged(seed))}
+
+    fuzz_case(fuzz, "tokenizer-vocab", build)
 
 
 def test_fuzz_safetensors_header(fuzz):

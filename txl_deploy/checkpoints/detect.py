@@ -18,10 +18,12 @@ in the same folder. It holds either our TxlConfig fields or the original `MemTra
 (`n_token`, `n_layer`, `n_head`, `d_model`, `d_head`, `d_inner`, `d_embed`, `div_val`, `cutoffs`, `tie_weight`,
 `tie_projs`, `pre_lnorm`, `tgt_len`, `mem_len`, `clamp_len`, `same_length`, ...; unknown keys are an error).
 
-The vocabulary: `vocab=` (`--vocab FILE`: any file `corpus_cache.read_vocab_file` reads), else the one the
-checkpoint carries (ours, NVIDIA's), else `vocab.json` / `vocab.txt` / the original PyTorch code's `cache.pt`
-beside it. Without one the model still loads, with `vocab` None. Its kind: `vocab_kind=` (`--vocab-kind`), else
-the file's (our vocab.json), else the corpus's (enwik8: bytes, text8: text8), else what its symbols show.
+The vocabulary (`vocab_files.attach_vocab`, one step for every format): `vocab=` (`--vocab FILE`: any file
+`vocab_files.read_vocab_file` reads), else the one the checkpoint carries (ours, NVIDIA's, a TensorFlow corpus
+cache), else the first of `vocab.json`, `vocab.txt`, `vocab.pkl`, `vocab.bin`, `cache.pt` beside it. Without one the
+model still loads, with `vocab` None. Its kind: `vocab_kind=` (`--vocab-kind`), else the file's (our vocab.json),
+else the corpus's (enwik8: bytes, text8: text8), else what its symbols show; its tokenizer: `tokenizer=`, else the
+file's, else what its symbols show.
 """
 
 from __future__ import annotations
@@ -30,15 +32,14 @@ from pathlib import Path
 
 from txl_deploy.checkpoints import cmu, huggingface, nvidia
 from txl_deploy.checkpoints import native as ours
-from txl_deploy.checkpoints.corpus_cache import read_vocab_file
 from txl_deploy.checkpoints.native import LoadedModel, read_json_object
 from txl_deploy.checkpoints.safe_pickle import pickled_class, torch_load
 from txl_deploy.checkpoints.tensorflow.convert import load_checkpoint as load_tf_checkpoint
 from txl_deploy.checkpoints.tensorflow.discovery import is_tf_checkpoint
+from txl_deploy.checkpoints.vocab_files import attach_vocab
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError
 from txl_deploy.model.weights import stored_inv_freq_note
-from txl_deploy.vocab import Vocab, choose_kind, kind_note
 
 # Folder formats: (name, is_format(folder), load(folder)). Our format first: it also has a config.json.
 FOLDER_FORMATS = [
@@ -55,18 +56,21 @@ TORCH_PAYLOADS = [
 FOLDER_MEMBERS = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json"}
 # What NVIDIA's train.py writes into its work directory, in the order a folder given alone is read.
 NVIDIA_WORK_DIR_FILES = ("checkpoint_best.pt", "checkpoint_last.pt")
-VOCAB_FILES = ("vocab.json", "vocab.txt", "cache.pt")  # cache.pt: the original PyTorch corpus cache
 
 
-def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, preset: str | None = None) -> LoadedModel:
+def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, preset: str | None = None,
+             tokenizer: str | None = None) -> LoadedModel:
     """Load a checkpoint of any supported format. `config`: for a bare state_dict (path, dict or TxlConfig), or the
     training flags of a TensorFlow checkpoint; `vocab`: a vocabulary file overriding any other; `vocab_kind`:
     the vocabulary's kind ("word", "char", "bytes", "text8") [default: the file's, the corpus's or what its symbols
-    show]; `preset`: the published model a TensorFlow checkpoint is."""
+    show]; `preset`: the published model a TensorFlow checkpoint is; `tokenizer`: how a word vocabulary reads
+    text ("whitespace", "wikitext", "lm1b") [default: the vocabulary file's, or what its symbols show]."""
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
     if is_tf_checkpoint(path):
-        return load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
+        # its vocabulary is its corpus cache (data/cache.pkl), or `vocab`: the corpus named there picks the preset
+        loaded = load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab)
+        return attach_vocab(loaded, kind=vocab_kind, tokenizer=tokenizer)
     if preset is not None:
         raise CheckpointError(path, "--preset is for TensorFlow checkpoints (model.ckpt-N or the published folder)")
     if not path.exists():
@@ -88,7 +92,7 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
         if work_dir_note:
             loaded.notes.insert(0, work_dir_note)
         vocab_dir = path.parent
-    _attach_vocab(loaded, vocab, vocab_kind, vocab_dir)
+    attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=vocab_dir)
     note = stored_inv_freq_note(loaded.config, loaded.state_dict)
     if note:
         loaded.notes.append(note)
@@ -146,32 +150,3 @@ def find_config(path: Path, config):
         else:
             return None
     return {**read_json_object(config), "_path": str(config)}
-
-
-def _attach_vocab(loaded: LoadedModel, vocab, vocab_kind, folder: Path):
-    if vocab is not None:
-        loaded.vocab = read_vocab_file(vocab, kind=vocab_kind)
-        loaded.vocab_source = str(vocab)
-    elif loaded.vocab is None:
-        for name in VOCAB_FILES:
-            if (folder / name).is_file():
-                loaded.vocab = read_vocab_file(folder / name, kind=vocab_kind)
-                loaded.vocab_source = str(folder / name)
-                break
-    elif loaded.vocab_source is None:
-        loaded.vocab_source = str(folder / ours.VOCAB_FILE) if loaded.source_format == ours.FORMAT else loaded.path
-    if loaded.vocab is not None and vocab_kind is not None:  # the user's word for the kind of any vocabulary
-        loaded.vocab = with_kind(loaded.vocab, vocab_kind, loaded.vocab_source)
-    if loaded.vocab is not None and len(loaded.vocab) != loaded.config.n_token:
-        raise CheckpointError(loaded.vocab_source, f"vocabulary has {len(loaded.vocab)} symbols but the model has "
-                                                   f"n_token={loaded.config.n_token}")
-    note = kind_note(loaded.vocab)
-    if note:
-        loaded.notes.append(note)
-
-
-def with_kind(vocab: Vocab, kind: str, source) -> Vocab:
-    try:
-        return vocab.with_kind(choose_kind(vocab.symbols, explicit=kind))
-    except ValueError as e:
-        raise CheckpointError(source, f"vocabulary {e}") from None

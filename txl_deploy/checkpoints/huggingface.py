@@ -1,8 +1,9 @@
 """HuggingFace transfo-xl folders (transformers <= 4.57, `models/deprecated/transfo_xl`).
 
 A folder with `config.json` (`model_type: "transfo-xl"`) and `model.safetensors` or `pytorch_model.bin` (also
-sharded, with an `.index.json`). `pytorch_model.bin` is read with the restricted unpickler. HF's vocabulary is a
-pickle (`vocab.pkl`) and is never unpickled: a `vocab.txt` / `vocab.json` beside it, or `--vocab`, supplies it.
+sharded, with an `.index.json`). `pytorch_model.bin` is read with the restricted unpickler. HF's vocabulary, the
+pickle `vocab.pkl` (or its torch.save twin `vocab.bin`) beside it, is found and read by `vocab_files`, through its
+restricted unpickler: only the symbols and the tokenizer's settings are taken, nothing in it runs.
 
 Two differences from the original code, both handled here:
 - HF reads tail cluster i's logit from head column `cutoffs[0] + i - 1`; ours (like CMU and NVIDIA) from column
@@ -135,7 +136,4 @@ def load_folder(folder, config=None) -> LoadedModel:
     state = normalise(rename(state, HF_RULES, weights_path, "HuggingFace"), cfg, weights_path)
     notes = ["HuggingFace starts the memory as mem_len zero vectors that are attended to; txl-deploy starts "
              "it empty as the paper does, so the first ~n_layer*ceil(mem_len/segment) segments differ"]
-    if (folder / "vocab.pkl").exists():
-        notes.append("vocab.pkl (a pickle) is never read; the vocabulary comes from vocab.txt / vocab.json "
-                     "beside it or --vocab")
     return LoadedModel(cfg, state, None, "huggingface", str(weights_path), notes=notes)

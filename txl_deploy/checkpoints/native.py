@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from txl_deploy.checkpoints.vocab_files import open_vocab_file
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
 from txl_deploy.files import atomic_path
@@ -14,7 +15,6 @@ from txl_deploy.vocab import Vocab
 FORMAT = "txl-deploy"
 FORMAT_VERSION = 1
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
-
 
 
 def read_json_object(path, what: str = "a JSON object"):
@@ -30,6 +30,7 @@ def read_json_object(path, what: str = "a JSON object"):
         raise CheckpointError(path, f"config must be {what}")
     return data
 
+
 @dataclass
 class LoadedModel:
     config: TxlConfig
@@ -38,13 +39,15 @@ class LoadedModel:
     source_format: str  # "txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia"
     path: str
     notes: list = field(default_factory=list)  # what a user should know about the source (semantics, guesses)
-    vocab_source: str | None = None  # where the vocabulary came from
+    vocab_source: str | None = None  # where the vocabulary came from (a file, or the checkpoint)
+    vocab_format: str | None = None  # what that file is, for people ("vocab.pkl (transformers ...)")
+    dataset: str | None = None  # the corpus the checkpoint names (enwik8 and text8 fix the vocabulary's kind)
 
     def require_vocab(self) -> Vocab:
         """The vocabulary, or a CheckpointError saying it is missing (for commands that read or write text)."""
         if self.vocab is None:
-            raise CheckpointError(self.path, "has no vocabulary (none inside it and no vocab.json / vocab.txt "
-                                             "beside it); pass --vocab FILE")
+            raise CheckpointError(self.path, "has no vocabulary (none inside it and no vocab.json / vocab.txt / "
+                                             "vocab.pkl / vocab.bin / cache.pt beside it); pass --vocab FILE")
         return self.vocab
 
     def build(self):
@@ -107,5 +110,8 @@ def load_ours(path) -> LoadedModel:
         state_dict = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(weights, f"not a readable safetensors file ({e})") from None
-    vocab = Vocab.read(path / VOCAB_FILE) if (path / VOCAB_FILE).is_file() else None
-    return LoadedModel(config, state_dict, vocab, FORMAT, str(path))
+    if not (path / VOCAB_FILE).is_file():
+        return LoadedModel(config, state_dict, None, FORMAT, str(path))
+    found = open_vocab_file(path / VOCAB_FILE)
+    return LoadedModel(config, state_dict, found.vocab, FORMAT, str(path), vocab_source=str(path / VOCAB_FILE),
+                       vocab_format=found.format)

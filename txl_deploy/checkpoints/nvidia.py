@@ -82,4 +82,6 @@ def load_checkpoint(obj, path, config=None) -> LoadedModel:
     if (obj["model_config"].get("ext_len") or 0) > 0:
         notes.append(f"trained with ext_len={obj['model_config']['ext_len']}; evaluated with ext_len 0")
     return LoadedModel(cfg, state, vocab, "nvidia", str(path), notes=notes,
-                       vocab_source=f"{path} (vocab)" if vocab is not None else None)
+                       vocab_source=str(path) if vocab is not None else None,
+                       vocab_format="its vocab entry (NVIDIA's utils.vocabulary.Vocab, read without running it)"
+                       if vocab is not None else None)

@@ -58,6 +58,11 @@ TORCH_MODULE_PREFIXES = ("torch.nn.modules.", "torch.nn.parallel.")
 _CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 
 
+def is_class_name(name: str) -> bool:
+    """Whether `name` is spelled as a class is (CamelCase): only such names become inert placeholders."""
+    return bool(_CLASS_NAME.match(name))
+
+
 class RefusedGlobal(pickle.UnpicklingError):
     def __init__(self, module, name):
         self.module, self.name = module, name
@@ -81,14 +86,23 @@ class InertObject:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
             state, slots = state
             if isinstance(slots, dict):
-                self.__dict__.update(slots)
+                self.__dict__.update(_plain_attributes(slots))
         if isinstance(state, dict):
-            self.__dict__.update(state)
+            self.__dict__.update(_plain_attributes(state))
         elif state is not None:
             self.__dict__["_state"] = state
 
     def __repr__(self):
         return f"<inert {self._pickled_class}>"
+
+
+def _plain_attributes(state: dict) -> dict:
+    """A pickled state as attributes, refusing a name like `__setstate__`: set on a placeholder, the unpickler would
+    look it up there and call it on the next BUILD. Real objects' pickled states hold no such names."""
+    for key in state:
+        if isinstance(key, str) and key.startswith("__") and key.endswith("__"):
+            raise pickle.UnpicklingError(f"a pickled state that sets {key[:40]} on a placeholder object")
+    return state
 
 
 _inert_classes: dict[str, type] = {}
@@ -112,7 +126,7 @@ def _no_backend():
     return None
 
 
-def _data_only(kind):
+def data_only(kind):
     """bytes / bytearray from data (a str and its encoding, or bytes), never from a size: `bytes(2**40)` in a
     pickle would allocate a terabyte of zeros."""
     def rebuild(*args):
@@ -123,7 +137,7 @@ def _data_only(kind):
     return rebuild
 
 
-def _latin1_encode(obj, encoding="utf-8", errors="strict"):
+def latin1_encode(obj, encoding="utf-8", errors="strict"):
     # protocol 2 spells bytes as _codecs.encode(str, "latin1"); no other codec is needed (or wanted)
     if not isinstance(obj, str) or str(encoding).lower().replace("-", "").replace("_", "") not in ("latin1",):
         raise pickle.UnpicklingError(f"_codecs.encode({type(obj).__name__}, {str(encoding)[:20]!r}) is not bytes")
@@ -143,10 +157,10 @@ def _allowed_callables() -> dict[tuple[str, str], object]:
         ("builtins", "dict"): dict,
         ("builtins", "tuple"): tuple,
         ("builtins", "slice"): slice,
-        ("builtins", "bytearray"): _data_only(bytearray),
-        ("builtins", "bytes"): _data_only(bytes),
+        ("builtins", "bytearray"): data_only(bytearray),
+        ("builtins", "bytes"): data_only(bytes),
         ("builtins", "complex"): complex,
-        ("_codecs", "encode"): _latin1_encode,  # how protocol 2 spells bytes
+        ("_codecs", "encode"): latin1_encode,  # how protocol 2 spells bytes
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,  # torch 0.4 pickled Parameter(data, requires_grad)
@@ -421,7 +435,7 @@ def loads(data: bytes, **kwargs):
     return Unpickler(io.BytesIO(data), **kwargs).load()
 
 
-def _one_line(e: BaseException, limit: int = 160) -> str:
+def one_line(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -446,7 +460,7 @@ def torch_load(path):
                 records = {i.filename.rsplit("/data/", 1)[1]: i.file_size for i in z.infolist()
                            if "/data/" in i.filename and "/.data/" not in i.filename}
         except (zipfile.BadZipFile, OSError, ValueError, IndexError) as e:
-            raise CheckpointError(path, f"truncated or corrupt torch.save archive ({_one_line(e)})") from None
+            raise CheckpointError(path, f"truncated or corrupt torch.save archive ({one_line(e)})") from None
         if any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in names):
             # torch.load would hand this to torch.jit.load, which runs TorchScript: not a checkpoint we read.
             raise CheckpointError(path, "is a TorchScript archive, not a checkpoint")
@@ -473,14 +487,14 @@ def torch_load(path):
             path, f"refused to unpickle {e.module}.{e.name}: only tensors, plain containers and Transformer-XL "
                   f"module attributes are allowed (nothing from the file was run)") from None
     except (EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointError(path, f"truncated or corrupt pickle ({_one_line(e)})") from None
+        raise CheckpointError(path, f"truncated or corrupt pickle ({one_line(e)})") from None
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, AssertionError,
             zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
         if "explicit pickle_module" in str(e):
             raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
                                         "restricted unpickler; unset it to read this file") from None
         raise CheckpointError(path, f"truncated or corrupt torch.save file ({type(e).__name__}: "
-                                    f"{_one_line(e)})") from None
+                                    f"{one_line(e)})") from None
 
 
 # -- reading the inert module tree -----------------------------------------------------------------------

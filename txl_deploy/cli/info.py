@@ -57,9 +57,13 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
                "parameters:  not known from the file (quantized weights)")
     if d["vocab_size"] is not None:
         click.echo(f"vocabulary:  {d['vocab_size']:,} symbols, kind {d['vocab_kind']}: "
-                   f"{DESCRIPTIONS[d['vocab_kind']]} (from {d['vocab_source']})")
+                   f"{DESCRIPTIONS[d['vocab_kind']]}")
+        click.echo(f"  from:      {d['vocab_source']}" + (f": {d['vocab_format']}" if d.get("vocab_format") else ""))
+        if d.get("vocab_tokenizer"):
+            click.echo(f"  tokenizer: {d['vocab_tokenizer']}")
     else:
-        click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.txt / vocab.json beside the checkpoint)")
+        click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.json / vocab.txt / vocab.pkl / vocab.bin / "
+                   "cache.pt beside the checkpoint)")
 
     mem = d["memory_bytes_per_stream"]
     click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {fb(mem['fp32']['hidden'])} fp32 / "

@@ -10,17 +10,12 @@ import numpy as np
 from txl_deploy.checkpoints.native import LoadedModel
 from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
-from txl_deploy.checkpoints.tensorflow.corpus import (
-    check_corpus_info,
-    corpus_vocab,
-    read_cache_vocab,
-    read_corpus_info,
-)
+from txl_deploy.checkpoints.tensorflow.corpus import check_corpus_info, read_corpus_info
 from txl_deploy.checkpoints.tensorflow.discovery import find_checkpoint
 from txl_deploy.checkpoints.tensorflow.presets import PAPER_RESULTS, eval_settings, read_flags
+from txl_deploy.checkpoints.vocab_files import open_vocab_file
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
-from txl_deploy.vocab import DATASET_KINDS, Vocab
 
 FORMAT = "tensorflow"
 TF_LAYER_NORM_EPSILON = 1e-12
@@ -93,14 +88,14 @@ def to_state_dict(ckpt, arch: dict) -> dict:
     return sd
 
 
-def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vocab_kind: str | None = None,
-                    verify_checksums: bool = True):
+def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, verify_checksums: bool = True):
     """A `LoadedModel` from the published folder layout or a `model.ckpt-N` path.
 
     `config`: the original training flags (JSON file or dict, tf/train_gpu.py names); `preset`: one of PRESETS;
-    `vocab`: a `cache.pkl` (read safely) or a vocabulary file, overriding `data/cache.pkl`; `vocab_kind`: the
-    vocabulary's kind (word, char, bytes, text8) [default: the corpus's (enwik8: bytes, text8: text8), from the
-    cache or corpus-info.json, else what the symbols show]."""
+    `vocab`: a vocabulary file (a `cache.pkl`, read safely, or any other `vocab_files` reads) overriding
+    `data/cache.pkl`. The corpus it or `data/corpus-info.json` names picks the preset and later fixes the
+    vocabulary's kind (enwik8: bytes, text8: text8); `vocab_files.attach_vocab` applies the user's kind and checks
+    the size."""
     found = find_checkpoint(path)
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.ckpt-N.index)")
@@ -112,24 +107,17 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
     arch = infer_architecture({n: e.shape for n, e in ckpt.entries.items()}, where)
 
     notes = []
-    loaded_vocab, vocab_source, dataset = None, None, None
+    vocab_file, dataset = None, None
     cache = Path(vocab) if vocab is not None else (data_dir / "cache.pkl" if data_dir is not None else None)
-    if cache is not None and cache.suffix == ".pkl":
-        loaded_vocab, dataset = read_cache_vocab(cache, kind=vocab_kind)
-        vocab_source = str(cache)
-    elif cache is not None:
-        loaded_vocab, vocab_source = Vocab.read(cache, kind=vocab_kind), str(cache)
+    if cache is not None:
+        vocab_file = open_vocab_file(cache)
+        dataset = vocab_file.dataset
     info_path = data_dir / "corpus-info.json" if data_dir is not None else None
     if info_path is not None and info_path.is_file():
         info = read_corpus_info(info_path)
         check_corpus_info(info, arch, info_path)
         dataset = dataset or info.get("dataset")
-    if loaded_vocab is not None and vocab_kind is None and dataset in DATASET_KINDS:
-        # the corpus fixes the kind (enwik8: bytes, text8: text8), whatever file the symbols came from
-        loaded_vocab = corpus_vocab(loaded_vocab.symbols, dataset, None, vocab_source)
-    if loaded_vocab is not None and len(loaded_vocab) != arch["n_token"]:
-        raise CheckpointError(vocab_source, f"vocabulary has {len(loaded_vocab)} symbols but the checkpoint's "
-                                            f"embedding has {arch['n_token']} rows")
+    dataset = dataset if isinstance(dataset, str) else None
 
     flags, flags_where = (read_flags(config, where) if config is not None else (None, None))
     settings, sources = eval_settings(arch, preset, flags, flags_where, dataset, where)
@@ -151,6 +139,8 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, vo
                  "~n_layer*ceil(mem_len/tgt_len) segments differ slightly (see docs/checkpoints.md)")
     if chosen is not None:
         notes.append(f"evaluation settings of {chosen}; the paper reports {PAPER_RESULTS[chosen]} for it")
-    loaded = LoadedModel(cfg, state, loaded_vocab, FORMAT, str(prefix), notes=notes, vocab_source=vocab_source)
+    loaded = LoadedModel(cfg, state, vocab_file.vocab if vocab_file else None, FORMAT, str(prefix), notes=notes,
+                         vocab_source=str(cache) if vocab_file else None,
+                         vocab_format=vocab_file.format if vocab_file else None, dataset=dataset)
     loaded.value_sources = sources
     return loaded

@@ -1,0 +1,360 @@
+"""Every vocabulary file txl-deploy reads, and where it looks for one beside a checkpoint.
+
+| file         | what it is                                                                   | read by          |
+|--------------|------------------------------------------------------------------------------|------------------|
+| `vocab.json` | ours: `{"kind", "symbols", "tokenizer", ...}`, or a JSON list of characters  | `Vocab.read`     |
+| `vocab.txt`  | (any text file) the original code's one symbol a line, or a character list   | `Vocab.read`     |
+| `vocab.pkl`  | HuggingFace's TransfoXLTokenizer vocabulary: a pickled dict (both layouts)   | `VocabUnpickler` |
+| `vocab.bin`  | the same dict, `torch.save`d (pytorch-pretrained-bert)                       | `VocabUnpickler` |
+| `cache.pt`   | the original PyTorch code's corpus cache (`torch.save` of a `Corpus`)        | `VocabUnpickler` |
+| `cache.pkl`  | the original TensorFlow code's corpus cache (a pickled `Corpus`)             | `VocabUnpickler` |
+
+The pickles are read by one restricted unpickler (`VocabUnpickler`). It builds plain containers only (dict, list,
+tuple, set, OrderedDict, Counter, bytes); classes of the pipelines that wrote the files (the corpus and vocabulary
+classes of the original code, sacremoses' Moses objects, transformers' Trie and AddedToken) come back as inert
+placeholders that hold their pickled state, are never constructed from their code and have no behaviour; compiled
+`re` patterns stay the text of the pattern (`re._compile` is never called); tensors and numpy arrays of the encoded
+corpus are skipped, their data never read. Any other global refuses the file before anything in it runs. Only
+data is taken from what comes back: the symbols in id order, the special symbols and the tokenizer's settings.
+
+`find_vocab(folder)` looks for `VOCAB_FILES` beside a checkpoint in that order; `attach_vocab` is the one step
+`load_any` takes to give a loaded checkpoint its vocabulary.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import collections
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from txl_deploy.checkpoints import safe_pickle
+from txl_deploy.checkpoints.safe_pickle import RefusedGlobal, pickled_class
+from txl_deploy.errors import CheckpointError, TxlError
+from txl_deploy.vocab import DATASET_KINDS, Vocab, choose_kind, kind_note
+
+# The files looked for beside a checkpoint, in this order: ours, the original code's text list, HuggingFace's
+# pickle and its torch.save twin, the original PyTorch code's corpus cache.
+VOCAB_FILES = ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt")
+PICKLE_SUFFIXES = (".pkl", ".bin", ".pt")
+# torch's legacy (pre-1.6) serialization starts with this number, pickled (torch/serialization.py).
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+# What HuggingFace's TransfoXLTokenizer keeps whole when a vocabulary names none: its special tokens (unk_token,
+# eos_token and the additional "<formula>"; pytorch-pretrained-bert's default never_split is the same three).
+HF_NEVER_SPLIT = ("<eos>", "<unk>", "<formula>")
+
+# Classes of the code that wrote the files: placeholders holding their pickled state.
+CORPUS_CLASSES = {("data_utils", "Corpus"), ("__main__", "Corpus"), ("vocabulary", "Vocab"),
+                  ("utils.vocabulary", "Vocab"), ("data_utils", "Vocab"), ("__main__", "Vocab")}
+TOKENIZER_CLASSES = {("transformers.tokenization_utils", "Trie"), ("tokenizers", "AddedToken"),
+                     ("transformers.tokenization_utils_base", "AddedToken")}
+TOKENIZER_MODULES = ("sacremoses",)  # MosesPunctNormalizer, MosesTokenizer, MosesDetokenizer (in submodules)
+_NUMPY_DATA = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"), ("numpy", "dtype"),
+               ("numpy", "ndarray")}
+_TORCH_DATA = {("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+               ("torch._utils", "_rebuild_parameter"), ("torch.storage", "UntypedStorage"),
+               ("torch.storage", "TypedStorage")}
+
+
+def _skipped(*args, **kwargs):
+    """An encoded split of the corpus (a tensor, a numpy array or its parts): never rebuilt, its data never read."""
+    return safe_pickle.inert_class("skipped", "Data")()
+
+
+def _pattern_text(pattern, flags=0):
+    """A compiled `re` pattern (pickled as `re._compile(pattern, flags)`): kept as its text, never compiled, so a
+    pattern written to take forever costs nothing."""
+    return safe_pickle.inert_class("re", "Pattern")(pattern, flags)
+
+
+_PLAIN = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "Counter"): collections.Counter,
+    ("builtins", "dict"): dict, ("builtins", "list"): list, ("builtins", "tuple"): tuple,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+    ("builtins", "bytes"): safe_pickle.data_only(bytes), ("builtins", "bytearray"): safe_pickle.data_only(bytearray),
+    ("_codecs", "encode"): safe_pickle.latin1_encode,  # how protocol 2 spells bytes
+    ("re", "_compile"): _pattern_text,
+}
+
+
+class VocabUnpickler(safe_pickle.Unpickler):
+    """The restricted unpickler of vocabulary files (see the module's docstring): plain containers, inert
+    placeholders, skipped data, and a refusal (RefusedGlobal) for any other global. Needs no torch."""
+
+    def find_class(self, module, name):
+        # Python 2 pickles name `__builtin__`, `copy_reg`, ...
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        if (module, name) in _PLAIN:
+            return _PLAIN[(module, name)]
+        if (module, name) in CORPUS_CLASSES or (module, name) in TOKENIZER_CLASSES or (
+                module.split(".")[0] in TOKENIZER_MODULES and safe_pickle.is_class_name(name)):
+            return safe_pickle.inert_class(module, name)
+        if (module, name) in _NUMPY_DATA or (module, name) in _TORCH_DATA or (
+                module == "torch" and name.endswith("Storage") and safe_pickle.is_class_name(name)):
+            return _skipped  # torch names a storage's class in its persistent id; the storage is never read
+        raise RefusedGlobal(module, name)
+
+    def persistent_load(self, pid):
+        return None  # a tensor's storage (torch.save files): never read
+
+
+# -- reading one file -------------------------------------------------------------------------------------------------
+@dataclass
+class VocabFile:
+    """A vocabulary as read from a file: the vocabulary, what the file is (for people), and the corpus it names
+    (the corpus caches' `dataset`; enwik8 and text8 fix the kind)."""
+
+    vocab: Vocab
+    format: str
+    dataset: str | None = None
+
+
+def _text(value):
+    """A Python 2 str (read as bytes) as text: UTF-8, what the original code read its files as; else latin1."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value.decode("latin1")
+    return value
+
+
+def _get(obj, name):
+    """`name` of a dict or of a placeholder's pickled state; a Python 2 pickle's keys are bytes."""
+    d = obj if isinstance(obj, dict) else getattr(obj, "__dict__", {})
+    return d.get(name, d.get(name.encode()))
+
+
+def unpickle_vocab_file(path):
+    """The object a vocabulary pickle holds: a plain pickle, a torch.save zip archive (its `data.pkl`) or torch's
+    legacy format (the pickle after its three headers). Tensor data is never read. Python 2 pickles are read with
+    `encoding="bytes"`: their str come back as bytes (see `_text`)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":
+                return _unpickle_archive(path, f)
+            f.seek(0)
+            first = VocabUnpickler(f, encoding="bytes").load()
+            if isinstance(first, int) and first == LEGACY_MAGIC:
+                VocabUnpickler(f, encoding="bytes").load()  # protocol version
+                VocabUnpickler(f, encoding="bytes").load()  # system info
+                return VocabUnpickler(f, encoding="bytes").load()
+            return first
+    except FileNotFoundError:
+        raise CheckpointError(path, "vocabulary file not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(path, "is a folder, not a vocabulary file") from None
+    except RefusedGlobal as e:
+        raise CheckpointError(path, f"refused to unpickle {e.module}.{e.name}: a vocabulary file holds only symbols, "
+                                    "plain containers and the settings of the code that wrote it (nothing from the "
+                                    "file was run)") from None
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, LookupError, OSError,
+            MemoryError, RecursionError, ArithmeticError, NotImplementedError, struct.error, zipfile.BadZipFile) as e:
+        raise CheckpointError(path, f"truncated or corrupt vocabulary pickle ({type(e).__name__}: "
+                                    f"{safe_pickle.one_line(e, 120)})") from None
+
+
+def _unpickle_archive(path: Path, f):
+    with zipfile.ZipFile(f) as z:
+        members = [i for i in z.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+        if not members:
+            raise CheckpointError(path, "is a zip file but not a torch.save archive (no data.pkl)")
+        if members[0].compress_type != zipfile.ZIP_STORED:
+            # torch.save never compresses; a compressed member could expand to any size
+            raise CheckpointError(path, "is a zip file whose data.pkl is compressed, which torch.save never writes")
+        data = z.read(members[0])
+    return VocabUnpickler(io.BytesIO(data), encoding="bytes").load()
+
+
+def _symbols(value, what, path) -> list[str]:
+    if not isinstance(value, list):
+        raise CheckpointError(path, f"{what} is of type {type(value).__name__}, not a list of symbols")
+    symbols = [_text(s) for s in value]
+    bad = next((s for s in symbols if not isinstance(s, str)), None)
+    if bad is not None:
+        raise CheckpointError(path, f"{what} holds a value of type {type(bad).__name__}, not only symbols (text)")
+    return symbols
+
+
+def _tokenizer_vocab(d: dict, path: Path, container: str) -> VocabFile:
+    """HuggingFace's TransfoXLTokenizer vocabulary: the symbols in id order (`idx2sym`, checked against `sym2idx`),
+    `<unk>` (`unk_idx`), and the settings its tokenizer reads text with."""
+    d = {_text(k): v for k, v in d.items()}
+    sym2idx = d.get("sym2idx")
+    if sym2idx is not None and not isinstance(sym2idx, dict):
+        raise CheckpointError(path, f"sym2idx is of type {type(sym2idx).__name__}, not a mapping of symbols to ids")
+    sym2idx = {_text(s): i for s, i in (sym2idx or {}).items()}
+    if not all(isinstance(s, str) and isinstance(i, int) and not isinstance(i, bool) for s, i in sym2idx.items()):
+        raise CheckpointError(path, "sym2idx is not a mapping of symbols (text) to ids (whole numbers)")
+    if d.get("idx2sym") is not None:
+        symbols = _symbols(d["idx2sym"], "idx2sym", path)
+    else:  # sym2idx alone: its ids must be 0..n-1
+        if sorted(sym2idx.values()) != list(range(len(sym2idx))):
+            raise CheckpointError(path, "sym2idx's ids are not 0..n-1, and there is no idx2sym")
+        symbols = sorted(sym2idx, key=sym2idx.get)
+    if not symbols:
+        raise CheckpointError(path, "vocabulary is empty (idx2sym holds no symbols)")
+    if sym2idx:
+        wrong = next((s for i, s in enumerate(symbols) if sym2idx.get(s) != i), None)
+        if wrong is not None or len(sym2idx) != len(symbols):
+            where = f"{wrong!r} is {sym2idx.get(wrong)} in sym2idx but {symbols.index(wrong)} in idx2sym" \
+                if wrong is not None else f"sym2idx has {len(sym2idx)} symbols, idx2sym {len(symbols)}"
+            raise CheckpointError(path, f"sym2idx disagrees with idx2sym: {where[:200]}")
+    unk_idx = d.get("unk_idx")
+    if unk_idx is not None:
+        if not isinstance(unk_idx, int) or isinstance(unk_idx, bool) or not 0 <= unk_idx < len(symbols):
+            raise CheckpointError(path, f"unk_idx {str(unk_idx)[:40]} is not an id of the vocabulary")
+        unk = symbols[unk_idx]
+    else:  # what the tokenizer looks up without one (transformers' _convert_token_to_id)
+        unk = next((s for s in ("<unk>", "<UNK>") if s in sym2idx or s in symbols), "<unk>")
+    lower_case = d.get("lower_case", False)
+    if not isinstance(lower_case, bool):
+        raise CheckpointError(path, f"lower_case is of type {type(lower_case).__name__}, not true or false")
+    delimiter = _text(d.get("delimiter"))
+    if delimiter is not None and not isinstance(delimiter, str):
+        raise CheckpointError(path, f"delimiter is of type {type(delimiter).__name__}, not text")
+    never_split = d.get("never_split")
+    if never_split is None:
+        never_split = HF_NEVER_SPLIT
+    if not isinstance(never_split, (list, tuple, set, frozenset)):
+        raise CheckpointError(path, f"never_split is of type {type(never_split).__name__}, not a list of symbols")
+    _symbols(list(never_split), "never_split", path)
+    special = d.get("special")
+    if special is not None:
+        _symbols(list(special) if isinstance(special, (tuple, set)) else special, "special", path)
+    writer = "transformers' TransfoXLTokenizer.save_vocabulary" if any(pickled_class(v) for v in d.values()) or \
+        "init_kwargs" in d else "TransfoXLTokenizer vocabulary, pytorch-pretrained-bert's plain dict"
+    try:
+        if delimiter == "":  # the tokenizer reads a line as its characters (transformers' _tokenize)
+            vocab = Vocab(symbols, kind=choose_kind(symbols, default="char"), unk=unk)
+        else:
+            vocab = Vocab(symbols, kind="word", unk=unk)
+    except (ValueError, TxlError) as e:
+        raise CheckpointError(path, f"vocabulary: {e}") from None
+    return VocabFile(vocab, f"{path.name} ({writer}, {container}, read without running it)")
+
+
+def _corpus_vocab_file(corpus, path: Path, container: str) -> VocabFile:
+    """The original code's corpus cache (a `Corpus` holding a `Vocab`, or a `Vocab` alone): `vocab.idx2sym` and
+    the corpus's name."""
+    vocab = corpus if (pickled_class(corpus) or "").endswith(".Vocab") else _get(corpus, "vocab")
+    if vocab is None or pickled_class(vocab) is None:
+        raise CheckpointError(path, f"is not a Transformer-XL corpus cache (no vocabulary in "
+                                    f"{pickled_class(corpus) or type(corpus).__name__})")
+    symbols = _get(vocab, "idx2sym")
+    if not isinstance(symbols, list):
+        raise CheckpointError(path, f"is not a Transformer-XL corpus cache (no vocab.idx2sym list in "
+                                    f"{pickled_class(corpus) or type(corpus).__name__})")
+    symbols = _symbols(symbols, "vocab.idx2sym", path)
+    dataset = _text(_get(corpus, "dataset"))
+    dataset = dataset if isinstance(dataset, str) and dataset else None
+    code = "PyTorch" if container.startswith("torch.save") else "TensorFlow"
+    return VocabFile(_kind_of_corpus(symbols, dataset, None, path), f"{path.name} (the original {code} code's "
+                     f"corpus cache{', ' + dataset if dataset else ''}, {container}, read without running it)", dataset)
+
+
+def _kind_of_corpus(symbols, dataset, kind, path) -> Vocab:
+    """A corpus's vocabulary: its kind is `kind` (the user's), else the one its corpus fixes (enwik8: bytes, text8:
+    text8), else what its symbols show, else word."""
+    try:
+        return Vocab(symbols, kind=choose_kind(symbols, explicit=kind, dataset=dataset))
+    except ValueError as e:
+        raise CheckpointError(path, f"vocabulary: {e}") from None
+
+
+def _container(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":
+        return "torch.save archive"
+    return "torch.save file" if path.suffix in (".bin", ".pt") else "pickle"
+
+
+def open_vocab_file(path, kind: str | None = None) -> VocabFile:
+    """Read any vocabulary file (the module's table), its kind and tokenizer as the file says or its symbols show.
+    `kind`: what the user says a text file is (a character list is read as one only when asked for "char")."""
+    path = Path(path)
+    if path.suffix not in PICKLE_SUFFIXES:
+        vocab = Vocab.read(path, kind=kind)
+        if path.suffix == ".json":
+            return VocabFile(vocab, f"{path.name} (txl-deploy vocabulary)")
+        return VocabFile(vocab, f"{path.name} (one symbol a line)")
+    obj = unpickle_vocab_file(path)
+    container = _container(path)
+    if isinstance(obj, dict) and ("idx2sym" in obj or "sym2idx" in obj or b"idx2sym" in obj):
+        return _tokenizer_vocab(obj, path, container)
+    if pickled_class(obj) in {f"{m}.{n}" for m, n in CORPUS_CLASSES}:
+        return _corpus_vocab_file(obj, path, container)
+    raise CheckpointError(path, f"is a pickle but not a vocabulary (it holds {_describe(obj)}; expected "
+                                "HuggingFace's TransfoXLTokenizer dict or the original code's corpus cache)")
+
+
+def _describe(obj) -> str:
+    if pickled_class(obj):
+        return f"a pickled {pickled_class(obj)}"
+    if isinstance(obj, dict):
+        keys = [str(_text(k))[:40] for k in list(obj)[:6]]
+        return f"a dict with keys {', '.join(keys)}{', ...' if len(obj) > 6 else ''}" if keys else "an empty dict"
+    return f"a {type(obj).__name__}"
+
+
+def adjusted(found: VocabFile, kind: str | None, tokenizer: str | None, source) -> Vocab:
+    """The vocabulary read as the user says: `kind` (else the corpus's, else the file's) and `tokenizer`."""
+    vocab = found.vocab
+    try:
+        if kind is not None or (found.dataset in DATASET_KINDS and vocab.kind != DATASET_KINDS[found.dataset]):
+            vocab = vocab.with_kind(choose_kind(vocab.symbols, explicit=kind, dataset=found.dataset))
+        if tokenizer is not None:
+            vocab = vocab.with_tokenizer(tokenizer)
+    except ValueError as e:
+        raise CheckpointError(source, f"vocabulary {e}") from None
+    return vocab
+
+
+def read_vocab_file(path, kind: str | None = None, tokenizer: str | None = None) -> Vocab:
+    """Any vocabulary file `--vocab` takes (the module's table). `kind`: what the user says it is (word, char, bytes,
+    text8) [default: the file's, the corpus's, or what its symbols show]; `tokenizer`: how a word vocabulary reads
+    text (whitespace, wikitext, lm1b) [default: the file's, or what its symbols show]."""
+    return adjusted(open_vocab_file(path, kind), kind, tokenizer, path)
+
+
+def find_vocab(folder) -> Path | None:
+    """The vocabulary file beside a checkpoint: the first of `VOCAB_FILES` in `folder`, else None."""
+    folder = Path(folder)
+    return next((folder / name for name in VOCAB_FILES if (folder / name).is_file()), None)
+
+
+# -- the one step that gives a loaded checkpoint its vocabulary ----------------------------------------------------
+def attach_vocab(loaded, vocab=None, kind: str | None = None, tokenizer: str | None = None, folder=None):
+    """Give `loaded` (a LoadedModel) its vocabulary: the file `vocab` (the user's), else the one the checkpoint
+    carries (ours, NVIDIA's, a TensorFlow corpus cache), else the first of `VOCAB_FILES` in `folder`; then read it
+    as the user says (`kind`, `tokenizer`) and check its size against the model's. Without one, `loaded.vocab`
+    stays None. Sets `vocab_source` (the file) and `vocab_format` (what the file is)."""
+    if vocab is not None or (loaded.vocab is None and folder is not None and find_vocab(folder) is not None):
+        path = Path(vocab) if vocab is not None else find_vocab(folder)
+        found = open_vocab_file(path, kind)
+        loaded.vocab, loaded.vocab_source, loaded.vocab_format = found.vocab, str(path), found.format
+        loaded.dataset = found.dataset or loaded.dataset
+    if loaded.vocab is None:
+        return loaded
+    if loaded.vocab_source is None:
+        loaded.vocab_source = loaded.path
+    carried = VocabFile(loaded.vocab, loaded.vocab_format or "", loaded.dataset)
+    loaded.vocab = adjusted(carried, kind, tokenizer, loaded.vocab_source)
+    if len(loaded.vocab) != loaded.config.n_token:
+        raise CheckpointError(loaded.vocab_source, f"vocabulary has {len(loaded.vocab)} symbols but the model has "
+                                                   f"n_token={loaded.config.n_token}")
+    note = kind_note(loaded.vocab)
+    if note:
+        loaded.notes.append(note)
+    return loaded
