@@ -11,13 +11,28 @@ from txl_deploy.vocab.kinds import (
     DATASET_KINDS,
     DESCRIPTIONS,
     KINDS,
+    TOKENIZERS,
     UnknownKindError,
     choose_kind,
     detect_kind,
+    detect_tokenizer,
     kind_note,
 )
 from txl_deploy.vocab.stream import CONTINUING, StreamDecoder
 from txl_deploy.vocab.table import Vocab
 
-__all__ = ["CONTINUING", "DATASET_KINDS", "DESCRIPTIONS", "KINDS", "StreamDecoder", "UnknownKindError", "Vocab",
-           "choose_kind", "counting", "detect_kind", "kind_note"]
+__all__ = [
+    "CONTINUING",
+    "DATASET_KINDS",
+    "DESCRIPTIONS",
+    "KINDS",
+    "TOKENIZERS",
+    "StreamDecoder",
+    "UnknownKindError",
+    "Vocab",
+    "choose_kind",
+    "counting",
+    "detect_kind",
+    "detect_tokenizer",
+    "kind_note",
+]

@@ -18,6 +18,12 @@ import re
 
 KINDS = ("word", "char", "bytes", "text8")
 UNK, EOS = "<unk>", "<eos>"
+# How a word vocabulary reads and writes text: split on whitespace; WikiText-103's Moses pipeline (HuggingFace's
+# TransfoXLTokenizer for transfo-xl-wt103: numbers split as `@,@` / `@.@`, dashes as `@-@`); the One Billion Word
+# benchmark's Moses tokenization, each line between `<S>` symbols, unknown words `<UNK>`.
+TOKENIZERS = ("whitespace", "wikitext", "lm1b")
+LM1B_BOUNDARY, LM1B_UNK = "<S>", "<UNK>"
+WIKITEXT_MARKERS = ("@-@", "@,@", "@.@")
 SPECIALS = (UNK, EOS)
 TEXT8_SPACE = "_"
 TEXT8_LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -73,6 +79,18 @@ def detect_kind(symbols) -> str | None:
     if set(plain) == TEXT8_SYMBOLS and len(plain) == len(TEXT8_SYMBOLS):
         return "text8"
     return None
+
+
+def detect_tokenizer(symbols) -> str:
+    """The tokenizer a word vocabulary's symbols show: `wikitext` when they hold WikiText-103's split markers
+    (`@-@`, `@,@`, `@.@`), `lm1b` when they hold `<S>` and no `<eos>` (the One Billion Word vocabulary), else
+    `whitespace`."""
+    held = set(symbols)
+    if held.intersection(WIKITEXT_MARKERS):
+        return "wikitext"
+    if LM1B_BOUNDARY in held and EOS not in held:
+        return "lm1b"
+    return "whitespace"
 
 
 def choose_kind(symbols, explicit: str | None = None, dataset: str | None = None, default: str = "word") -> str:

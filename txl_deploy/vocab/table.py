@@ -15,12 +15,35 @@ import numpy as np
 
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.vocab import encode as enc
-from txl_deploy.vocab.kinds import DESCRIPTIONS, EOS, KINDS, UNK, UnknownKindError, choose_kind, misfit
+from txl_deploy.vocab.kinds import (
+    DESCRIPTIONS,
+    EOS,
+    KINDS,
+    LM1B_BOUNDARY,
+    LM1B_UNK,
+    TOKENIZERS,
+    UNK,
+    UnknownKindError,
+    choose_kind,
+    detect_tokenizer,
+    misfit,
+)
 from txl_deploy.vocab.stream import StreamDecoder
 
 
 class Vocab:
-    def __init__(self, symbols, kind="word", unk=UNK, eos=EOS):
+    """A model's symbols and how text maps to them.
+
+    `tokenizer` (word vocabularies only; see `kinds.TOKENIZERS`): how text is split into words and joined again;
+    None picks the one the symbols show (`kinds.detect_tokenizer`). `lower_case`, `delimiter` and `never_split`
+    are HuggingFace TransfoXLTokenizer's settings as its vocab.pkl stores them: lower-case the text first; `""`
+    reads a line as characters instead of running the Moses pipeline (None: the pipeline); symbols the Moses
+    tokenizer keeps whole. `unk` / `eos` name the unknown-word and line-end symbols; a vocabulary without `<unk>`
+    but with `<UNK>` (One Billion Word) uses `<UNK>`, and an lm1b vocabulary without `<eos>` ends lines with `<S>`.
+    """
+
+    def __init__(self, symbols, kind="word", unk=UNK, eos=EOS, tokenizer=None, lower_case=False, delimiter=None,
+                 never_split=()):
         if kind not in KINDS:
             raise UnknownKindError(kind)
         self.symbols = list(symbols)
@@ -32,27 +55,69 @@ class Vocab:
             raise ValueError(f"not a {kind} vocabulary: {problem}")
         self.kind = kind
         self.index = {s: i for i, s in enumerate(self.symbols)}
+        if kind == "word":
+            tokenizer = detect_tokenizer(self.symbols) if tokenizer is None else tokenizer
+            if tokenizer not in TOKENIZERS:
+                raise ValueError(f"tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+        elif tokenizer is not None:
+            raise ValueError(f"a {kind} vocabulary has no word tokenizer (got {tokenizer!r})")
+        if delimiter is not None and not isinstance(delimiter, str):
+            raise ValueError(f"delimiter must be a string or None, got {type(delimiter).__name__}")
+        self.tokenizer = tokenizer
+        self.lower_case = bool(lower_case)
+        self.delimiter = delimiter
+        self.never_split = tuple(str(s) for s in never_split)
+        # the One Billion Word vocabulary spells its unknown word <UNK> and has no <eos> (its lines end in <S>)
+        if unk == UNK and unk not in self.index and LM1B_UNK in self.index:
+            unk = LM1B_UNK
+        if eos == EOS and eos not in self.index and tokenizer == "lm1b" and LM1B_BOUNDARY in self.index:
+            eos = LM1B_BOUNDARY
         self.unk = unk if unk in self.index else None
         self.eos = eos if eos in self.index else None
+        self._moses = None  # the sacremoses objects, built on first use (slow to build)
         if kind == "bytes":
             self.byte_ids, self.byte_of = enc.byte_tables(self.symbols)
+
+    def _settings(self):
+        return (self.kind, self.tokenizer, self.lower_case, self.delimiter, self.never_split)
 
     def __len__(self):
         return len(self.symbols)
 
     def __eq__(self, other):
-        return isinstance(other, Vocab) and (self.kind, self.symbols) == (other.kind, other.symbols)
+        return (isinstance(other, Vocab) and self._settings() == other._settings()
+                and (self.symbols, self.unk, self.eos) == (other.symbols, other.unk, other.eos))
+
+    __hash__ = None  # mutable symbol list: equal vocabularies need not hash alike
 
     def __repr__(self):
-        return f"Vocab({len(self.symbols)} symbols, kind={self.kind!r})"
+        extra = "" if self.tokenizer is None else f", tokenizer={self.tokenizer!r}"
+        extra += ", lower_case=True" if self.lower_case else ""
+        extra += "" if self.delimiter is None else f", delimiter={self.delimiter!r}"
+        extra += f", never_split={list(self.never_split)!r}" if self.never_split else ""
+        return f"Vocab({len(self.symbols)} symbols, kind={self.kind!r}{extra})"
 
     @property
     def description(self) -> str:
         return DESCRIPTIONS[self.kind]
 
-    def with_kind(self, kind: str) -> "Vocab":
+    def with_kind(self, kind: str) -> Vocab:
         """The same symbols read as another kind (ValueError if they cannot be that kind)."""
-        return self if kind == self.kind else Vocab(self.symbols, kind=kind)
+        if kind == self.kind:
+            return self
+        return Vocab(self.symbols, kind=kind, **(self._word_settings() if kind == "word" else {}))
+
+    def with_tokenizer(self, tokenizer: str) -> Vocab:
+        """The same word vocabulary read and written with another tokenizer (one of `TOKENIZERS`)."""
+        if self.kind != "word":
+            raise ValueError(f"a {self.kind} vocabulary has no word tokenizer to change")
+        if tokenizer == self.tokenizer:
+            return self
+        return Vocab(self.symbols, kind="word", **dict(self._word_settings(), tokenizer=tokenizer))
+
+    def _word_settings(self) -> dict:
+        return {"tokenizer": self.tokenizer, "lower_case": self.lower_case, "delimiter": self.delimiter,
+                "never_split": self.never_split}
 
     # -- text <-> ids ------------------------------------------------------------------------------------
     def encode(self, text: str, add_eos: bool | None = None) -> np.ndarray:
@@ -112,20 +177,38 @@ class Vocab:
 
     # -- files ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "symbols": self.symbols}
+        """The vocabulary as JSON: kind, symbols and, for a word vocabulary, its tokenizer (with HuggingFace's
+        settings where they are not the defaults)."""
+        d = {"kind": self.kind, "symbols": self.symbols}
+        if self.tokenizer is not None:
+            d["tokenizer"] = self.tokenizer
+        if self.lower_case:
+            d["lower_case"] = True
+        if self.delimiter is not None:
+            d["delimiter"] = self.delimiter
+        if self.never_split:
+            d["never_split"] = list(self.never_split)
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Vocab":
-        return cls(d["symbols"], kind=d.get("kind", "word"))
+    def from_dict(cls, d: dict) -> Vocab:
+        """Read `to_dict`'s dict; one written before vocabularies recorded their tokenizer gets the one its symbols
+        show."""
+        never_split = d.get("never_split", ())
+        if not isinstance(never_split, (list, tuple)):
+            raise TypeError(f"never_split must be a list of symbols, got {type(never_split).__name__}")
+        return cls(d["symbols"], kind=d.get("kind", "word"), tokenizer=d.get("tokenizer"),
+                   lower_case=d.get("lower_case", False) is True, delimiter=d.get("delimiter"),
+                   never_split=never_split)
 
     def save(self, path):
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
-    def read(cls, path, kind: str | None = None) -> "Vocab":
+    def read(cls, path, kind: str | None = None) -> Vocab:
         """Read our vocab.json, the original one-symbol-a-line vocab.txt, or a character list file.
 
         `kind`: what the user says the vocabulary is (it overrides our vocab.json's). Otherwise a vocab.txt or a
