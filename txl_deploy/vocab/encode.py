@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from txl_deploy.errors import InputError
-from txl_deploy.vocab.kinds import TEXT8_LETTERS, TEXT8_SPACE, byte_value
+from txl_deploy.vocab import moses
+from txl_deploy.vocab.kinds import LM1B_BOUNDARY, TEXT8_LETTERS, TEXT8_SPACE, byte_value
 
 NEWLINE = 0x0A
 
@@ -43,17 +44,59 @@ def utf8(text: str) -> bytes:
 
 
 def encode_words(vocab, text: str, add_eos: bool | None) -> np.ndarray:
-    """Whitespace-separated words; `<eos>` at each line end (as WikiText-103 was read)."""
+    """Words as the vocabulary's tokenizer splits each line (`whitespace`: on whitespace; `wikitext` / `lm1b`: the
+    Moses pipelines of `moses.py`). A line closed by a newline ends in `<eos>` (as WikiText-103 was read); lm1b
+    puts `<S>` before and after each closed line's words and before an unterminated last line's. `add_eos=False`
+    leaves the line ends out (the newlines are then only word separators)."""
     add_eos = vocab.eos is not None if add_eos is None else add_eos
-    pieces = []
     lines = text.split("\n")
+    if vocab.tokenizer == "lm1b":
+        pieces = []
+        for n, line in enumerate(lines):
+            words = moses.tokenize_line(vocab, line)
+            closed = n < len(lines) - 1
+            if add_eos and (closed or words):
+                pieces.extend([LM1B_BOUNDARY, *words] + ([LM1B_BOUNDARY] if closed else []))
+            else:
+                pieces.extend(words)
+        return _word_ids(vocab, pieces)
+    split = line_splitter(vocab)
+    pieces = []
     for n, line in enumerate(lines):
-        pieces.extend(line.split())
-        # a trailing newline closes the last line; an unterminated last line gets <eos> only if asked
+        pieces.extend(split(line))
+        # a trailing newline closes the last line; an unterminated last line gets no <eos>
         if add_eos and (n < len(lines) - 1):
             pieces.append(vocab.eos)
+    return _word_ids(vocab, pieces)
+
+
+def line_splitter(vocab):
+    if vocab.tokenizer == "whitespace":
+        return str.split
+    return lambda line: moses.tokenize_line(vocab, line)
+
+
+def _word_ids(vocab, pieces) -> np.ndarray:
     missing = (lambda p: f"symbol {p!r} is not in the vocabulary, which has no <unk>")
     return np.array([_lookup(vocab, p, missing) for p in pieces], dtype=np.int64)
+
+
+def encode_pretokenized(vocab, text: str) -> np.ndarray:
+    """A word corpus file as the original data pipeline read it (WikiText-103 and One Billion Word are distributed
+    already tokenized): each line split on whitespace, `<eos>` after it (lm1b: `<S>` before and after it, empty
+    lines too, as `add_double_eos`). A last line without its newline is read as a line all the same."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    pieces = []
+    for line in lines:
+        if vocab.tokenizer == "lm1b":
+            pieces.extend([LM1B_BOUNDARY, *line.split(), LM1B_BOUNDARY])
+        else:
+            pieces.extend(line.split())
+            if vocab.eos is not None:
+                pieces.append(vocab.eos)
+    return _word_ids(vocab, pieces)
 
 
 def encode_chars(vocab, text: str) -> np.ndarray:
@@ -144,13 +187,15 @@ def decode_utf8_text(data: bytes) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def encode_corpus(vocab, data) -> tuple[np.ndarray, dict]:
+def encode_corpus(vocab, data, raw: bool = False) -> tuple[np.ndarray, dict]:
     """Token ids of a whole text (str, or the file's bytes) as the original preprocessing of the model's corpus
     reads it, and what was counted on the way (`input`, reported beside an evaluation's score).
 
     bytes: the raw bytes (a str is encoded as UTF-8), newlines dropped (prep_enwik8.py + data_utils.py).
     text8: leading and trailing whitespace stripped (prep_text8.py's `strip()`), then as `encode`.
-    word and char: as `encode`."""
+    char: as `encode`.
+    word: a pre-tokenized corpus file, as the original data pipeline read it (`encode_pretokenized`), whatever the
+    vocabulary's tokenizer; `raw=True` reads raw text with the vocabulary's tokenizer instead (as `encode`)."""
     if vocab.kind == "bytes":
         if isinstance(data, str):
             data = utf8(data)
@@ -163,8 +208,14 @@ def encode_corpus(vocab, data) -> tuple[np.ndarray, dict]:
         stripped = text.strip()
         ids = encode_text8(vocab, stripped)
         return ids, {"characters": len(text), "stripped": len(text) - len(stripped), "symbols": int(ids.size)}
-    ids = vocab.encode(text)
-    return ids, {"characters": len(text), "symbols": int(ids.size)}
+    if vocab.kind == "char":
+        ids = vocab.encode(text)
+        return ids, {"characters": len(text), "symbols": int(ids.size)}
+    ids = vocab.encode(text) if raw else encode_pretokenized(vocab, text)
+    line_ends = "<S> before and after each line" if vocab.tokenizer == "lm1b" else "<eos> line ends"
+    read_as = (f"raw text tokenized with the {vocab.tokenizer} tokenizer" if raw and vocab.tokenizer != "whitespace"
+               else "a pre-tokenized corpus: each line split on whitespace")
+    return ids, {"characters": len(text), "symbols": int(ids.size), "line_ends": line_ends, "read_as": read_as}
 
 
 def counting(kind: str, counts: dict, scored: int) -> str:
@@ -183,5 +234,7 @@ def counting(kind: str, counts: dict, scored: int) -> str:
                 "prep_text8.py and the original tokenizer do), spaces counted, less the first character")
     if kind == "char":
         return f"bits per character over {scored:,} characters predicted (every character after the first)"
-    return f"perplexity over {scored:,} tokens predicted (words and <eos> line ends, after the first)"
+    line_ends = counts.get("line_ends", "<eos> line ends")
+    read_as = f"; the text read as {counts['read_as']}" if "read_as" in counts else ""
+    return f"perplexity over {scored:,} tokens predicted (words and {line_ends}, after the first{read_as})"
 

@@ -8,6 +8,9 @@ which replaces as Unicode's "maximal subpart" practice says: the whole text equa
 `bytes.decode("utf-8", "replace")`. Word vocabularies put a space before a word unless the
 text so far is empty or ends in whitespace, and `<eos>` is a line break, so the pieces of a stream started empty
 join to exactly `Vocab.decode` of the same ids.
+
+Word vocabularies read with a Moses tokenizer (`wikitext`, `lm1b`) are detokenized a line at a time (`MosesLine`):
+a word is printed once no later word can change the text before it, and a line end prints the rest of the line.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import operator
 
 from txl_deploy.errors import InputError
-from txl_deploy.vocab.kinds import EOS, TEXT8_SPACE, UNK
+from txl_deploy.vocab import moses
+from txl_deploy.vocab.kinds import EOS, TEXT8_SPACE, UNK, WIKITEXT_MARKERS
 
 REPLACEMENT = "\ufffd"
 # `after` of a stream that continues text it was not shown (a word then gets its leading space)
@@ -31,10 +35,25 @@ class StreamDecoder:
     >>> print(decoder.flush())
     """
 
-    def __init__(self, vocab, after=""):
+    def __init__(self, vocab, after="", context=None):
         self.vocab = vocab
         self._last = "x" if after is CONTINUING else str(after)[-1:]  # the last character of the text so far
         self._utf8 = Utf8Decoder() if vocab.kind == "bytes" else None
+        self._moses = None
+        if vocab.kind == "word" and vocab.tokenizer != "whitespace":
+            self._moses = MosesLine(vocab, self._seed(after, context))
+
+    def _seed(self, after, context) -> list[str]:
+        """The words of the line the stream continues: those of `context` after its last line end; without
+        `context`, the last word of `after` (as it stands: enough to place a space or not), or a stand-in word
+        for `CONTINUING`; none when the text so far is empty or ends in whitespace."""
+        if context is not None:
+            symbols = [self.vocab.symbols[i] for i in _checked_ids(self.vocab, context)]
+            ends = [n for n, s in enumerate(symbols) if moses.is_line_end(self.vocab, s)]
+            return symbols[ends[-1] + 1:] if ends else symbols
+        if not self._last or self._last.isspace():
+            return []
+        return ["x"] if after is CONTINUING else [str(after).split()[-1]]
 
     def feed(self, token_id) -> str:
         """The text that token `token_id` completes (may be "": a character's first bytes)."""
@@ -44,13 +63,18 @@ class StreamDecoder:
             raise InputError(f"token ids must be integers, got {token_id!r}") from None
         if not 0 <= i < len(self.vocab.symbols):
             raise InputError(f"token id {token_id} is outside the vocabulary [0, {len(self.vocab.symbols)})")
+        if self._moses is not None:
+            return self._moses.feed(self.vocab.symbols[i])
         text = self._text(i, self.vocab.symbols[i])
         if text:
             self._last = text[-1]
         return text
 
     def flush(self) -> str:
-        """The end of the stream: U+FFFD for an incomplete character left over, else ""."""
+        """The end of the stream: U+FFFD for an incomplete character left over, the rest of a Moses line, else
+        ""."""
+        if self._moses is not None:
+            return self._moses.flush()
         if self._utf8 is None:
             return ""
         text = self._utf8.flush()
@@ -84,6 +108,93 @@ class StreamDecoder:
         if symbol == self.vocab.eos:
             return "\n"
         return symbol if not self._last or self._last.isspace() else " " + symbol
+
+
+def _checked_ids(vocab, ids) -> list[int]:
+    out = []
+    for token_id in ids:
+        try:
+            i = operator.index(token_id)
+        except TypeError:
+            raise InputError(f"token ids must be integers, got {token_id!r}") from None
+        if not 0 <= i < len(vocab.symbols):
+            raise InputError(f"token id {token_id} is outside the vocabulary [0, {len(vocab.symbols)})")
+        out.append(i)
+    return out
+
+
+class MosesLine:
+    """The current line of a Moses-detokenized stream: prints what the words so far have fixed.
+
+    The line's text is `moses.detokenize_line` of its words W; after each word we print the new part of
+    `detokenize_line(W[:k])` for the largest *settled* k: W[k-1] is not a marker (`@-@`, `@,@`, `@.@`) and the
+    word after it is known not to be `@-@` (W[k] exists and is not `@-@`, or the vocabulary has no `@-@`).
+
+    Why `detokenize_line(W[:k])` is a prefix of `detokenize_line(W')` for every W' that extends W (sacremoses'
+    MosesDetokenizer for English, read in its source):
+    1. It first replaces " @-@ " in " w0 w1 ... " by "-" (left to right); a match needs spaces on both sides of an
+       `@-@` word, so with W[k-1] and W[k] not `@-@` no match spans the boundary after W[k-1]: the first k words
+       merge into the same words in both texts.
+    2. XML unescaping works inside a word.
+    3. Its loop decides each word's text (a space before it or not) from that word, the words before it and the
+       quote counts so far, never from a later word (the look-ahead rules are French, Italian, Irish and Czech
+       only), and appends nothing after a word until the next one: the first words give the same text, which
+       ends in that word's last character. Merging single spaces and stripping then cut nothing from it.
+    4. The number joins replace " @,@ " / " @.@ " left to right; a match needs a space after the marker, so with
+       W[k-1] not a marker none spans the end of the shorter text: the same joins happen in both.
+    So a printed piece is never changed by a later word, and at a line end (or `flush`) the whole line's text
+    is printed: the pieces join to exactly `detokenize_line` of the line, hence (line by line) to `Vocab.decode`.
+    The cost of a word is one detokenization of its line so far (a line ends at the next `<eos>`).
+    """
+
+    def __init__(self, vocab, seed: list[str]):
+        self.vocab = vocab
+        self.hyphens = WIKITEXT_MARKERS[0] in vocab.index
+        self._start(seed)
+
+    def _start(self, seed):
+        self.words = list(seed)
+        self.shown = moses.detokenize_line(self.vocab, self.words)  # printed already (by us or as the prompt)
+
+    def _settled(self) -> int:
+        words, k = self.words, len(self.words)
+        if self.hyphens:
+            k -= 1  # the next word might be @-@, which would join the last word to the word after it
+        while k > 0 and (words[k - 1] in WIKITEXT_MARKERS or (k < len(words) and words[k] == WIKITEXT_MARKERS[0])):
+            k -= 1
+        return k
+
+    def _new(self, text: str) -> str:
+        if text.startswith(self.shown):
+            out, self.shown = text[len(self.shown):], text
+            return out
+        if self.shown.startswith(text):
+            return ""  # fewer words settled than a prompt's line already showed
+        # a prompt's own last word changed by the stream (e.g. joined to it by `@-@`): what it printed stays
+        out, self.shown = text[len(_common_prefix(text, self.shown)):], text
+        return out
+
+    def feed(self, symbol: str) -> str:
+        if moses.is_line_end(self.vocab, symbol):
+            if not self.words and self.vocab.tokenizer == "lm1b":
+                return ""  # the <S> that opens a line
+            out = self._new(moses.detokenize_line(self.vocab, self.words)) + "\n"
+            self._start([])
+            return out
+        self.words.append(symbol)
+        return self._new(moses.detokenize_line(self.vocab, self.words[:self._settled()]))
+
+    def flush(self) -> str:
+        out = self._new(moses.detokenize_line(self.vocab, self.words))
+        self._start([])
+        return out
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 class Utf8Decoder:

@@ -15,6 +15,7 @@ import numpy as np
 
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.vocab import encode as enc
+from txl_deploy.vocab import moses
 from txl_deploy.vocab.kinds import (
     DESCRIPTIONS,
     EOS,
@@ -140,10 +141,12 @@ class Vocab:
             raise InputError(f"encode_bytes is for byte vocabularies; this one is of kind {self.kind}")
         return enc.encode_bytes(self, data)
 
-    def encode_corpus(self, data) -> tuple[np.ndarray, dict]:
+    def encode_corpus(self, data, raw: bool = False) -> tuple[np.ndarray, dict]:
         """Ids of a whole text (str or the bytes of a file) as the original preprocessing of the model's corpus
-        read it, and what was counted (see `encode.encode_corpus`). What `txl-deploy eval` scores."""
-        return enc.encode_corpus(self, data)
+        read it, and what was counted (see `encode.encode_corpus`). What `txl-deploy eval` scores. A word corpus
+        is read as the pre-tokenized file it is distributed as (whitespace, a line end per line); `raw=True`
+        tokenizes raw text with the vocabulary's tokenizer instead (e.g. `vocab.with_tokenizer("wikitext")`)."""
+        return enc.encode_corpus(self, data, raw=raw)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]
@@ -155,6 +158,8 @@ class Vocab:
         if self.kind in ("bytes", "text8"):
             decoder = self.stream_decoder()
             return "".join(decoder.feed(i) for i in ids) + decoder.flush()
+        if self.tokenizer != "whitespace":
+            return moses.decode_words(self, [self.symbols[i] for i in ids])
         out = []
         for i in ids:
             s = self.symbols[i]
@@ -162,12 +167,13 @@ class Vocab:
         text = " ".join(out)
         return text.replace(" \n ", "\n").replace(" \n", "\n").replace("\n ", "\n")
 
-    def stream_decoder(self, after: str = "") -> StreamDecoder:
+    def stream_decoder(self, after: str = "", context=None) -> StreamDecoder:
         """An incremental decoder for generated ids: `feed(id)` returns the text that can be printed now (a
-        character split over byte tokens comes out whole, once complete; invalid bytes are U+FFFD), `flush()` the
-        rest at the end. `after`: the text the stream continues (a prompt), which decides whether a word's
-        leading space is needed; `CONTINUING` for text it was not shown."""
-        return StreamDecoder(self, after)
+        character split over byte tokens comes out whole, once complete; invalid bytes are U+FFFD; a Moses word
+        once no later word can change it), `flush()` the rest at the end. `after`: the text the stream continues
+        (a prompt), which decides whether a word's leading space is needed; `CONTINUING` for text it was not
+        shown. `context`: the ids of that text (wikitext/lm1b: detokenizes the continued line exactly)."""
+        return StreamDecoder(self, after, context=context)
 
     def piece(self, i: int) -> str:
         """Text for one generated token as it continues a stream: words get a leading space, <eos> a newline.
