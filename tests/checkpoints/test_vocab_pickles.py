@@ -57,7 +57,9 @@ def test_a_vocabulary_written_by_transformers_save_vocabulary_loads(tmp_path):
     assert "moses_tokenizer" in pickle.loads(path.read_bytes())  # what makes the file dangerous to unpickle
     vocab = read_vocab_file(path)
     assert vocab.symbols == tok.idx2sym == SYMBOLS
-    assert vocab.kind == "word"
+    assert vocab.kind == "word" and vocab.tokenizer == "wikitext"
+    assert vocab.lower_case is True and vocab.delimiter is None
+    assert tuple(vocab.never_split) == ("state-of-the-art",)
     assert vocab.unk == "<unk>" and vocab.eos == "<eos>"
     assert "save_vocabulary" in open_vocab_file(path).format and "read without running it" in \
         open_vocab_file(path).format
@@ -69,8 +71,12 @@ def test_the_old_plain_dict_layout_loads_in_every_pickle_protocol(tmp_path):
         path = tmp_path / f"vocab-{protocol}.pkl"
         path.write_bytes(pickle.dumps(old_layout(tok), protocol=protocol))
         vocab = read_vocab_file(path)
-        assert vocab.symbols == SYMBOLS
+        assert vocab.symbols == SYMBOLS and vocab.tokenizer == "wikitext" and vocab.lower_case is False
         assert "plain dict" in open_vocab_file(path).format
+    # without never_split, the special tokens transformers' tokenizer keeps whole by default
+    bare = {k: v for k, v in old_layout(tok).items() if k != "never_split"}
+    (tmp_path / "bare.pkl").write_bytes(pickle.dumps(bare))
+    assert set(read_vocab_file(tmp_path / "bare.pkl").never_split) == {"<eos>", "<unk>", "<formula>"}
 
 
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
@@ -79,17 +85,19 @@ def test_vocab_bin_the_torch_save_twin_loads(tmp_path, zip_format):
     path = tmp_path / "vocab.bin"
     torch.save(old_layout(tok), path, _use_new_zipfile_serialization=zip_format)
     vocab = read_vocab_file(path)
-    assert vocab.symbols == SYMBOLS
+    assert vocab.symbols == SYMBOLS and vocab.lower_case is True and vocab.tokenizer == "wikitext"
     assert "torch.save" in open_vocab_file(path).format
 
 
-def test_lm1b_symbols_keep_their_unk(tmp_path):
+def test_lm1b_symbols_give_the_lm1b_tokenizer_and_its_unk(tmp_path):
     symbols = ["<S>", "</S>", "<UNK>", "the", "cat", "."]
     tok = hf_tokenizer(tmp_path, symbols)
     path = tmp_path / "lm1b.pkl"
     path.write_bytes(pickle.dumps(old_layout(tok)))
     vocab = read_vocab_file(path)
-    assert vocab.unk == "<UNK>" and vocab.symbols == symbols
+    assert vocab.tokenizer == "lm1b" and vocab.unk == "<UNK>" and vocab.symbols == symbols
+    # the user's word for the tokenizer wins
+    assert read_vocab_file(path, tokenizer="whitespace").tokenizer == "whitespace"
 
 
 def test_a_sym2idx_only_vocabulary_is_read_in_id_order(tmp_path):
@@ -138,20 +146,20 @@ def test_a_huggingface_folder_gets_its_vocab_pkl_and_exports_with_it(hf, tmp_pat
     tok, _ = saved_vocab_pkl(folder, symbols=WORDS)
     assert find_vocab(folder) == folder / "vocab.pkl"
     loaded = load_model(folder)
-    assert loaded.vocab.symbols == WORDS == tok.idx2sym
+    assert loaded.vocab.symbols == WORDS == tok.idx2sym and loaded.vocab.tokenizer == "wikitext"
     assert loaded.vocab_source == str(folder / "vocab.pkl") and "read without running it" in loaded.vocab_format
     # info says where the vocabulary came from, what the file is, and its tokenizer
     result = cli("info", folder)
     assert result.exit_code == 0, result.output
     assert f"from:      {folder / 'vocab.pkl'}: vocab.pkl (transformers' TransfoXLTokenizer.save_vocabulary" in \
-        result.output
+        result.output and "tokenizer: wikitext" in result.output
     d = json.loads(cli("info", folder, "--json").output)
-    assert d["vocab_source"] == str(folder / "vocab.pkl")
+    assert d["vocab_source"] == str(folder / "vocab.pkl") and d["vocab_tokenizer"] == "wikitext"
     # the export carries that vocabulary in its metadata
     result = cli("export", folder, "-o", tmp_path / "hf.onnx", "--no-verify", "--max-segment", 8)
     assert result.exit_code == 0, result.output
     exported = read_onnx_info(tmp_path / "hf.onnx").vocab
-    assert exported.symbols == WORDS
+    assert exported.symbols == WORDS and exported.tokenizer == "wikitext"
 
 
 def test_vocab_option_takes_a_vocab_pkl_and_the_search_order_holds(hf, tmp_path):
@@ -160,7 +168,8 @@ def test_vocab_option_takes_a_vocab_pkl_and_the_search_order_holds(hf, tmp_path)
     elsewhere.mkdir()
     saved_vocab_pkl(elsewhere, symbols=WORDS, lower_case=True)
     loaded = load_model(folder, vocab=elsewhere / "vocab.pkl")
-    assert loaded.vocab.symbols == WORDS
+    assert loaded.vocab.symbols == WORDS and loaded.vocab.lower_case is True
+    assert load_model(folder, vocab=elsewhere / "vocab.pkl", tokenizer="whitespace").vocab.tokenizer == "whitespace"
     # beside the model: vocab.json, vocab.txt, vocab.pkl, vocab.bin, cache.pt, the first one found
     assert VOCAB_FILES == ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt")
     tok = hf_tokenizer(tmp_path, WORDS)

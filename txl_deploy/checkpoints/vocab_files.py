@@ -35,7 +35,7 @@ from pathlib import Path
 from txl_deploy.checkpoints import safe_pickle
 from txl_deploy.checkpoints.safe_pickle import RefusedGlobal, pickled_class
 from txl_deploy.errors import CheckpointError, TxlError
-from txl_deploy.vocab import DATASET_KINDS, Vocab, choose_kind, kind_note
+from txl_deploy.vocab import DATASET_KINDS, Vocab, choose_kind, detect_tokenizer, kind_note
 
 # The files looked for beside a checkpoint, in this order: ours, the original code's text list, HuggingFace's
 # pickle and its torch.save twin, the original PyTorch code's corpus cache.
@@ -228,7 +228,7 @@ def _tokenizer_vocab(d: dict, path: Path, container: str) -> VocabFile:
         never_split = HF_NEVER_SPLIT
     if not isinstance(never_split, (list, tuple, set, frozenset)):
         raise CheckpointError(path, f"never_split is of type {type(never_split).__name__}, not a list of symbols")
-    _symbols(list(never_split), "never_split", path)
+    never_split = tuple(_symbols(list(never_split), "never_split", path))
     special = d.get("special")
     if special is not None:
         _symbols(list(special) if isinstance(special, (tuple, set)) else special, "special", path)
@@ -238,7 +238,11 @@ def _tokenizer_vocab(d: dict, path: Path, container: str) -> VocabFile:
         if delimiter == "":  # the tokenizer reads a line as its characters (transformers' _tokenize)
             vocab = Vocab(symbols, kind=choose_kind(symbols, default="char"), unk=unk)
         else:
-            vocab = Vocab(symbols, kind="word", unk=unk)
+            # One Billion Word's symbols are lm1b's; any other vocabulary of this tokenizer was read with its Moses
+            # pipeline, HuggingFace's wikitext tokenizer, whether or not its symbols show the split markers
+            tokenizer = "lm1b" if detect_tokenizer(symbols) == "lm1b" else "wikitext"
+            vocab = Vocab(symbols, kind="word", unk=unk, tokenizer=tokenizer, lower_case=lower_case,
+                          delimiter=delimiter, never_split=never_split)
     except (ValueError, TxlError) as e:
         raise CheckpointError(path, f"vocabulary: {e}") from None
     return VocabFile(vocab, f"{path.name} ({writer}, {container}, read without running it)")
