@@ -65,6 +65,24 @@ def test_a_vocabulary_written_by_transformers_save_vocabulary_loads(tmp_path):
         open_vocab_file(path).format
 
 
+SENTENCES = ["The cat is state-of-the-art, 1,000 of 2.5 cats.", "Café \"the\" cat , state of the art",
+             "THE CAT 2.5 1,000 state-of-the-art"]
+
+
+@pytest.mark.parametrize("lower_case", [False, True])
+def test_text_is_read_and_written_as_the_tokenizer_that_saved_the_file_does(tmp_path, lower_case):
+    """The settings the file carries (lower_case, never_split) make our ids and text those of the tokenizer that
+    wrote it, the oracle."""
+    symbols = [*SYMBOLS, "of", "art", "cats", "1", "000", "2", "5", "is", ".", "\"", "The", "THE", "CAT"]
+    tok, path = saved_vocab_pkl(tmp_path, symbols=symbols, never_split=["state-of-the-art"], lower_case=lower_case)
+    vocab = read_vocab_file(path)
+    for sentence in SENTENCES:
+        ids = tok.convert_tokens_to_ids(tok.tokenize(sentence))
+        assert [int(i) for i in vocab.encode(sentence, add_eos=False)] == ids, sentence
+        assert vocab.decode(ids) == tok.decode(ids), sentence
+    assert vocab.symbols.index("state-of-the-art") in ids  # kept whole, as never_split says
+
+
 def test_the_old_plain_dict_layout_loads_in_every_pickle_protocol(tmp_path):
     tok = hf_tokenizer(tmp_path, SYMBOLS, lower_case=False)
     for protocol in (0, 2, 4):
