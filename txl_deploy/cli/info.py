@@ -56,8 +56,10 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
                "parameters:  not known from the file (quantized weights)")
     if d["vocab_size"] is not None:
-        click.echo(f"vocabulary:  {d['vocab_size']:,} symbols, kind {d['vocab_kind']}: "
-                   f"{DESCRIPTIONS[d['vocab_kind']]}")
+        # a word vocabulary read by a Moses tokenizer is not split on whitespace, as the kind's description says
+        moses = d.get("vocab_tokenizer") not in (None, "whitespace")
+        what = "words as its tokenizer splits and joins them" if moses else DESCRIPTIONS[d["vocab_kind"]]
+        click.echo(f"vocabulary:  {d['vocab_size']:,} symbols, kind {d['vocab_kind']}: {what}")
         click.echo(f"  from:      {d['vocab_source']}" + (f": {d['vocab_format']}" if d.get("vocab_format") else ""))
         if d.get("vocab_tokenizer"):
             click.echo(f"  tokenizer: {d['vocab_tokenizer']}")
