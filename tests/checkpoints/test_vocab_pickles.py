@@ -118,6 +118,16 @@ def test_lm1b_symbols_give_the_lm1b_tokenizer_and_its_unk(tmp_path):
     assert read_vocab_file(path, tokenizer="whitespace").tokenizer == "whitespace"
 
 
+def test_a_python_2_layout_of_bytes_is_read_as_utf8_text(tmp_path):
+    """A Python 2 pickle's str come back as bytes (read with encoding="bytes"): keys and symbols are the UTF-8 text
+    the vocabulary file held, so "Café" is not mojibake."""
+    symbols = [s.encode("utf-8") for s in SYMBOLS]
+    path = tmp_path / "vocab.pkl"
+    path.write_bytes(pickle.dumps({b"idx2sym": symbols, b"sym2idx": {s: i for i, s in enumerate(symbols)},
+                                   b"unk_idx": 1, b"delimiter": None}, protocol=2))
+    assert read_vocab_file(path).symbols == SYMBOLS
+
+
 def test_a_sym2idx_only_vocabulary_is_read_in_id_order(tmp_path):
     path = tmp_path / "vocab.pkl"
     path.write_bytes(pickle.dumps({"sym2idx": OrderedDict((s, i) for i, s in enumerate(SYMBOLS)),
