@@ -8,13 +8,13 @@ import click
 
 from txl_deploy.checkpoints import load_model, save_checkpoint
 from txl_deploy.checkpoints.tensorflow.convert import TF_LAYER_NORM_EPSILON, TF_SAME_LENGTH_EXTRA
-from txl_deploy.cli.options import vocab_options
+from txl_deploy.cli.options import ModelReference, local_model, vocab_options
 from txl_deploy.files import check_writable
 from txl_deploy.progress import progress_bar
 
 
 @click.command()
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=ModelReference(click.Path(path_type=Path)))
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True,
               help="Folder to write (config.json, model.safetensors, vocab.json).")
 @vocab_options
@@ -29,8 +29,12 @@ def convert(src, out, config, preset, vocab, vocab_kind, no_vocab, tf_semantics,
     """Convert a checkpoint (original CMU model.pt, a state_dict + config, a HuggingFace transfo-xl folder, an
     NVIDIA DeepLearningExamples checkpoint, an original TensorFlow model.ckpt-N or its published folder with model/
     and data/, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
-    atomically."""
+    atomically.
+
+    SRC may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION]: it is fetched into the hub cache (or read
+    from it offline) and read as a HuggingFace folder (needs the hub extra: pip install 'txl-deploy[hub]')."""
     check_writable(out, force)  # fail before the (possibly long) load
+    src = local_model(src)
     with progress_bar(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("reading")
         loaded = load_model(src, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from txl_deploy.cli.options import threads_option
+from txl_deploy.cli.options import ModelReference, local_model, threads_option
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
 from txl_deploy.runtimes import TxlRuntime
@@ -20,7 +20,7 @@ TEXT_HELP = ("The text to evaluate on (e.g. a held-out split), read as the origi
 
 
 @click.command("eval")
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelReference(click.Path(exists=True)))
 @click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help=TEXT_HELP)
 @click.option("--tgt-len", type=click.IntRange(min=1), help="Segment length [default: the model's tgt_len].")
 @click.option("--mem-len", type=click.IntRange(min=1), help="Memory length (checkpoints; an .onnx has its own).")
@@ -50,7 +50,11 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     - word: perplexity over the words and <eos> line ends after the first.
 
     The JSON result says the same in `counting`, with the counts in `input`.
+
+    MODEL may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION] (fetched into the hub cache, or found
+    there offline, and run as a checkpoint).
     """
+    model = local_model(model)
     data = Path(text_file).read_bytes()
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, threads=threads) as rt:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from txl_deploy.cli.options import threads_option, vocab_options
+from txl_deploy.checkpoints.hub import HubReference
+from txl_deploy.cli.options import ModelReference, local_model, threads_option, vocab_options
 from txl_deploy.exporters.export import export_checkpoint
 from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 
@@ -14,9 +15,9 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 
 
 @click.command("export")
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", type=ModelReference(click.Path(exists=True)))
 @click.option("--onnx", "to_onnx", is_flag=True, default=True, help="Export to ONNX (the default and only target).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx].")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx; a hub reference: the repository's name + .onnx].")
 @click.option("--mem-len", type=click.IntRange(min=1), help="Memory length of the graph [default: the checkpoint's]. "
               "May exceed the training memory.")
 @click.option("--clamp-len", type=int, help="Clamp relative distances at this value (<= 0: no clamping) "
@@ -51,7 +52,7 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
                block_size, calib, eval_text, config, preset, vocab, vocab_kind, verify, force, skip_memory_check,
                threads):
-    """Export CHECKPOINT (any supported format) to a self-describing ONNX model.
+    """Export CHECKPOINT (any supported format, or a HuggingFace hub reference) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
     layer plus a per-row token counter) and returns log-probabilities and the memory update. Config, vocabulary
@@ -67,11 +68,19 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
     (WikiText-103 large, 1.1 GB of weights: 4.5 GB and 2.5 GB). It refuses to start when the memory available now
     is below its estimate (`txl-deploy info CHECKPOINT --memory`), and says whether --no-verify would fit.
 
+    A hub reference, hf://OWNER/NAME[@REVISION], is fetched into the HuggingFace hub cache (config.json, the
+    PyTorch weights and the vocabulary only) and read as a HuggingFace folder; with HF_HUB_OFFLINE=1, or when the
+    hub cannot be reached, the cache's copy is read. It needs the hub extra: pip install 'txl-deploy[hub]'.
+
     \b
     Example:
       txl-deploy export model.pt --onnx -o model.onnx --mem-len 640
       txl-deploy export LM-TFM/ -o wt103.onnx --mem-len 640 --clamp-len 400 --same-length
+      txl-deploy export hf://transfo-xl/transfo-xl-wt103 -o wt103.onnx
     """
+    if isinstance(checkpoint, HubReference) and output is None:
+        output = f"{checkpoint.name}.onnx"  # not the snapshot folder's name, which is a commit hash
+    checkpoint = local_model(checkpoint)
     export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, vocab_kind=vocab_kind, config=config,
                       preset=preset, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,

@@ -6,13 +6,13 @@ import sys
 
 import click
 
-from txl_deploy.cli.options import sampling_options, threads_option
+from txl_deploy.cli.options import ModelReference, local_model, sampling_options, threads_option
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
 
 @click.command("generate")
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelReference(click.Path(exists=True)))
 @click.option("--prompt", required=True, help="Text to start from. For a byte-level (enwik8) model it is read as "
               "UTF-8 with newlines dropped, as the model was trained; for text8, lowercase a-z and spaces.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
@@ -27,7 +27,11 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, th
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
     several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. --no-unk keeps `<unk>` out
     of the text. The sampling options are those of the HTTP server (`txl-deploy serve`) and of
-    `TxlRuntime.generate`."""
+    `TxlRuntime.generate`.
+
+    MODEL may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION], run as a checkpoint by PyTorch after it
+    is fetched into the hub cache (or found there offline); exporting it first runs faster."""
+    model = local_model(model)
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
         if rt.vocab is None:

@@ -5,11 +5,36 @@ from pathlib import Path
 
 import click
 
+from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference, parse_reference
 from txl_deploy.vocab import KINDS
 
 THREADS_HELP = ("CPU threads: ONNX Runtime's intra-op threads (one inter-op thread) and torch.set_num_threads for "
                 "the PyTorch side. No effect on a TensorRT engine, which runs on the GPU (a warning says so). "
                 "[default: each library's own, one thread per core]")
+
+
+class ModelReference(click.ParamType):
+    """A model argument that is a local path (checked as `path_type` checks it) or a hub reference
+    (`hf://OWNER/NAME[@REVISION]`, checked here and fetched by `local_model` when the command runs, so that a
+    mistake in another option costs no download)."""
+
+    name = "path"
+
+    def __init__(self, path_type: click.Path):
+        self.path_type = path_type
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, HubReference):
+            return value
+        if is_hub_reference(value):
+            return parse_reference(value)  # a bad one: InputError, the one-line message of every other mistake
+        return self.path_type.convert(value, param, ctx)
+
+
+def local_model(model):
+    """The local path of a model argument: a hub reference's snapshot folder (fetched, or found in the cache),
+    anything else as given."""
+    return fetch_snapshot(model) if isinstance(model, HubReference) else model
 
 
 def threads_option(f):

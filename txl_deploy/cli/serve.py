@@ -9,14 +9,15 @@ from pathlib import Path
 
 import click
 
-from txl_deploy.cli.options import threads_option
+from txl_deploy.checkpoints.hub import HubReference
+from txl_deploy.cli.options import ModelReference, local_model, threads_option
 from txl_deploy.errors import InputError
 
 API_KEY_ENV = "TXL_API_KEY"
 
 
 @click.command("serve")
-@click.argument("model", type=click.Path(exists=True), required=False)
+@click.argument("model", type=ModelReference(click.Path(exists=True)), required=False)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; put a proxy with TLS in front).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
@@ -53,7 +54,8 @@ API_KEY_ENV = "TXL_API_KEY"
 def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_key, model_name, max_queue,
           max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, drain_timeout, backend, providers,
           triton_urls, triton_model, vocab):
-    """Serve MODEL (an .onnx, an .engine or a checkpoint) over HTTP with OpenAI's completions API.
+    """Serve MODEL (an .onnx, an .engine, a checkpoint or a hub reference hf://OWNER/NAME[@REVISION], fetched into
+    the HuggingFace hub cache first) over HTTP with OpenAI's completions API.
 
     \b
     POST /v1/completions   prompt (text or token ids), stream, logprobs, stop, the sampling parameters
@@ -95,10 +97,12 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
     else:
         if model is None:
             raise InputError("give a MODEL to serve (or --triton URL to serve through Triton servers)")
+        name = model_name or (model.name if isinstance(model, HubReference) else
+                              Path(model).name.removesuffix(".onnx").removesuffix(".engine"))
+        model = local_model(model)  # fetched before the server starts, with its progress on the terminal
         load = functools.partial(Scheduler.load, model, threads=threads, backend=backend,
                                  providers=providers.split(",") if providers else None,
                                  prefill_chunk=prefill_chunk, **options)
-        name = model_name or Path(model).name.removesuffix(".onnx").removesuffix(".engine")
     settings = http_app.ServeSettings(model_name=name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
                                       max_tokens=max_tokens, max_body_bytes=max_body_bytes,
                                       drain_timeout=drain_timeout)
