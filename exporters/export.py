@@ -17,10 +17,11 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
                       config=None, preset: str | None = None, check_memory: bool = True,
                       mem_len: int | None = None, max_segment: int = 512, verify: bool = True,
                       threads: int | None = None, block_size: int | None = None, calib=None, eval_text=None,
-                      **graph_options) -> ExportResult:
+                      tokenizer: str | None = None, **graph_options) -> ExportResult:
     """Export `checkpoint` (any supported format) to `output` [default: the checkpoint's name + .onnx].
 
-    vocab, vocab_kind, config, preset: how the checkpoint is read (see `load_model`).
+    vocab, vocab_kind, config, preset, tokenizer: how the checkpoint is read (see `load_model`); the tokenizer is
+    stored with the vocabulary in the graph's metadata.
     graph_options: clamp_len, same_length, opset, state, force (see export_onnx). block_size: int4 only.
     threads: torch's threads for the trace and the reference, ONNX Runtime's for the checks."""
     if block_size is not None and precision != "int4":
@@ -30,7 +31,7 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
         import torch  # the export trace and the PyTorch reference of the verification
 
         torch.set_num_threads(threads)
-    how = {"vocab": vocab, "vocab_kind": vocab_kind, "config": config, "preset": preset}
+    how = {"vocab": vocab, "vocab_kind": vocab_kind, "config": config, "preset": preset, "tokenizer": tokenizer}
     loaded = load_model(checkpoint, **{k: v for k, v in how.items() if v is not None})
     if check_memory:
         cfg = loaded.config

@@ -60,17 +60,18 @@ def streaming_eval(ids, step: Callable[[np.ndarray], np.ndarray], tgt_len: int, 
     }
 
 
-def evaluate_text(rt, text, tgt_len: int, progress: bool = True, zero_memory: bool = False) -> dict:
+def evaluate_text(rt, text, tgt_len: int, progress: bool = True, zero_memory: bool = False, raw: bool = False) -> dict:
     """Bits per character (character models) or perplexity (word models) of `text`, memory threaded.
 
     `text`: a str, or the bytes of a file. It is read as the original preprocessing of the model's corpus read its
     test split (`Vocab.encode_corpus`): for a byte-level enwik8 model the raw bytes, newlines dropped (the model never
     predicts one), so the score is bits per byte of the raw text as the paper counts it; for text8, stripped, with
     `_` for the space. `result["counting"]` says exactly what was counted, `result["input"]` the counts.
-    `zero_memory`: start from mem_len zero vectors (TensorFlow's and HuggingFace's first memory), not empty."""
+    `zero_memory`: start from mem_len zero vectors (TensorFlow's and HuggingFace's first memory), not empty.
+    `raw`: a word model reads raw text with its vocabulary's tokenizer instead of a pre-tokenized corpus file."""
     if rt.vocab is None:
         raise InputError("this model has no vocabulary, so it cannot read text to evaluate")
-    ids, counts = rt.vocab.encode_corpus(text)
+    ids, counts = rt.vocab.encode_corpus(text, raw=raw)
     rt.reset()
     if zero_memory:
         rt.start_from_zero_memory(1)

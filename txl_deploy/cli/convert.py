@@ -8,7 +8,7 @@ import click
 
 from txl_deploy.checkpoints import load_model, save_checkpoint
 from txl_deploy.checkpoints.tensorflow.convert import TF_LAYER_NORM_EPSILON, TF_SAME_LENGTH_EXTRA
-from txl_deploy.cli.options import ModelReference, local_model, vocab_options
+from txl_deploy.cli.options import ModelReference, local_model, tokenizer_option, vocab_options
 from txl_deploy.files import check_writable
 from txl_deploy.progress import progress_bar
 
@@ -18,6 +18,7 @@ from txl_deploy.progress import progress_bar
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True,
               help="Folder to write (config.json, model.safetensors, vocab.json).")
 @vocab_options
+@tokenizer_option("Stored with the vocabulary in the output, so every later command reads text this way.")
 @click.option("--no-vocab", is_flag=True, help="Convert the weights alone when no vocabulary is available "
                                                 "(commands that read or write text will then refuse the model).")
 @click.option("--tf-semantics", is_flag=True,
@@ -25,7 +26,7 @@ from txl_deploy.progress import progress_bar
                    "layer-norm epsilon 1e-12 (for HuggingFace's transfo-xl-wt103, which was converted from the "
                    "TensorFlow checkpoint; TensorFlow checkpoints get these settings anyway).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
-def convert(src, out, config, preset, vocab, vocab_kind, no_vocab, tf_semantics, force):
+def convert(src, out, config, preset, vocab, vocab_kind, tokenizer, no_vocab, tf_semantics, force):
     """Convert a checkpoint (original CMU model.pt, a state_dict + config, a HuggingFace transfo-xl folder, an
     NVIDIA DeepLearningExamples checkpoint, an original TensorFlow model.ckpt-N or its published folder with model/
     and data/, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
@@ -37,7 +38,8 @@ def convert(src, out, config, preset, vocab, vocab_kind, no_vocab, tf_semantics,
     src = local_model(src)
     with progress_bar(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("reading")
-        loaded = load_model(src, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
+        loaded = load_model(src, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset,
+                            tokenizer=tokenizer)
         if tf_semantics:
             loaded.config = loaded.config.replace(same_length_extra=TF_SAME_LENGTH_EXTRA,
                                                   layer_norm_epsilon=TF_LAYER_NORM_EPSILON)

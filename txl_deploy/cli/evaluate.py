@@ -7,16 +7,25 @@ from pathlib import Path
 
 import click
 
-from txl_deploy.cli.options import ModelReference, local_model, threads_option
+from txl_deploy.cli.options import ModelReference, local_model, threads_option, use_tokenizer
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.evaluation import evaluate_text
+from txl_deploy.vocab import TOKENIZERS
 
 TEXT_HELP = ("The text to evaluate on (e.g. a held-out split), read as the original preprocessing of the model's "
              "corpus read its test split: UTF-8 text for word and character models; for a byte-level (enwik8) model "
              "the file's raw bytes, with newlines dropped (the model never sees or predicts one), as the paper "
              "counts them; for text8, leading and trailing whitespace stripped.")
+
+
+EVAL_TOKENIZER_HELP = ("How a word model reads --text. [default] whitespace: a pre-tokenized corpus file, as the "
+                       "original data pipeline read WikiText-103's and One Billion Word's test files (the words "
+                       "between spaces, <eos> at each line end; for an lm1b vocabulary <S> around each line): what "
+                       "the paper's perplexities count. wikitext or lm1b: raw text, tokenized with that tokenizer "
+                       "(HuggingFace TransfoXLTokenizer's Moses pipeline for WikiText-103; the One Billion Word "
+                       "benchmark's Moses tokenization).")
 
 
 @click.command("eval")
@@ -32,10 +41,11 @@ TEXT_HELP = ("The text to evaluate on (e.g. a held-out split), read as the origi
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @click.option("--zero-memory", is_flag=True, help="Start from mem_len zero vectors that are attended to, as the "
               "original TensorFlow evaluation (and HuggingFace) do, instead of the paper's empty memory.")
+@click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None, help=EVAL_TOKENIZER_HELP)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the result as JSON.")
 @threads_option
-def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, zero_memory, json_out,
-             threads):
+def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend, providers, zero_memory, tokenizer,
+             json_out, threads):
     """Evaluate MODEL on a text, reading it once left to right in segments of TGT_LEN tokens with the memory
     threaded between them (the paper's evaluation). Prints perplexity for word models and bits per character for
     character models; what is counted:
@@ -47,7 +57,8 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     - text8: bits per character over the stripped text, spaces included (the raw last 5,000,000 characters of
       text8 reproduce the paper's test split).
     - char: bits per character, every character (newlines included) after the first.
-    - word: perplexity over the words and <eos> line ends after the first.
+    - word: perplexity over the words and <eos> line ends after the first (--tokenizer says how the words are
+      found).
 
     The JSON result says the same in `counting`, with the counts in `input`.
 
@@ -59,8 +70,11 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, threads=threads) as rt:
         tgt_len = tgt_len or rt.config.tgt_len
+        raw = tokenizer not in (None, "whitespace")  # whitespace is the pre-tokenized reading, line ends included
+        if raw:
+            use_tokenizer(rt, tokenizer)
         try:
-            result = evaluate_text(rt, data, tgt_len, zero_memory=zero_memory)
+            result = evaluate_text(rt, data, tgt_len, zero_memory=zero_memory, raw=raw)
         except InputError as e:
             raise InputError(f"{text_file}: {e}") from None
         result.update(model=str(model), backend=rt.backend.name, tgt_len=tgt_len, mem_len=rt.mem_len,

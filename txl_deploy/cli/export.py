@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from txl_deploy.checkpoints.hub import HubReference
-from txl_deploy.cli.options import ModelReference, local_model, threads_option, vocab_options
+from txl_deploy.cli.options import ModelReference, local_model, threads_option, tokenizer_option, vocab_options
 from txl_deploy.exporters.export import export_checkpoint
 from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 
@@ -42,6 +42,7 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @click.option("--eval-text", type=click.Path(exists=True, dir_okay=False),
               help="Held-out text for measuring the accuracy change of reduced precision [default: calibration text].")
 @vocab_options
+@tokenizer_option("Stored with the vocabulary in the output, so every later command reads text this way.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
@@ -50,8 +51,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
                    "(see `txl-deploy info CHECKPOINT --memory`).")
 @threads_option
 def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
-               block_size, calib, eval_text, config, preset, vocab, vocab_kind, verify, force, skip_memory_check,
-               threads):
+               block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, force,
+               skip_memory_check, threads):
     """Export CHECKPOINT (any supported format, or a HuggingFace hub reference) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
@@ -82,7 +83,7 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
         output = f"{checkpoint.name}.onnx"  # not the snapshot folder's name, which is a commit hash
     checkpoint = local_model(checkpoint)
     export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, vocab_kind=vocab_kind, config=config,
-                      preset=preset, check_memory=not skip_memory_check,
+                      preset=preset, tokenizer=tokenizer, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
                       max_segment=max_segment, verify=verify, force=force, threads=threads,
                       block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text)

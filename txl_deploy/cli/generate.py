@@ -6,7 +6,14 @@ import sys
 
 import click
 
-from txl_deploy.cli.options import ModelReference, local_model, sampling_options, threads_option
+from txl_deploy.cli.options import (
+    ModelReference,
+    local_model,
+    sampling_options,
+    threads_option,
+    tokenizer_option,
+    use_tokenizer,
+)
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -20,8 +27,9 @@ from txl_deploy.runtimes import TxlRuntime
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
               help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
+@tokenizer_option("For this run only.")
 @threads_option
-def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, threads):
+def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, tokenizer, threads):
     """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT.
 
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
@@ -34,6 +42,7 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, th
     model = local_model(model)
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
+        use_tokenizer(rt, tokenizer)
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
         pieces = rt.generate_text(prompt, max_new_tokens, **sampling)  # checked here, before the prompt is echoed

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference, parse_reference
-from txl_deploy.vocab import KINDS
+from txl_deploy.errors import InputError
+from txl_deploy.vocab import KINDS, TOKENIZERS
 
 THREADS_HELP = ("CPU threads: ONNX Runtime's intra-op threads (one inter-op thread) and torch.set_num_threads for "
                 "the PyTorch side. No effect on a TensorRT engine, which runs on the GPU (a warning says so). "
@@ -43,9 +44,10 @@ def threads_option(f):
 
 
 VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line vocab.txt, a character list "
-              "(with --vocab-kind char), a TensorFlow model's data/cache.pkl or the original PyTorch code's corpus "
-              "cache.pt (both read without running anything). Overrides a vocabulary found in or beside the "
-              "checkpoint.")
+              "(with --vocab-kind char), HuggingFace's transfo-xl vocab.pkl or vocab.bin, a TensorFlow model's "
+              "data/cache.pkl or the original PyTorch code's corpus cache.pt (the pickles read without running "
+              "anything: only the symbols and the tokenizer's settings are taken). Overrides a vocabulary found in "
+              "or beside the checkpoint.")
 
 
 CONFIG_HELP = ("JSON config for a bare state_dict: our TxlConfig fields or the original MemTransformerLM "
@@ -76,6 +78,37 @@ def vocab_options(f):
     f = click.option("--preset", type=click.Choice(["enwik8-large", "text8-large", "wt103-large", "lm1b-large"]),
                      default=None, help=PRESET_HELP)(f)
     return f
+
+
+TOKENIZERS_HELP = ("How a word model's text is split into its words and joined again: whitespace (pre-tokenized "
+                   "text: the words between spaces, printed as they are), wikitext (WikiText-103's: HuggingFace "
+                   "TransfoXLTokenizer's Moses pipeline, numbers split as 1 @,@ 000 and 3 @.@ 5, dashes as @-@, "
+                   "and joined again on output) or lm1b (the One Billion Word benchmark's Moses tokenization, <S> "
+                   "around each line). [default: the vocabulary's own: stored with it, else what its symbols show]")
+
+
+def tokenizer_option(how: str):
+    """`--tokenizer NAME` (None: the vocabulary's own); `how` says what it changes (stored, or this run only)."""
+    return click.option("--tokenizer", type=click.Choice(list(TOKENIZERS)), default=None,
+                        help=f"{TOKENIZERS_HELP} {how}")
+
+
+def with_tokenizer(vocab, tokenizer: str | None):
+    """`vocab` read with `tokenizer` (None, or no vocabulary: as it is); a vocabulary of characters or bytes has
+    no word tokenizer, a one-line error."""
+    if tokenizer is None or vocab is None:
+        return vocab
+    try:
+        return vocab.with_tokenizer(tokenizer)
+    except ValueError as e:
+        raise InputError(f"--tokenizer {tokenizer}: {e}") from None
+
+
+def use_tokenizer(rt, tokenizer: str | None):
+    """Make runtime `rt` read and write text with `tokenizer` for this run (the model's file is unchanged)."""
+    if tokenizer is not None:
+        rt.backend.vocab = with_tokenizer(rt.vocab, tokenizer)  # TxlRuntime.vocab is its backend's
+    return rt
 
 
 def _logit_bias(ctx, param, values):

@@ -3,15 +3,22 @@ fleet."""
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 import click
 
 from txl_deploy.checkpoints.hub import HubReference
-from txl_deploy.cli.options import ModelReference, local_model, threads_option
+from txl_deploy.cli.options import (
+    ModelReference,
+    local_model,
+    threads_option,
+    tokenizer_option,
+    use_tokenizer,
+    with_tokenizer,
+)
 from txl_deploy.errors import InputError
+from txl_deploy.runtimes import TxlRuntime
 
 API_KEY_ENV = "TXL_API_KEY"
 
@@ -51,9 +58,11 @@ API_KEY_ENV = "TXL_API_KEY"
 @click.option("--triton-model", default="txl", show_default=True, help="The model's name in the Triton repository.")
 @click.option("--vocab", type=click.Path(dir_okay=False, exists=True), default=None,
               help="With --triton: the vocabulary file when the servers' model config does not carry it.")
+@tokenizer_option("For this server only: prompts are read and completions written with it; the model file is "
+                  "unchanged.")
 def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_key, model_name, max_queue,
           max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, drain_timeout, backend, providers,
-          triton_urls, triton_model, vocab):
+          triton_urls, triton_model, vocab, tokenizer):
     """Serve MODEL (an .onnx, an .engine, a checkpoint or a hub reference hf://OWNER/NAME[@REVISION], fetched into
     the HuggingFace hub cache first) over HTTP with OpenAI's completions API.
 
@@ -92,7 +101,11 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
         if model is not None:
             raise InputError("give either MODEL or --triton, not both")
         urls = [u.strip() for u in triton_urls.split(",") if u.strip()]
-        load = functools.partial(FleetEngine.connect, urls, model=triton_model, vocab=vocab, **options)
+        def load():
+            engine = FleetEngine.connect(urls, model=triton_model, vocab=vocab, **options)
+            # the engine and its client both read and write text: one vocabulary for both
+            engine.vocab = engine.client.vocab = with_tokenizer(engine.vocab, tokenizer)
+            return engine
         name = model_name or triton_model
     else:
         if model is None:
@@ -100,9 +113,12 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
         name = model_name or (model.name if isinstance(model, HubReference) else
                               Path(model).name.removesuffix(".onnx").removesuffix(".engine"))
         model = local_model(model)  # fetched before the server starts, with its progress on the terminal
-        load = functools.partial(Scheduler.load, model, threads=threads, backend=backend,
-                                 providers=providers.split(",") if providers else None,
-                                 prefill_chunk=prefill_chunk, **options)
+        def load():  # Scheduler.load, with the runtime's tokenizer set before the engine takes its vocabulary
+            runtime = TxlRuntime.load(model, backend=backend, threads=threads,
+                                      providers=providers.split(",") if providers else None)
+            engine = Scheduler(use_tokenizer(runtime, tokenizer), prefill_chunk=prefill_chunk, **options)
+            engine.describe()
+            return engine
     settings = http_app.ServeSettings(model_name=name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
                                       max_tokens=max_tokens, max_body_bytes=max_body_bytes,
                                       drain_timeout=drain_timeout)
