@@ -329,13 +329,15 @@ class TxlRuntime:
         if self.vocab is None:
             raise InputError("this model has no vocabulary: cannot turn token ids into text")
         tokens = self.generate(prompt, max_new_tokens, **sampling)
+        # the decoder is told the prompt's ids too: a Moses detokenizer continues the prompt's line as the whole
+        # text's decode would (a "@-@" or "@,@" right after the prompt joins its last word)
         if isinstance(prompt, str):
-            after = prompt
+            after, context = prompt, self.vocab.encode(prompt)
         elif prompt is None:
-            after = CONTINUING
+            after, context = CONTINUING, None
         else:
-            after = self.vocab.decode(prompt)
-        return self.vocab.stream_decoder(after).pieces(tokens)
+            after, context = self.vocab.decode(prompt), prompt
+        return self.vocab.stream_decoder(after, context=context).pieces(tokens)
 
     def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None, *,

@@ -1,5 +1,7 @@
-"""A WikiText-103-style word model's text: `<unk>` can be kept out of sampled text, where the model would write it
-(`ban_unk` in the API, `--no-unk` on `txl-deploy generate`).
+"""A WikiText-103-style word model's text: natural text in (Moses-tokenized as WikiText-103 was), natural text out
+(detokenized: numbers and dashes joined again, punctuation against its word), streamed pieces that join to exactly
+the whole decode, a continuation that joins its prompt with the right spaces, and `<unk>` kept out of sampled text
+where the model would write it (`ban_unk` in the API, `--no-unk` on `txl-deploy generate`).
 
 The model is `helpers.word_models`: the tiny random model over WikiText-103's kind of symbols; seeded sampling at a
 high temperature writes every kind of symbol."""
@@ -9,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.cli import cli
-from helpers.word_models import NATURAL_LINE, save_wikitext_model
+from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE, export_wikitext_onnx
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
@@ -25,12 +27,9 @@ N = 40
 @pytest.fixture(scope="module")
 def wikitext(tmp_path_factory):
     """(checkpoint folder, its ONNX export) of the tiny WikiText-103-style model."""
-    from txl_deploy.exporters.onnx.export import export_onnx
-
     root = tmp_path_factory.mktemp("wikitext")
-    ckpt = save_wikitext_model(root / "wt")
-    export_onnx(ckpt, root / "wt.onnx", max_segment=16, verify=False)
-    return ckpt, root / "wt.onnx"
+    onnx = export_wikitext_onnx(root)
+    return root / "wt", onnx
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +43,47 @@ def _sample(rt, prompt, seed, **controls):
     ids = list(rt.generate(prompt, N, temperature=1.5, seed=seed, **controls))
     rt.reset()
     return ids
+
+
+def test_natural_text_in_and_out(rt):
+    vocab = rt.vocab
+    assert vocab.tokenizer == "wikitext"  # detected from the symbols (@-@, @,@), carried by the ONNX metadata
+    assert [vocab.symbols[i] for i in rt.encode(NATURAL_LINE)] == TOKENIZED_LINE.split()
+    assert rt.decode(rt.encode(NATURAL_LINE)) == NATURAL_LINE
+    hyphen = "the well-known film sold 1,000 copies ( in 2004 )."
+    assert "@" not in rt.decode(rt.encode(hyphen))
+
+
+def test_generated_text_is_the_detokenized_tokens_and_continues_the_prompt(rt):
+    vocab, prompt_ids = rt.vocab, [int(i) for i in rt.encode(NATURAL_LINE)]
+    symbols, exact = set(), 0
+    for seed in SEEDS:
+        ids = _sample(rt, NATURAL_LINE, seed)
+        symbols.update(vocab.symbols[i] for i in ids)
+        pieces = list(rt.generate_text(NATURAL_LINE, N, temperature=1.5, seed=seed))
+        rt.reset()
+        # the pieces continue the prompt: joined to it, they are the whole decode, with the right spaces between
+        whole = rt.decode(prompt_ids + ids)
+        assert "".join(pieces) == continuation(NATURAL_LINE, whole)
+        exact += whole.startswith(NATURAL_LINE)  # the prompt's text is the start of the whole
+        assert all(pieces)
+        # a stream started empty joins to exactly decode; the same ids as a prompt of ids continue it alike
+        assert "".join(rt.stream_decoder().pieces(ids)) == rt.decode(ids)
+        by_ids = "".join(rt.generate_text(prompt_ids, N, temperature=1.5, seed=seed))
+        rt.reset()
+        assert by_ids == "".join(pieces)
+    assert exact >= len(SEEDS) // 2
+    assert {"@-@", "@,@", "@.@", ",", ".", "(", ")", "\""} <= symbols  # what the detokenizer has to join was written
+
+
+def continuation(prompt: str, whole: str) -> str:
+    """What a stream continuing `prompt` prints, given the whole text's decode: the rest of it. Where the stream
+    changes the prompt's own last word (a "@-@" right after "year." makes Moses read ".-@,@" as one word), what the
+    prompt printed stays: the rest after the text they share."""
+    shared = 0
+    while shared < min(len(prompt), len(whole)) and prompt[shared] == whole[shared]:
+        shared += 1
+    return whole[shared:]
 
 
 def test_ban_unk_never_samples_unk_where_the_model_would(rt):

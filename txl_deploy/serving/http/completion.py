@@ -38,14 +38,16 @@ def token_text(vocab: Vocab, token: int) -> str:
     return vocab.piece(token)
 
 
-def prompt_tail(vocab: Vocab, context) -> object:
-    """What a completion's decoder continues: the decoded text of the prompt's last PROMPT_TAIL_TOKENS tokens (all
-    the decoder looks back on: a word's leading space depends on the text just before it; decoding the whole of a
-    long prompt again would cost the engine's thread), or CONTINUING when there is no prompt."""
-    context = np.asarray(context, dtype=np.int64).reshape(-1)
-    if not context.size:
-        return CONTINUING
-    return vocab.decode(context[-PROMPT_TAIL_TOKENS:]) or CONTINUING
+def prompt_decoder(vocab: Vocab, context):
+    """The incremental decoder of a completion that continues the prompt `context` (token ids): it is told the
+    decoded text of the prompt's last PROMPT_TAIL_TOKENS tokens and those ids, so a word gets its leading space or
+    not as the whole text would have it (a Moses detokenizer continues the prompt's line: "1" then "@,@" "000" is
+    "1,000"). Only the tail: the decoder looks back on the current line, and a long prompt's line detokenized again
+    for every token would cost the engine's thread. With no prompt (a session continued), CONTINUING."""
+    tail = np.asarray(context, dtype=np.int64).reshape(-1)[-PROMPT_TAIL_TOKENS:]
+    if not tail.size:
+        return vocab.stream_decoder(CONTINUING)
+    return vocab.stream_decoder(vocab.decode(tail) or CONTINUING, context=tail)
 
 
 class StopText:
@@ -106,7 +108,7 @@ class Completion:
         # The completion continues the prompt's text (or, with none, a session's earlier text it was not shown): a
         # word gets its leading space unless the prompt ends a line, and a character that a byte-level model spells
         # over several tokens is released once whole.
-        self.decoder = vocab.stream_decoder(prompt_tail(vocab, context))
+        self.decoder = prompt_decoder(vocab, context)
         self.finish = None if params.max_tokens > 0 else "length"
         self.offset = 0
         self.tokens: list[int] = []

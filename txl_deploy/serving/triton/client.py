@@ -412,13 +412,16 @@ class Conversation:
         if vocab is None:
             raise InputError(f"model {self.client.model!r} publishes no vocabulary: pass "
                              f"--vocab <repo>/{self.client.model}/vocab.json")
+        # the decoder is told the prompt's ids too: a Moses detokenizer continues the prompt's line as the whole
+        # text's decode would (a "@-@" or "@,@" right after the prompt joins its last word)
         if isinstance(prompt, str):
-            after = prompt
+            after, context = prompt, vocab.encode(prompt)
         elif prompt is None:
-            after = CONTINUING
+            after, context = CONTINUING, None
         else:
-            after = vocab.decode(prompt)
-        yield from vocab.stream_decoder(after).pieces(self.generate(prompt, max_new_tokens=max_new_tokens, **sampling))
+            after, context = vocab.decode(prompt), prompt
+        tokens = self.generate(prompt, max_new_tokens=max_new_tokens, **sampling)
+        yield from vocab.stream_decoder(after, context=context).pieces(tokens)
 
     # -- park / resume / move --------------------------------------------------------------------------------------
     def park(self) -> bytes:
