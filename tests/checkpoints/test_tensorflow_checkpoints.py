@@ -696,9 +696,9 @@ def test_zero_first_memory_reproduces_tensorflow_on_every_backend(published, tmp
 
     # the streaming evaluation from text: the summed NLL of TensorFlow's equations
     symbols = symbols_for(spec)
-    ids = np.append(tokens, 3)
+    ids = np.append(tokens, symbols.index("<eos>"))  # a word corpus's line ends in <eos>, as the original read it
     text = tmp_path / "test.txt"
-    text.write_text(" ".join(symbols[i] for i in ids), encoding="utf-8")
+    text.write_text(" ".join(symbols[i] for i in tokens), encoding="utf-8")
     expected_nll = -sum(reference[t, ids[t + 1]] for t in range(len(tokens)))
     for path in (out, onnx_path):
         result = cli("eval", path, "--text", text, "--zero-memory", "--json", tmp_path / "eval.json")
