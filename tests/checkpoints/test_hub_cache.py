@@ -99,6 +99,17 @@ def test_export_of_a_hub_reference_reads_the_offline_cache_through_its_links(off
     with TxlRuntime.load(out) as rt:
         assert rt.vocab is not None and rt.vocab.symbols == WIKITEXT_SYMBOLS  # the vocabulary came from vocab.pkl
         assert rt.config.n_token == len(WIKITEXT_SYMBOLS)
+        assert rt.vocab.tokenizer == "wikitext"  # HuggingFace's tokenizer read it with the Moses pipeline
+        prompt = [int(i) for i in rt.encode("the game was released in 2004")]
+        tokens = list(rt.generate(prompt, 30, seed=3))
+        expected = rt.vocab.decode(prompt + tokens) + "\n"
+        as_tokens = rt.vocab.with_tokenizer("whitespace").decode(prompt + tokens) + "\n"
+    # generate from the export prints natural text: the split markers joined again
+    printed = cli("generate", out, "--prompt", "the game was released in 2004", "--max-new-tokens", 30, "--seed", 3)
+    assert printed.exit_code == 0, printed.output
+    assert printed.stdout == expected
+    assert any(WIKITEXT_SYMBOLS[t] in ("@-@", "@,@", "@.@", ",", ".") for t in tokens)
+    assert printed.stdout != as_tokens  # detokenized, not the tokens with spaces between
 
 
 @pytest.mark.parametrize("revision", ["", "@main", f"@{COMMIT}"], ids=["main", "branch", "commit"])
