@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from txl_deploy.runtimes import SamplingParams
 from txl_deploy.serving.http.protocol import CompletionRequest
 
 JSON = {"Content-Type": "application/json"}
@@ -64,12 +65,15 @@ CORPUS = [
 ]
 
 
-def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, alone):
+def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, reference):
     good = [[1, 2, 3], [7, 8], list(range(20))]
     n = 60
+    # seeded sampling: each stream's tokens are its own, so one that a bad request disturbed (or that got another's
+    # row) would differ from the same stream alone
+    sampling = {"temperature": 1.0, "seed": 6}
 
     def stream(prompt):
-        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, "stream": True}
+        body = {"prompt": prompt, "max_tokens": n, **sampling, "return_token_ids": True, "stream": True}
         ids = []
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
@@ -99,7 +103,10 @@ def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, alone):
              if path == "/v1/completions" and r.json()["error"]["param"] is not None}
     assert set(CompletionRequest.model_fields) - named == set()
     for prompt, ids in zip(good, results):
-        assert ids == alone(prompt, n)[0]
+        rt = reference()
+        assert ids == list(rt.generate(prompt, params=SamplingParams(max_tokens=n, **sampling)))
+        rt.close()
+    assert len(set(results[0])) > 10 and len({tuple(ids) for ids in results}) == len(good)
     # and it still serves
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "w1", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -5,6 +5,7 @@ frees its row within one step; beyond the queue, 429 with Retry-After."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ import pytest
 from helpers.engine_gate import EventRecorder
 
 from txl_deploy.runtimes import SamplingParams, TxlRuntime
+from txl_deploy.runtimes.sampling import Sampler
 from txl_deploy.serving.http.scheduler import Job, Scheduler
 
 
@@ -22,6 +24,15 @@ def _prompts(count, seed=0):
     rng = np.random.default_rng(seed)
     # different lengths, several longer than one chunk (the tiny model's max_segment is 16)
     return [rng.integers(0, 58, size=int(rng.integers(1, 40))).tolist() for _ in range(count)]
+
+
+def _sampled_alone(reference, prompt, params):
+    """The tokens TxlRuntime.generate samples for one prompt alone, with these SamplingParams (seeded)."""
+    rt = reference()
+    try:
+        return list(rt.generate(prompt, params=params))
+    finally:
+        rt.close()
 
 
 def _hold_first_step(engine, ready):
@@ -91,45 +102,51 @@ def engine(tiny_onnx):
     eng.stop(10)
 
 
-def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, alone):
+def test_a_long_prompt_is_fed_in_chunks_between_decode_steps(engine, reference):
     short, long_ = _prompts(1, seed=3)[0][:3], list(range(40)) + list(range(10))  # 50 tokens: 13 chunks of <= 4
     a, b = EventRecorder(), EventRecorder()
     # a runs for 200 steps (over 0.4 s), far longer than b's 13 chunks and 5 steps take, so a is still decoding
-    # between b's chunks even when this thread is descheduled for a while after a's first token
-    engine.submit(Job(short, SamplingParams(temperature=0, max_tokens=200), a.emit))
+    # between b's chunks even when this thread is descheduled for a while after a's first token. Both sample with
+    # a seed: the tiny random model's greedy tokens are all alike, and would not show a row mixed up with another.
+    a_params, b_params = SamplingParams(temperature=1.0, seed=3, max_tokens=200), SamplingParams(temperature=1.0,
+                                                                                                  seed=8, max_tokens=5)
+    engine.submit(Job(short, a_params, a.emit))
     while not a.tokens:
         time.sleep(0.001)
-    engine.submit(Job(long_, SamplingParams(temperature=0, max_tokens=5), b.emit))
+    engine.submit(Job(long_, b_params, b.emit))
     assert a.done.wait(60) and b.done.wait(60)
-    assert a.tokens == alone(short, 200)[0]
+    assert a.tokens == _sampled_alone(reference, short, a_params)
     # the long prompt's chunks, and between every two of them a decode step of the running stream
     chunk_calls = [i for i, (q, rows) in enumerate(engine.calls) if rows == (1,) and q > 1]
     assert len(chunk_calls) >= 12  # 50 tokens in chunks of 4 (the last chunk of 2)
-    for i, j in zip(chunk_calls, chunk_calls[1:]):
+    for i, j in itertools.pairwise(chunk_calls):
         between = engine.calls[i + 1:j]
         assert any(q == 1 and 0 in rows for q, rows in between), engine.calls[i:j + 1]
     # and the long one got what it gets alone when fed in the same chunks
     rt = TxlRuntime.load(engine.rt.backend.path)
     for lo in range(0, len(long_), 4):
         lp = rt.prefill(np.array([long_[lo:lo + 4]]))[0]
-    toks = []
+    toks, sampler = [], Sampler(b_params, rt.n_token, context=long_)
     for _ in range(5):
-        toks.append(int(np.argmax(lp)))
+        toks.append(sampler.choose(lp))
         lp = rt.prefill(np.array([[toks[-1]]]))[0]
-    assert b.tokens == toks
+    assert b.tokens == toks and len(set(toks + a.tokens)) > 10
 
 
-def test_streams_join_and_leave_between_steps(engine, alone):
+def test_streams_join_and_leave_between_steps(engine, reference):
     recs = [EventRecorder() for _ in range(6)]
     prompts = _prompts(6, seed=5)
     lengths = [3, 12, 5, 20, 1, 8]
-    for i, (rec, prompt, n) in enumerate(zip(recs, prompts, lengths)):
-        engine.submit(Job(prompt, SamplingParams(temperature=0, max_tokens=n), rec.emit))
+    # seeded sampling: a stream given another's row (or tokens) would write other tokens than it writes alone
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n) for i, n in enumerate(lengths)]
+    for i, (rec, prompt, p) in enumerate(zip(recs, prompts, params)):
+        engine.submit(Job(prompt, p, rec.emit))
         time.sleep(0.01 * i)
     for rec in recs:
         assert rec.done.wait(30)
-    for rec, prompt, n in zip(recs, prompts, lengths):
-        assert rec.tokens == alone(prompt, n)[0]
+    assert len({t for rec in recs for t in rec.tokens}) > 5
+    for rec, prompt, p, n in zip(recs, prompts, params, lengths):
+        assert rec.tokens == _sampled_alone(reference, prompt, p)
         assert rec.events[-1] == ("done", {"finish_reason": "length", "prompt_tokens": len(prompt),
                                            "completion_tokens": n})
     assert max(len(rows) for q, rows in engine.calls if q == 1) > 1  # decode steps were shared

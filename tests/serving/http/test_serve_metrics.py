@@ -88,16 +88,18 @@ def test_generated_tokens_equal_what_the_clients_received_by_how_each_ended(serv
     before = _scrape(server)
     received = collections.Counter()
 
-    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-        "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "return_token_ids": True})
+    # seeded sampling, so the tokens differ and a stop token id can end the stream after a few of them
+    sampled = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 4}
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={**sampled, "return_token_ids": True})
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 10
     received["length"] += len(choice["token_ids"])
 
-    ids, finish, usage = _stream_ids(server, {"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
-                                              "stop_token_ids": [choice["token_ids"][2]],
+    first = choice["token_ids"]
+    at = next(j for j in range(2, len(first)) if first[j] not in first[:j])  # a token first written there
+    ids, finish, usage = _stream_ids(server, {**sampled, "stop_token_ids": [first[at]],
                                               "stream_options": {"include_usage": True}})
-    assert finish == "stop" and usage["completion_tokens"] == len(ids) <= 3
+    assert finish == "stop" and ids == first[:at + 1] and usage["completion_tokens"] == len(ids)
     received["stop"] += len(ids)
 
     # A client that reads 3 tokens and goes away: the engine is held before it can make a 4th, until the server
@@ -111,7 +113,7 @@ def test_generated_tokens_equal_what_the_clients_received_by_how_each_ended(serv
                     ids += json.loads(line.removeprefix("data: "))["choices"][0].get("token_ids") or []
                 if len(ids) >= 3:
                     break
-        assert len(ids) == 3 and gate.held.is_set()
+        assert len(ids) == 3 and gate.held.wait(30)  # the engine reaches the gate just after sending the 3rd
         received["cancelled"] += 3
         _wait_for(lambda: _delta(before, _scrape(server), "txl_generated_tokens_total",
                                  finish_reason="cancelled") == 3, "the cancelled stream's tokens to be counted")
