@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from txl_deploy.vocab import Vocab
+from txl_deploy.vocab import CONTINUING, Vocab
 
 SENTENCES = (Path(__file__).parent / "data" / "word_sentences.txt").read_text(encoding="utf-8").splitlines()
 # words left out of the vocabulary, so that <unk> is exercised
@@ -145,6 +145,15 @@ def test_stream_continuing_a_prompt(pair):
     number = list(vocab.encode("crowd of 45,000 cheered"))
     decoder = vocab.stream_decoder(after="crowd of 45", context=number[:3])
     assert "".join(decoder.pieces(number[3:])) == ",000 cheered"
+
+
+def test_stream_continuing_text_it_was_not_shown(pair):
+    vocab, _ = pair
+    ids = [vocab.index[w] for w in (",", "it", "isn", "'t", "well", "@-@", "known", ".")]
+    assert "".join(vocab.stream_decoder(after=CONTINUING).pieces(ids)) == ", it isn't well-known."
+    # a dash generated after a prompt's word joins it
+    dash = [vocab.index[w] for w in ("@-@", "known")]
+    assert "".join(vocab.stream_decoder(after="the well").pieces(dash)) == "-known"
 
 
 def test_decoded_unknown_ids_are_refused(pair):
