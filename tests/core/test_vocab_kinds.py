@@ -54,7 +54,7 @@ def test_bytes_drop_newlines_as_the_preprocessing_did(enwik8):
 
 
 def test_a_byte_the_vocabulary_lacks_is_named_or_unk():
-    seen = list(dict.fromkeys(str(b) for b in "plain ASCII text".encode()))
+    seen = list(dict.fromkeys(str(b) for b in b"plain ASCII text"))
     vocab = Vocab(seen, kind="bytes")
     with pytest.raises(InputError, match=r"byte 195 \(0xc3, of 'é' at byte 5\).*has no <unk>.*holds 13 of the 256"):
         vocab.encode("text é")
