@@ -18,6 +18,7 @@ def describe_onnx(path) -> tuple[dict, object, int, int, str]:
         "config": cfg.to_dict(), "parameters": parameter_count(cfg, weight_bytes, info.precision),
         "vocab_size": len(info.vocab) if info.vocab is not None else None,
         "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": "the file's metadata",
+        "vocab_tokenizer": info.vocab.tokenizer if info.vocab is not None else None,
         "memory_bytes_per_stream": {"mem_len": info.mem_len,
                                     "fp32": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=4),
                                     "fp16": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=2)},
