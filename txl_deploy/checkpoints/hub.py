@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from txl_deploy.checkpoints.huggingface import CONFIG_FILE, WEIGHT_FILES
+from txl_deploy.checkpoints.vocab_files import VOCAB_FILES
 from txl_deploy.errors import CheckpointError, InputError
 
 logger = logging.getLogger(__name__)
@@ -38,11 +40,8 @@ _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 _REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,199}")
 _TRUE = {"1", "ON", "YES", "TRUE"}  # how huggingface_hub reads a boolean environment variable
 
-CONFIG_FILE = "config.json"
-# One set of weights, in the order HuggingFace's loader prefers them; an index brings the shards it names.
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-# One vocabulary: ours and the plain symbol list before HuggingFace's pickles (both read the same way).
-VOCAB_FILES = ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin")
+# One set of weights, in the order the HuggingFace folder reader prefers them (an index brings the shards it
+# names), and one vocabulary, the first the search beside a checkpoint would find: what is fetched is what is read.
 EXTRA = "pip install 'txl-deploy[hub]'"
 
 
