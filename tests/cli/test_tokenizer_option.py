@@ -82,3 +82,20 @@ def test_eval_reads_a_corpus_file_pre_tokenized_unless_told_to_tokenize_raw_text
 def test_a_character_model_has_no_word_tokenizer(tmp_path):
     r = cli("generate", DEMO_DIR / "kjv-char", "--prompt", "And", "--max-new-tokens", 1, "--tokenizer", "wikitext")
     assert_one_line_error(r, "--tokenizer wikitext", "char")
+
+
+def test_serve_reads_and_writes_text_with_the_tokenizer_given(wikitext_ckpt, monkeypatch):
+    from txl_deploy.serving.http import server
+
+    engines = {}
+
+    def serve(load_engine, settings, host, port):  # the engine the server would run, without a server
+        engines[settings.model_name] = load_engine()
+
+    monkeypatch.setattr(server, "serve", serve)
+    for name, options in (("own", []), ("given", ["--tokenizer", "whitespace"])):
+        r = cli("serve", wikitext_ckpt, "--model-name", name, *options)
+        assert r.exit_code == 0, r.output
+    assert {name: engine.vocab.tokenizer for name, engine in engines.items()} == {"own": "wikitext",
+                                                                                 "given": "whitespace"}
+    assert engines["given"].rt.vocab.tokenizer == "whitespace"  # the runtime's prompts are read the same way
