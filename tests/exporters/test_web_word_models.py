@@ -8,10 +8,12 @@ and skip without them unless TXL_WEB_TESTS=required."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 from helpers.browser import Browser, SiteServer, chromium, ort_web
+from helpers.word_models import export_wikitext_onnx
 
 from txl_deploy.exporters.web.site import write_site
 from txl_deploy.runtimes import TxlRuntime
@@ -69,3 +71,36 @@ def test_the_page_bans_unk_as_the_python_sampler_does(page, tiny_onnx):
         try { new m.Sampler(new m.SamplingParams({ banUnk: true }), 60); return null; } catch (e) { return e.message; }
     })""")
     assert "ban_unk needs the model's vocabulary" in message
+
+
+def test_the_page_of_an_exported_wikitext_model_says_why_it_refuses_it(tmp_path):
+    """A real export: the tokenizer travels in the site's vocab.json, and the page says in its status line why it
+    cannot run the model, instead of splitting text on whitespace into other words."""
+    exe = chromium()
+    site = write_site(export_wikitext_onnx(tmp_path), tmp_path / "site", ort_web=ort_web())
+    assert json.loads((site / "vocab.json").read_text(encoding="utf-8"))["tokenizer"] == "wikitext"
+    server = SiteServer(site)
+    try:
+        browser = Browser(exe)
+        try:
+            # not Browser.open: it waits for txlDemo.ready, which this page rejects
+            browser.send("Page.navigate", url=server.url + "index.html?ep=wasm")
+            end = time.monotonic() + 120
+            while not _evaluated(browser, "document.body.dataset.state === 'error'"):
+                assert time.monotonic() < end, "the page did not refuse the model"
+                time.sleep(0.2)
+            status = browser.evaluate("document.getElementById('status').textContent")
+            assert status.startswith("error: ") and "the wikitext tokenizer (Moses)" in status
+            assert browser.evaluate("document.getElementById('generate').disabled") is True
+        finally:
+            browser.close()
+    finally:
+        server.stop()
+
+
+def _evaluated(browser, expression):
+    """The expression's value, or None while the navigation replaces the document ("context destroyed")."""
+    try:
+        return browser.evaluate(expression)
+    except RuntimeError:
+        return None

@@ -108,11 +108,17 @@ def test_a_session_stays_on_one_server_and_continues_exactly(fleet, tritons, tin
 
 
 def test_concurrent_requests_through_the_fleet(fleet, tiny_onnx):
+    # seeded sampling: each request's tokens are its own (greedy, the tiny random model writes one token
+    # everywhere), so answers mixed up between requests or rows would differ from TxlRuntime's
     prompts = [[i % 58, (3 * i) % 58, (7 * i + 1) % 58] for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: _complete(fleet, p, 6)["token_ids"], prompts))
-    for prompt, ids in zip(prompts, got):
-        assert ids == _reference(tiny_onnx, [(prompt, 6)])[0][0]
+        got = list(pool.map(lambda i: _complete(fleet, prompts[i], 6, temperature=1.0, seed=i)["token_ids"],
+                            range(8)))
+    rt = TxlRuntime.load(tiny_onnx)
+    for i, (prompt, ids) in enumerate(zip(prompts, got)):
+        rt.reset()
+        assert ids == list(rt.generate(prompt, params=SamplingParams(max_tokens=6, temperature=1.0, seed=i)))
+    assert len({tuple(ids) for ids in got}) == len(prompts)
 
 
 def test_http_addresses_are_refused_with_the_reason():
