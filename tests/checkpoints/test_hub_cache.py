@@ -112,6 +112,17 @@ def test_export_of_a_hub_reference_reads_the_offline_cache_through_its_links(off
     assert printed.stdout != as_tokens  # detokenized, not the tokens with spaces between
 
 
+def test_info_and_load_model_take_a_hub_reference(offline_cache):
+    from txl_deploy.checkpoints import load_model
+
+    loaded = load_model(REPO)  # the Python API reads the same snapshot as the command line
+    assert loaded.vocab.symbols == WIKITEXT_SYMBOLS and loaded.vocab.tokenizer == "wikitext"
+    assert loaded.vocab_source.endswith("vocab.pkl")
+    result = cli("info", REPO)
+    assert result.exit_code == 0, result.output
+    assert "tokenizer: wikitext" in result.stdout and "vocab.pkl" in result.stdout
+
+
 @pytest.mark.parametrize("revision", ["", "@main", f"@{COMMIT}"], ids=["main", "branch", "commit"])
 def test_a_revision_names_the_snapshot_read(offline_cache, tmp_path, revision):
     result = cli("convert", REPO + revision, "-o", tmp_path / "converted")

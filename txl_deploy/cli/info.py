@@ -9,7 +9,7 @@ import click
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.describe import describe_checkpoint
-from txl_deploy.cli.options import vocab_options
+from txl_deploy.cli.options import ModelReference, local_model, vocab_options
 from txl_deploy.contract.describe import describe_onnx
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
@@ -17,7 +17,7 @@ from txl_deploy.vocab import DESCRIPTIONS
 
 
 @click.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=ModelReference(click.Path(path_type=Path)))
 @vocab_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--memory", is_flag=True, help="Also estimate the memory an export and the ONNX Runtime runtime need, "
@@ -38,7 +38,9 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
     Example:
       txl-deploy info model.pt --memory --mem-len 1600
       txl-deploy info wt103.onnx --memory --batch 8
+      txl-deploy info hf://transfo-xl/transfo-xl-wt103
     """
+    path = local_model(path)
     if path.suffix == ".onnx" and path.is_file():
         d, cfg, weight_bytes, max_segment, precision = describe_onnx(path)
     else:
