@@ -51,7 +51,8 @@ class TxlRuntime:
     @classmethod
     def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
              mem_len: int | None = None, max_segment: int | None = None, clamp_len: int | None = None,
-             same_length: bool | None = None, threads: int | None = None) -> "TxlRuntime":
+             same_length: bool | None = None, threads: int | None = None,
+             tokenizer: str | None = None) -> "TxlRuntime":
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
         a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
         `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
@@ -64,10 +65,27 @@ class TxlRuntime:
         to every other torch model in the process. TensorRT: no effect (the model runs on the GPU); a
         RuntimeWarning says so rather than dropping the setting silently.
         Fix it whenever two models share a process (say an ONNX Runtime session beside an eager reference):
-        at the defaults each library starts a thread per core and they contend for the same cores."""
-        return cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
-                                max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
-                                threads=threads))
+        at the defaults each library starts a thread per core and they contend for the same cores.
+
+        tokenizer: how a word model reads and writes text for this runtime ("whitespace", "wikitext", "lm1b";
+        see `set_tokenizer`) [default: the vocabulary's own, stored with the model]."""
+        rt = cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
+                              max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
+                              threads=threads))
+        if tokenizer is not None:
+            rt.set_tokenizer(tokenizer)
+        return rt
+
+    def set_tokenizer(self, tokenizer: str):
+        """Read and write text with another word tokenizer from now on (the model's file is unchanged): the
+        vocabulary's `with_tokenizer`. InputError for a model without a vocabulary, or one of characters or
+        bytes, which has no word tokenizer."""
+        if self.vocab is None:
+            raise InputError(f"tokenizer {tokenizer}: this model has no vocabulary")
+        try:
+            self.backend.vocab = self.vocab.with_tokenizer(tokenizer)  # the vocabulary is the backend's
+        except ValueError as e:
+            raise InputError(f"tokenizer {tokenizer}: {e}") from None
 
     def __enter__(self):
         return self

@@ -12,6 +12,7 @@ from helpers.cli import assert_one_line_error, cli
 from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE, save_wikitext_model
 
 from txl_deploy.assets import DEMO_DIR
+from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
 PROMPT = "the game was released in 2004"  # the same words for every tokenizer
@@ -99,3 +100,16 @@ def test_serve_reads_and_writes_text_with_the_tokenizer_given(wikitext_ckpt, mon
     assert {name: engine.vocab.tokenizer for name, engine in engines.items()} == {"own": "wikitext",
                                                                                  "given": "whitespace"}
     assert engines["given"].rt.vocab.tokenizer == "whitespace"  # the runtime's prompts are read the same way
+
+
+def test_txlruntime_load_takes_the_tokenizer_as_the_command_line_does(wikitext_ckpt):
+    with TxlRuntime.load(wikitext_ckpt) as own, TxlRuntime.load(wikitext_ckpt, tokenizer="whitespace") as split:
+        assert own.vocab.tokenizer == "wikitext" and split.vocab.tokenizer == "whitespace"
+        assert own.decode(own.encode(NATURAL_LINE)) == NATURAL_LINE  # Moses in, Moses out
+        assert split.decode(own.encode(NATURAL_LINE)) == TOKENIZED_LINE  # the same ids, written as tokens
+        split.set_tokenizer("wikitext")
+        assert split.vocab == own.vocab
+    with TxlRuntime.load(DEMO_DIR / "kjv-char") as chars:
+        with pytest.raises(InputError, match="tokenizer wikitext: .*char"):
+            chars.set_tokenizer("wikitext")
+        assert chars.vocab.kind == "char"  # refused: the vocabulary is unchanged

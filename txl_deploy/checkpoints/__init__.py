@@ -9,7 +9,7 @@ from txl_deploy.checkpoints.detect import load_any
 from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference
 from txl_deploy.checkpoints.native import LoadedModel, is_ours, load_ours, save_checkpoint
 
-__all__ = ["LoadedModel", "load_ours", "save_checkpoint", "load_model"]
+__all__ = ["LoadedModel", "load_model", "load_ours", "save_checkpoint"]
 
 
 def load_model(path, **kwargs):

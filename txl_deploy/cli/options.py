@@ -107,7 +107,10 @@ def with_tokenizer(vocab, tokenizer: str | None):
 def use_tokenizer(rt, tokenizer: str | None):
     """Make runtime `rt` read and write text with `tokenizer` for this run (the model's file is unchanged)."""
     if tokenizer is not None:
-        rt.backend.vocab = with_tokenizer(rt.vocab, tokenizer)  # TxlRuntime.vocab is its backend's
+        try:
+            rt.set_tokenizer(tokenizer)
+        except InputError as e:
+            raise InputError(f"--{e}") from None
     return rt
 
 
