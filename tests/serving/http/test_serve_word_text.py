@@ -85,7 +85,7 @@ def test_completion_text_is_the_detokenized_tokens_streamed_or_not(make_server, 
     assert vocab.tokenizer == "wikitext"
     prompt_ids = [int(i) for i in vocab.encode(NATURAL_LINE)]
     assert vocab.decode(prompt_ids) == NATURAL_LINE
-    joined = ""
+    joined, stops_tried = "", 0
     for seed in SEEDS:
         body = {"prompt": NATURAL_LINE, "seed": seed, "return_token_ids": True, "logprobs": 2, **SAMPLING}
         choice = _post(url, body)["choices"][0]
@@ -120,9 +120,10 @@ def test_completion_text_is_the_detokenized_tokens_streamed_or_not(make_server, 
             stopped = _post(url, {**body, "stop": [stop]})["choices"][0]
             assert stopped["finish_reason"] == "stop" and stopped["text"] == text[:text.index(stop)]
             assert "".join(c["text"] for c in _stream(url, {**body, "stop": [stop]})) == stopped["text"]
+            stops_tried += 1
         joined += text
     # the seeds tried wrote what the detokenizer has to join: number and dash markers, punctuation
-    assert joined.count(",") > joined.count(" , ")
+    assert joined.count(",") > joined.count(" , ") and stops_tried >= len(SEEDS) // 2
     words = [vocab.symbols[i] for seed in SEEDS for i in _text(rt, seed)[1]]
     assert {"@-@", "@,@", ",", "."} <= set(words)
 
