@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from txl_deploy.vocab import CONTINUING, Vocab
@@ -160,3 +160,48 @@ def test_decoded_unknown_ids_are_refused(pair):
     vocab, _ = pair
     with pytest.raises(Exception, match="outside the vocabulary"):
         vocab.decode(np.array([len(vocab)]))
+
+
+@pytest.fixture
+def small_window(monkeypatch):
+    """The stream decoder's window at 3 words, so that it drops words (and seeds their quotes) many times a line."""
+    from txl_deploy.vocab.stream import MosesLine
+
+    monkeypatch.setattr(MosesLine, "WINDOW", 3)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the window patch is the same for all
+@given(st.lists(st.integers(0, len(PUNCTUATION_HEAVY) - 1), min_size=6, max_size=40))
+def test_random_streams_are_exact_when_the_window_drops_words(punctuation_heavy, small_window, ids):
+    pieces = pieces_of(punctuation_heavy, ids)
+    assert "".join(pieces) == punctuation_heavy.decode(ids)
+
+
+def test_long_lines_stream_exactly_with_a_small_window(pair, small_window):
+    vocab, _ = pair
+    line = " ".join(SENTENCES)  # one line of every sentence: quotes opened and closed far apart
+    ids = vocab.encode(line)
+    assert "".join(pieces_of(vocab, ids)) == vocab.decode(ids)
+
+
+def test_a_long_line_costs_a_window_per_word_not_the_line(punctuation_heavy):
+    """Each word detokenizes at most a window of the line (plus the quote probes when words are dropped)."""
+    from txl_deploy.vocab import moses
+    from txl_deploy.vocab.stream import MosesLine
+
+    sizes = []
+    detokenize = moses.detokenize_line
+
+    def counted(vocab, words):
+        sizes.append(len(words))
+        return detokenize(vocab, words)
+
+    ids = [punctuation_heavy.index[w] for w in ["it", "is", "Jones", ",", "1", "23"] * 200]  # 1,200 words
+    original, moses.detokenize_line = moses.detokenize_line, counted
+    try:
+        text = "".join(pieces_of(punctuation_heavy, ids))
+    finally:
+        moses.detokenize_line = original
+    assert text == punctuation_heavy.decode(ids)
+    assert max(sizes) <= 2 * MosesLine.WINDOW + 3

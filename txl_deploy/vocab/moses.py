@@ -91,6 +91,14 @@ def detokenize_line(vocab, words: list[str]) -> str:
     return text.strip()
 
 
+def quote_symbols(vocab) -> list[str]:
+    """The vocabulary's symbols that the Moses detokenizer counts as quotes (its own test for one)."""
+    if vocab._quotes is None:
+        quote = moses(vocab).detokenizer.IS_OPEN_QUOTE
+        vocab._quotes = [s for s in vocab.symbols if quote.search(s)]
+    return vocab._quotes
+
+
 def is_line_end(vocab, symbol: str) -> bool:
     return symbol == vocab.eos or (vocab.tokenizer == "lm1b" and symbol == LM1B_BOUNDARY)
 

@@ -144,8 +144,17 @@ class MosesLine:
        W[k-1] not a marker none spans the end of the shorter text: the same joins happen in both.
     So a printed piece is never changed by a later word, and at a line end (or `flush`) the whole line's text
     is printed: the pieces join to exactly `detokenize_line` of the line, hence (line by line) to `Vocab.decode`.
-    The cost of a word is one detokenization of its line so far (a line ends at the next `<eos>`).
+
+    The cost of a word is one detokenization of a window of the line, not the whole line: once the window holds
+    more than 2 * WINDOW words, the words before a boundary b are dropped. The text of W then is the text of W[:b]
+    (kept) followed by what `detokenize_line(P + W[b-1:])` adds after `detokenize_line(P)`, where the seed P is one
+    quote for each kind of quote whose count is odd after W[:b] (found by asking the detokenizer how a quote would
+    attach there), then W[b-1]. That is exact when W[b-2], W[b-1] and W[b] are not markers (1 and 4: the same joins)
+    and W[b-1] is not a quote: the loop's state after a word (a space to put before the next word or not, the quote
+    counts' parities, the word itself) is then the same after W[:b] as after P, so each later word gets the same text.
     """
+
+    WINDOW = 64  # words; a window of at most 2 * WINDOW words is detokenized per word
 
     def __init__(self, vocab, seed: list[str]):
         self.vocab = vocab
@@ -153,8 +162,14 @@ class MosesLine:
         self._start(seed)
 
     def _start(self, seed):
-        self.words = list(seed)
+        self.kept = ""  # the text of the words dropped from the window
+        self.seed_len, self.seed_text = 0, ""  # the window's first words stand for the dropped ones
+        self.words = list(seed)  # the window
         self.shown = moses.detokenize_line(self.vocab, self.words)  # printed already (by us or as the prompt)
+
+    def _text(self, k: int) -> str:
+        """The text of the line up to the window's k-th word (k >= seed_len)."""
+        return self.kept + moses.detokenize_line(self.vocab, self.words[:k])[len(self.seed_text):]
 
     def _settled(self) -> int:
         words, k = self.words, len(self.words)
@@ -162,7 +177,7 @@ class MosesLine:
             k -= 1  # the next word might be @-@, which would join the last word to the word after it
         while k > 0 and (words[k - 1] in WIKITEXT_MARKERS or (k < len(words) and words[k] == WIKITEXT_MARKERS[0])):
             k -= 1
-        return k
+        return max(k, self.seed_len)
 
     def _new(self, text: str) -> str:
         if text.startswith(self.shown):
@@ -178,16 +193,40 @@ class MosesLine:
         if moses.is_line_end(self.vocab, symbol):
             if not self.words and self.vocab.tokenizer == "lm1b":
                 return ""  # the <S> that opens a line
-            out = self._new(moses.detokenize_line(self.vocab, self.words)) + "\n"
+            out = self._new(self._text(len(self.words))) + "\n"
             self._start([])
             return out
         self.words.append(symbol)
-        return self._new(moses.detokenize_line(self.vocab, self.words[:self._settled()]))
+        if len(self.words) - self.seed_len > 2 * self.WINDOW:
+            self._drop_words()
+        return self._new(self._text(self._settled()))
 
     def flush(self) -> str:
-        out = self._new(moses.detokenize_line(self.vocab, self.words))
+        out = self._new(self._text(len(self.words)))
         self._start([])
         return out
+
+    def _drop_words(self):
+        """Drop the window's words before the last boundary b at least WINDOW words back where the seed is exact
+        (see the class's docstring); none when no such boundary is found."""
+        words, quote = self.words, moses.moses(self.vocab).detokenizer.IS_OPEN_QUOTE
+        for b in range(len(words) - self.WINDOW, self.seed_len + 1, -1):
+            if not (set(words[b - 2:b + 1]) & set(WIKITEXT_MARKERS)) and not quote.search(words[b - 1]):
+                break
+        else:
+            return
+        seed = []
+        for q in moses.quote_symbols(self.vocab):
+            # a quote after a plain word attaches to it (no space) exactly when its kind's count is odd
+            if self._attaches(words[:b], q) != self._attaches(seed, q):
+                seed.append(q)
+        self.kept = self._text(b)
+        self.words = seed + words[b - 1:]
+        self.seed_len = len(seed) + 1
+        self.seed_text = moses.detokenize_line(self.vocab, self.words[:self.seed_len])
+
+    def _attaches(self, words: list[str], quote: str) -> bool:
+        return moses.detokenize_line(self.vocab, words + ["x", quote]).endswith("x" + quote)
 
 
 def _common_prefix(a: str, b: str) -> str:

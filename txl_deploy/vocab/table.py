@@ -76,6 +76,7 @@ class Vocab:
         self.unk = unk if unk in self.index else None
         self.eos = eos if eos in self.index else None
         self._moses = None  # the sacremoses objects, built on first use (slow to build)
+        self._quotes = None  # its symbols the Moses detokenizer counts as quotes (moses.quote_symbols)
         if kind == "bytes":
             self.byte_ids, self.byte_of = enc.byte_tables(self.symbols)
 
