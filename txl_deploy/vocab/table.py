@@ -204,6 +204,8 @@ class Vocab:
     def from_dict(cls, d: dict) -> Vocab:
         """Read `to_dict`'s dict; one written before vocabularies recorded their tokenizer gets the one its symbols
         show."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a vocabulary is a JSON object, got {type(d).__name__}")
         never_split = d.get("never_split", ())
         if not isinstance(never_split, (list, tuple)):
             raise TypeError(f"never_split must be a list of symbols, got {type(never_split).__name__}")
