@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny random Transformer-XL's checkpoint and ONNX exports (built once per session), runtimes
-on them, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
+"""Shared fixtures: the tiny random Transformer-XL's checkpoint, ONNX exports and ExecuTorch program (built once per
+session), runtimes on them, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
 
 The builders and constants behind them are in tests/helpers/ (`helpers.tiny`), which test modules import directly.
 """
@@ -36,6 +36,17 @@ def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
     export_onnx(tiny_ckpt, out, state="full", max_segment=16)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pte(tiny_ckpt, tmp_path_factory):
+    """The tiny model as a verified fp32 ExecuTorch program (`tiny.pte` and its sidecar `tiny.pte.json`), mem_len 12,
+    segments up to 16. Needs the executorch extra (in the test extra)."""
+    from txl_deploy.exporters.executorch.export import export_executorch
+
+    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
+    export_executorch(tiny_ckpt, out, max_segment=16, threads=1)
     return out
 
 
