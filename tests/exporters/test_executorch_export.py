@@ -159,3 +159,17 @@ def test_demo_model_int4_program_within_2_percent_bits_per_character(tmp_path, t
     assert report["stream"]["kl_divergence"] <= 0.1 and result.verification["passed"]
     # 4-bit weights: far smaller than the fp32 weights (1.94M parameters, 7.8 MB in fp32)
     assert out.stat().st_size < 0.45 * 1_938_313 * 4
+
+
+def test_info_describes_the_program_from_its_sidecar(tiny_pte, tmp_path):
+    from helpers.cli import assert_one_line_error, cli
+
+    result = cli("info", tiny_pte, "--json")
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.stdout)
+    assert d["format"] == "executorch (fp32, XNNPACK, batch up to 64)" and d["max_segment"] == 16
+    assert d["vocab_size"] == 60 and d["vocab_source"] == "the sidecar tiny.pte.json"
+    assert d["memory_bytes_per_stream"]["mem_len"] == 12
+    lonely = tmp_path / "lonely.pte"
+    shutil.copy(tiny_pte, lonely)
+    assert_one_line_error(cli("info", lonely), "no sidecar lonely.pte.json")

@@ -10,7 +10,7 @@ import click
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.describe import describe_checkpoint
 from txl_deploy.cli.options import ModelReference, local_model, vocab_options
-from txl_deploy.contract.describe import describe_onnx
+from txl_deploy.contract.describe import describe_onnx, describe_pte
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
 from txl_deploy.vocab import DESCRIPTIONS
@@ -29,7 +29,7 @@ from txl_deploy.vocab import DESCRIPTIONS
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
 def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batch, max_segment):
-    """Describe a checkpoint or an exported .onnx: source format, config, parameter count, vocabulary (size and
+    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use). --memory adds the expected peak memory of an export and of the runtime.
@@ -38,11 +38,14 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
     Example:
       txl-deploy info model.pt --memory --mem-len 1600
       txl-deploy info wt103.onnx --memory --batch 8
+      txl-deploy info model.pte
       txl-deploy info hf://transfo-xl/transfo-xl-wt103
     """
     path = local_model(path)
     if path.suffix == ".onnx" and path.is_file():
         d, cfg, weight_bytes, max_segment, precision = describe_onnx(path)
+    elif path.suffix == ".pte" and path.is_file():
+        d, cfg, weight_bytes, max_segment, precision = describe_pte(path)
     else:
         loaded = load_model(path, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
         d = describe_checkpoint(loaded)

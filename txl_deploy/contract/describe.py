@@ -1,23 +1,35 @@
-"""An exported graph described for people (`txl-deploy info model.onnx`), from its metadata and file sizes alone."""
+"""An exported graph described for people (`txl-deploy info model.onnx`, `model.pte`), from its metadata (an ExecuTorch
+program's sidecar) and file sizes alone."""
 
 from __future__ import annotations
 
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import weight_file_bytes
+from txl_deploy.contract.pte_file import read_pte_info, sidecar_path
 from txl_deploy.vocab import kind_note
 
 
 def describe_onnx(path) -> tuple[dict, object, int, int, str]:
     """What `txl-deploy info` shows of an exported graph, read from its metadata and file sizes alone: (the
     description, the config at the graph's mem_len, weight bytes, max_segment, precision)."""
-    info = read_onnx_info(path)
+    return _describe(path, read_onnx_info(path), weight_file_bytes(path),
+                     "onnx ({precision}, {state} state)", "the file's metadata")
+
+
+def describe_pte(path) -> tuple[dict, object, int, int, str]:
+    """As describe_onnx, for an ExecuTorch program: read from its sidecar, which must match the program."""
+    info = read_pte_info(path)
+    return _describe(path, info, path.stat().st_size, "executorch ({precision}, XNNPACK, batch up to "
+                     f"{info.export.get('max_batch', '?')})", f"the sidecar {sidecar_path(path).name}")
+
+
+def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
     cfg = info.config
-    weight_bytes = weight_file_bytes(path)
     d = {
-        "path": path, "format": f"onnx ({info.precision}, {info.export.get('state', 'incremental')} state)",
+        "path": path, "format": kind.format(precision=info.precision, state=info.export.get("state", "incremental")),
         "config": cfg.to_dict(), "parameters": parameter_count(cfg, weight_bytes, info.precision),
         "vocab_size": len(info.vocab) if info.vocab is not None else None,
-        "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": "the file's metadata",
+        "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": vocab_source,
         "vocab_tokenizer": info.vocab.tokenizer if info.vocab is not None else None,
         "memory_bytes_per_stream": {"mem_len": info.mem_len,
                                     "fp32": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=4),
