@@ -102,11 +102,20 @@ def _lower(step, max_segment: int):
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
     graph = edge.exported_program().graph_module.graph
     # Operators left to ExecuTorch's portable kernels (shape arithmetic on symbolic sizes aside).
-    portable = sorted({str(n.target).split("(")[0] for n in graph.nodes if n.op == "call_function"
+    portable = sorted({_op_name(n.target) for n in graph.nodes if n.op == "call_function"
                        and not any(skip in str(n.target) for skip in ("call_delegate", "getitem", "built-in", "sym_"))})
     delegates = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
     return edge.to_executorch().buffer, {"delegate": "XNNPACK", "xnnpack_partitions": delegates,
                                         "portable_ops": portable}
+
+
+def _op_name(target) -> str:
+    """`aten._log_softmax.default` -> `_log_softmax`, `aten.add.Tensor` -> `add.Tensor` (edge ops wrap an aten op)."""
+    schema = getattr(getattr(target, "_op", target), "_schema", None)
+    if schema is None:
+        return str(target)
+    name = schema.name.split("::")[-1]
+    return f"{name}.{schema.overload_name}" if schema.overload_name else name
 
 
 def _load_method(path):

@@ -75,6 +75,7 @@ def test_pte_matches_pytorch_and_carries_its_sidecar(tiny_pte):
     assert v["passed"] and v["tolerance"] == 1e-4 and v["max_abs_diff"] < 1e-4
     assert [(s["batch"], max(s["segments"])) for s in v["shapes"]] == [(2, 14), (1, 1), (3, 8)]
     assert info.export["xnnpack_partitions"] >= 1
+    assert "_log_softmax" in info.export["portable_ops"]  # recorded by name: what runs outside XNNPACK
 
 
 def test_pte_gives_the_onnx_graphs_log_probs(tiny_pte, tiny_onnx):
