@@ -1,6 +1,7 @@
 """From a checkpoint to a verified graph at any precision (`txl-deploy export`): the checkpoint is read once, the
 memory the export will need is checked against what the machine has before anything long starts, then the fp32
-graph is exported (and verified), and converted when a reduced precision is asked for."""
+graph is exported (and verified), and converted when a reduced precision is asked for; `ort_format` adds the ONNX
+Runtime format (`.ort`) of the result, for ONNX Runtime's minimal builds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
 from txl_deploy.exporters.onnx.export import ExportResult, export_onnx
+from txl_deploy.exporters.onnx.ort_format import check_ort_format_writable, write_ort_format
 from txl_deploy.exporters.onnx.ram import check_export_fits, export_peaks, loaded_weight_bytes
 from txl_deploy.exporters.precision.convert import export_reduced
 
@@ -17,16 +19,20 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
                       config=None, preset: str | None = None, check_memory: bool = True,
                       mem_len: int | None = None, max_segment: int = 512, verify: bool = True,
                       threads: int | None = None, block_size: int | None = None, calib=None, eval_text=None,
-                      tokenizer: str | None = None, **graph_options) -> ExportResult:
+                      tokenizer: str | None = None, ort_format: bool = False, **graph_options) -> ExportResult:
     """Export `checkpoint` (any supported format) to `output` [default: the checkpoint's name + .onnx].
 
     vocab, vocab_kind, config, preset, tokenizer: how the checkpoint is read (see `load_model`); the tokenizer is
     stored with the vocabulary in the graph's metadata.
     graph_options: clamp_len, same_length, opset, state, force (see export_onnx). block_size: int4 only.
-    threads: torch's threads for the trace and the reference, ONNX Runtime's for the checks."""
+    threads: torch's threads for the trace and the reference, ONNX Runtime's for the checks.
+    ort_format: also write `<name>.ort` and `<name>.required_operators.config` beside the graph (any precision),
+    checked to give the graph's log-probs bit for bit (see exporters/onnx/ort_format.py)."""
     if block_size is not None and precision != "int4":
         raise InputError(f"--block-size is for --precision int4, not {precision}")
     out = Path(output) if output else Path(Path(checkpoint).name.split(".")[0] + ".onnx")
+    if ort_format:  # refused now, not after a long export
+        check_ort_format_writable(out, graph_options.get("force", False))
     if threads:
         import torch  # the export trace and the PyTorch reference of the verification
 
@@ -37,9 +43,13 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
         cfg = loaded.config
         check_export_fits(export_peaks(cfg, loaded_weight_bytes(loaded), mem_len or cfg.mem_len, max_segment), verify)
     if precision == "fp32":
-        return export_onnx(loaded, out, mem_len=mem_len, max_segment=max_segment, verify=verify, threads=threads,
-                           consume=True, **graph_options)
-    options = {"int4_block_size": block_size} if block_size is not None else {}
-    return export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
-                          max_segment=max_segment, verify=verify, threads=threads, consume=True, **graph_options,
-                          **options)
+        result = export_onnx(loaded, out, mem_len=mem_len, max_segment=max_segment, verify=verify, threads=threads,
+                             consume=True, **graph_options)
+    else:
+        options = {"int4_block_size": block_size} if block_size is not None else {}
+        result = export_reduced(loaded, out, precision=precision, calib=calib, eval_text=eval_text, mem_len=mem_len,
+                                max_segment=max_segment, verify=verify, threads=threads, consume=True,
+                                **graph_options, **options)
+    if ort_format:
+        write_ort_format(result.path, force=graph_options.get("force", False), threads=threads)
+    return result

@@ -5,6 +5,10 @@ copy for contiguous host arrays); an `incremental` graph returns only this segme
 written into their ring slots here, so no step copies or reallocates the whole memory.
 On CUDA a `full`-state graph keeps the memory on the device: two sets of device buffers bound with IO binding and
 swapped by reference each step (the outputs of step t are the inputs of step t + 1), never copied to the host.
+
+An `.ort` (the ONNX Runtime format, `txl-deploy export --ort-format`) runs here too. It is a flatbuffer that only
+ONNX Runtime reads: its metadata comes from the session (`custom_metadata_map`, which the converter keeps) and is
+validated as an .onnx's is.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import warnings
 import numpy as np
 
 from txl_deploy.contract import io_spec
-from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.backend import Backend, contract_layout
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+ORT_SUFFIX = ".ort"
 
 
 def choose_providers(requested=None) -> list:
@@ -48,11 +53,10 @@ class OrtBackend(Backend):
         import onnxruntime as ort  # optional (the cpu or gpu extra)
 
         self.path = str(path)
-        self.info = read_onnx_info(path)
-        external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
-        self.config, self.vocab = self.info.config, self.info.vocab
-        self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
-        self.spec = self.info.spec()
+        ort_format = str(path).lower().endswith(ORT_SUFFIX)
+        if not ort_format:
+            self.info = read_onnx_info(path)
+            external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
@@ -70,12 +74,20 @@ class OrtBackend(Backend):
         if profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = str(profile_prefix)
+        if ort_format:
+            # Never guessed from the bytes: a file named .ort is read as the ONNX Runtime format only.
+            opts.add_session_config_entry("session.load_model_format", "ORT")
         try:
             self.session = ort.InferenceSession(self.path, opts, providers=choose_providers(providers))
         except InputError:
             raise
         except Exception as e:
             raise CheckpointError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+        if ort_format:
+            self.info = ExportInfo.from_props(dict(self.session.get_modelmeta().custom_metadata_map), path)
+        self.config, self.vocab = self.info.config, self.info.vocab
+        self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
+        self.spec = self.info.spec()
         inputs = {i.name: i for i in self.session.get_inputs()}
         missing = [n for n in self.spec.input_names() if n not in inputs]
         if missing:

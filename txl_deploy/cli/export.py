@@ -45,13 +45,18 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @tokenizer_option("Stored with the vocabulary in the output, so every later command reads text this way.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
+@click.option("--ort-format", is_flag=True,
+              help="Also write the ONNX Runtime format beside the graph, for ONNX Runtime's minimal builds (phones): "
+                   "NAME.ort and NAME.required_operators.config (the operators a custom build must include). Any "
+                   "precision; written only if its log-probs equal the .onnx's bit for bit on a multi-segment "
+                   "stream (checked even with --no-verify). ONNX Runtime's full packages run the .onnx itself.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--skip-memory-check", is_flag=True,
               help="Start even when the memory available now is below the export's estimated peak "
                    "(see `txl-deploy info CHECKPOINT --memory`).")
 @threads_option
 def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
-               block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, force,
+               block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, ort_format, force,
                skip_memory_check, threads):
     """Export CHECKPOINT (any supported format, or a HuggingFace hub reference) to a self-describing ONNX model.
 
@@ -78,6 +83,7 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
       txl-deploy export model.pt --onnx -o model.onnx --mem-len 640
       txl-deploy export LM-TFM/ -o wt103.onnx --mem-len 640 --clamp-len 400 --same-length
       txl-deploy export hf://transfo-xl/transfo-xl-wt103 -o wt103.onnx
+      txl-deploy export model.pt -o model.onnx --ort-format
     """
     if isinstance(checkpoint, HubReference) and output is None:
         output = f"{checkpoint.name}.onnx"  # not the snapshot folder's name, which is a commit hash
@@ -86,7 +92,8 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
                       preset=preset, tokenizer=tokenizer, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
                       max_segment=max_segment, verify=verify, force=force, threads=threads,
-                      block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text)
+                      block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text,
+                      ort_format=ort_format)
 
 
 COMMANDS = [export_cmd]
