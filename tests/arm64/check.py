@@ -150,16 +150,19 @@ def guest(work: Path, cpu: str):
           f"{imported:.1f} s, stream {t1 - t0:.1f} s, {GREEDY_TOKENS} greedy tokens {t2 - t1:.1f} s")
 
 
-def judge_guest(work: Path, cpu: str, ref, ref_eval: dict) -> tuple[bool, list[str]]:
-    from txl_deploy.exporters.onnx.verify import FP32_ATOL, FP32_RTOL, compare_steps, describe, judge
+def judge_outputs(work: Path, cpu: str, ref, stem: str = "guest") -> tuple[bool, list[str], dict]:
+    """The guest's stream log-probs against the reference's (the fp32 export tolerance) and its greedy tokens
+    (identical), read from WORK/<stem>-<cpu>.{json,npz}: (passed, one line each, the guest's metadata)."""
+    from txl_deploy.exporters.onnx.verify import compare_steps, describe, judge
 
     lines, ok = [], True
-    meta = json.loads((work / f"guest-{cpu}.json").read_text())
-    got = np.load(work / f"guest-{cpu}.npz")
+    meta = json.loads((work / f"{stem}-{cpu}.json").read_text())
+    got = np.load(work / f"{stem}-{cpu}.npz")
     if meta["machine"] != "aarch64" or not meta["txl_deploy"].startswith(str(work / "own")):
-        return False, [f"{cpu}: the guest did not run our wheel on aarch64 ({meta['machine']}, {meta['txl_deploy']})"]
+        where = f"{meta['machine']}, {meta['txl_deploy']}"
+        return False, [f"{cpu}: the guest did not run our wheel on aarch64 ({where})"], meta
     if not np.array_equal(got["tokens"], ref["tokens"]):
-        return False, [f"{cpu}: the guest fed a different token stream"]
+        return False, [f"{cpu}: the guest fed a different token stream"], meta
     segments = [int(s) for s in ref["segments"]]
 
     def replay(log_probs):
@@ -184,7 +187,15 @@ def judge_guest(work: Path, cpu: str, ref, ref_eval: dict) -> tuple[bool, list[s
     first = next((i for i, (a, b) in enumerate(zip(got["greedy"], ref["greedy"])) if a != b), None)
     lines.append(f"{cpu}: greedy {len(got['greedy'])} tokens {'identical' if same else f'differ from token {first}'}"
                  f": {meta['sample']!r}")
+    return bool(ok), lines, meta
 
+
+def judge_guest(work: Path, cpu: str, ref, ref_eval: dict) -> tuple[bool, list[str]]:
+    from txl_deploy.exporters.onnx.verify import FP32_ATOL, FP32_RTOL
+
+    ok, lines, _ = judge_outputs(work, cpu, ref)
+    if len(lines) < 2:  # not our wheel on aarch64, or another stream: nothing more to compare
+        return False, lines
     path = work / f"eval-{cpu}.json"
     if not path.exists():
         return False, lines + [f"{cpu}: txl-deploy eval wrote no result"]

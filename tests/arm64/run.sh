@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The torch-free ONNX Runtime path on aarch64, under user-mode QEMU, compared with the same model on this machine.
+# The torch-free ONNX Runtime path on aarch64, under user-mode QEMU, compared with the same model on this machine;
+# with --executorch, the ExecuTorch program (.pte) instead.
 #
-#   bash tests/arm64/run.sh [--cpus cortex-a72,cortex-a76] [--eval-chars N]
+#   bash tests/arm64/run.sh [--executorch] [--cpus cortex-a72,cortex-a76] [--eval-chars N]
 #
 # Needs ./.venv (made by ./scripts/test.sh: it has torch, to export the demo model on this side). Everything else
 # is fetched on first use and cached outside the clone, in $TXL_ARM64_CACHE (default ~/.cache/txl-deploy/arm64):
@@ -15,20 +16,32 @@
 # TXL_ARM64_QEMU=/path/to/qemu-aarch64 uses another QEMU (one that emulates an ARM /proc/cpuinfo);
 # TXL_ARM64_DEBIAN_MIRROR and TXL_ARM64_DEBIAN_SECURITY override the Debian mirrors (default: the ones in
 # /etc/apt, else deb.debian.org).
+# --executorch: exports the demo model to an ExecuTorch program (XNNPACK, fp32) here and runs it through
+# TxlRuntime under QEMU (tests/arm64/check_pte.py): a multi-segment batch-2 stream that wraps the memory, within the
+# fp32 export tolerance of the same .pte on this machine, and the same greedy tokens. ExecuTorch's Python runtime
+# needs torch, so the guest gets PyPI's aarch64 wheels of torch and executorch at this side's versions; PyPI's
+# aarch64 torch is a CUDA build whose libraries link CUDA's, so its NVIDIA library wheels come too (about 3 GB
+# unpacked, cached like the rest; nothing runs on a GPU). Cortex-A76 only unless --cpus says otherwise; the ONNX
+# Runtime check is not run then. Not part of CI (the downloads are too large): run it by hand.
 # Whatever stops the check (a failed download, a missing tool, a mismatch) is an error, never a skip.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
-CPUS=cortex-a72,cortex-a76
+CPUS=
 EVAL_CHARS=256
+EXECUTORCH=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpus) CPUS=$2; shift 2 ;;
         --eval-chars) EVAL_CHARS=$2; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --executorch) EXECUTORCH=1; shift ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+if [ -z "$CPUS" ]; then
+    if [ "$EXECUTORCH" = 1 ]; then CPUS=cortex-a76; else CPUS=cortex-a72,cortex-a76; fi
+fi
 
 CACHE=${TXL_ARM64_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/txl-deploy/arm64}
 HOST_PY=$REPO/.venv/bin/python
@@ -158,30 +171,53 @@ prune sysroot- "$SYSROOT"
 say "sysroot: $(grep -E '^(python3.11|libc6) ' "$SYSROOT/.versions" | tr '\n' ' ')"
 
 # --- aarch64 wheels ------------------------------------------------------------------------------------------
-PINS=$("$HOST_PY" - <<'EOF'
+RUNTIME_PACKAGES=(numpy onnx onnxruntime click tqdm)
+# ExecuTorch's Python runtime: torch and executorch (without executorch's own requirements, which are for
+# exporting: pandas, scikit-learn, coremltools, ...), and what importing executorch.runtime imports.
+EXECUTORCH_PACKAGES=(torch executorch filelock typing_extensions sympy networkx jinja2 fsspec flatbuffers
+                     ruamel.yaml tabulate packaging pyyaml)
+[ "$EXECUTORCH" = 0 ] || RUNTIME_PACKAGES+=("${EXECUTORCH_PACKAGES[@]}")
+PINS=$("$HOST_PY" - "${RUNTIME_PACKAGES[@]}" <<'EOF'
+import sys
 from importlib.metadata import PackageNotFoundError, version
-for name in ("numpy", "onnx", "onnxruntime", "click", "tqdm"):
+for name in sys.argv[1:]:
     try:
-        print(f"{name}=={version(name)}")
+        print(f"{name}=={version(name).split('+')[0]}")  # 2.13.0+cpu: a local build tag names no PyPI wheel
     except PackageNotFoundError:
         raise SystemExit(f"error: {name} is not installed in ./.venv (run ./scripts/test.sh)")
 EOF
 )
-SITE=$CACHE/site-$(echo "$PINS" | sha256sum | cut -c1-16)
-PLATFORM=(--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 --python-version 3.11
-          --implementation cp --abi cp311 --only-binary=:all:)
+PLATFORM=(--python-version 3.11 --implementation cp --abi cp311 --only-binary=:all:)
+if [ "$EXECUTORCH" = 0 ]; then
+    PLATFORM+=(--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64)
+    SITE=$CACHE/site-$(echo "$PINS" | sha256sum | cut -c1-16)
+    SITE_PREFIX=site-
+else
+    # pip takes only the platform tags it is given: torch's NVIDIA libraries are tagged from manylinux_2_17 up
+    for glibc in 17 18 24 25 26 27 28; do PLATFORM+=(--platform "manylinux_2_${glibc}_aarch64"); done
+    PLATFORM+=(--platform manylinux2014_aarch64)
+    SITE=$CACHE/pte-site-$(echo "$PINS" | sha256sum | cut -c1-16)
+    SITE_PREFIX=pte-site-
+fi
 if [ ! -f "$SITE/.complete" ]; then
     say "downloading aarch64 wheels: $(echo "$PINS" | tr '\n' ' ')"
     rm -rf "$SITE.tmp"
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2046
     "$HOST_PY" -m pip install --quiet --disable-pip-version-check --no-warn-script-location --target "$SITE.tmp" \
-        "${PLATFORM[@]}" $PINS >"$CACHE/pip.log" 2>&1 \
+        "${PLATFORM[@]}" $(echo "$PINS" | grep -v '^executorch==') >"$CACHE/pip.log" 2>&1 \
         || { grep -v 'is ignored' "$CACHE/pip.log" >&2; die "could not download the aarch64 wheels from PyPI"; }
-    ! [ -e "$SITE.tmp/torch" ] || die "torch was pulled into the aarch64 runtime; it must stay torch-free"
+    if [ "$EXECUTORCH" = 0 ]; then
+        ! [ -e "$SITE.tmp/torch" ] || die "torch was pulled into the aarch64 runtime; it must stay torch-free"
+    else
+        # shellcheck disable=SC2046
+        "$HOST_PY" -m pip install --quiet --disable-pip-version-check --no-warn-script-location --no-deps \
+            --target "$SITE.tmp" "${PLATFORM[@]}" $(echo "$PINS" | grep '^executorch==') >>"$CACHE/pip.log" 2>&1 \
+            || { grep -v 'is ignored' "$CACHE/pip.log" >&2; die "could not download executorch's aarch64 wheel"; }
+    fi
     "$HOST_PY" -m pip list --path "$SITE.tmp" --format freeze 2>/dev/null >"$SITE.tmp/.complete"
     mv "$SITE.tmp" "$SITE"
 fi
-prune site- "$SITE"
+prune "$SITE_PREFIX" "$SITE"
 flock -u 9
 
 # --- this run: our wheel, the x86 reference, the guests ------------------------------------------------------
@@ -204,9 +240,6 @@ fi
     --target "$WORK/own" "$WORK"/wheel/*.whl >>"$WORK/wheel.log" 2>&1 \
     || { cat "$WORK/wheel.log" >&2; die "installing our wheel failed"; }
 
-say "exporting the demo model and computing the x86 reference"
-"$HOST_PY" tests/arm64/check.py reference "$WORK" --eval-chars "$EVAL_CHARS"
-
 guest() {  # $1: QEMU CPU model, then the guest Python's arguments. Clean environment: nothing of the host leaks in.
     local cpu=$1; shift
     (cd "$WORK" && env -i PATH=/usr/bin:/bin HOME="$WORK" LANG=C.UTF-8 PYTHONNOUSERSITE=1 \
@@ -214,6 +247,19 @@ guest() {  # $1: QEMU CPU model, then the guest Python's arguments. Clean enviro
         "$QEMU" "$SYSROOT/usr/bin/python3.11" "$@")
 }
 IFS=, read -r -a CPU_LIST <<<"$CPUS"
+if [ "$EXECUTORCH" = 1 ]; then
+    say "exporting the demo model to an ExecuTorch program and computing the x86 reference"
+    "$HOST_PY" tests/arm64/check_pte.py reference "$WORK"
+    for cpu in "${CPU_LIST[@]}"; do
+        say "$cpu: the .pte's log-probs and greedy generation"
+        guest "$cpu" "$REPO/tests/arm64/check_pte.py" guest "$WORK" "$cpu" || die "the aarch64 .pte failed on $cpu"
+    done
+    "$HOST_PY" tests/arm64/check_pte.py report "$WORK" "${CPU_LIST[@]}"
+    say "done"
+    exit 0
+fi
+say "exporting the demo model and computing the x86 reference"
+"$HOST_PY" tests/arm64/check.py reference "$WORK" --eval-chars "$EVAL_CHARS"
 for cpu in "${CPU_LIST[@]}"; do
     say "$cpu: log-probs and greedy generation"
     guest "$cpu" "$REPO/tests/arm64/check.py" guest "$WORK" "$cpu" || die "the aarch64 runtime failed on $cpu"
