@@ -62,6 +62,7 @@ SCRIPTS = {
     "chaos": ["benchmarks/serve_chaos.py", "--md", "benchmarks/results_chaos.md", "--json",
               "benchmarks/results_chaos.json", "--force"],
     "peak-ram": ["benchmarks/peak_ram.py"],
+    "executorch": ["benchmarks/executorch_vs_ort.py"],
 }
 
 

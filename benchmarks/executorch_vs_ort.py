@@ -1,0 +1,418 @@
+"""ExecuTorch programs (.pte, XNNPACK) beside ONNX Runtime, measured in one run: step latency, file size, peak RAM.
+
+    .venv/bin/python benchmarks/executorch_vs_ort.py [--threads 1] [--steps 64] [--prefill 64] [--mem-len 512]
+
+Four files per shape, all exported by txl-deploy: ExecuTorch fp32 and int4 (8da4w: int8 dynamic activations, int4
+weights in groups of 32, torchao), ONNX Runtime fp32 and int4 (MatMulNBits). Shapes: the demo model `kjv-char`
+(its own mem_len, 128) and the enwik8-base shape (a random-weight stand-in, seed 0: speed depends on shapes, not
+values) at --mem-len.
+
+- decode: batch 1, the memory full (mem_len tokens fed first), --steps single-token steps per file, the files
+  taking turns token by token (A B C D, D C B A, ...), every runtime on --threads intra-op threads; medians;
+- prefill: --prefill tokens into the full memory (the state restored before each), --repeat rounds, alternating;
+- peak RAM: a fresh process per file that loads it, fills the memory and decodes 8 tokens: its high-water resident
+  set (VmHWM) and what it added to the resident set after the imports;
+- where an ExecuTorch decode step goes: ExecuTorch's event tracer (ETDump, read with its Inspector) over 20 steps,
+  split into the XNNPACK delegate calls and the operators left to the portable kernels, by operator;
+- parity: each ExecuTorch program's log-probs against the ONNX Runtime file of the same precision family on the
+  timed steps (max abs difference; int4 programs differ from fp32 by their quantization, reported, not enforced).
+
+The exports are cached under benchmarks/.cache, keyed by the exporters' code. The demo model's int4 program is
+exported with its accuracy gate (held-out bits per character within 2% of fp32), the stand-in's without (random
+weights). Writes benchmarks/results_executorch.md (header: command, machine, date) and the raw numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / ".cache"
+COMMAND = "python benchmarks/executorch_vs_ort.py"
+MAX_SEGMENT = 128  # the programs' and graphs' longest segment: the prefill size must fit in one call
+RSS_DECODE_STEPS = 8
+PROFILE_STEPS = 20
+
+FILES = ("ExecuTorch fp32", "ExecuTorch int4 (8da4w)", "ONNX Runtime fp32", "ONNX Runtime int4")
+PARITY = {"ExecuTorch fp32": "ONNX Runtime fp32", "ExecuTorch int4 (8da4w)": "ONNX Runtime fp32"}
+
+
+def _code_key(*modules) -> str:
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:8]
+
+
+def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_text=None) -> Path:
+    """The .pte of `checkpoint` at `precision`, exported once per exporter version (with verification: fp32 against
+    PyTorch on multi-segment streams; int4 by its KL and, given `eval_text`, its accuracy gate)."""
+    from txl_deploy.exporters.executorch import export as pte
+    from txl_deploy.exporters.executorch import stream
+    from txl_deploy.model import linear_step
+
+    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{_code_key(pte, stream, linear_step)}.pte"
+    if not out.exists():
+        t0 = time.perf_counter()
+        pte.export_executorch(checkpoint, out, precision=precision, mem_len=mem_len, max_segment=MAX_SEGMENT,
+                              eval_text=eval_text, verify=eval_text is not None or precision == "fp32",
+                              force=True)
+        print(f"ExecuTorch {precision} export of {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> tuple[Path, Path]:
+    """The fp32 .onnx (incremental layout) and its int4 conversion (the export default block size)."""
+    from txl_deploy.bench.random_weights import standin_onnx
+    from txl_deploy.exporters.precision import convert, folding, int4
+
+    fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
+    out = fp32.with_name(fp32.stem + f"-int4-{_code_key(convert, folding, int4)}.onnx")
+    if not out.exists():
+        convert.reduce_onnx(fp32, out, precision="int4", eval_data=eval_text, verify=eval_text is not None,
+                            force=True)
+    return fp32, out
+
+
+def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
+    """{file label: path} of one shape, and the mem_len its files were exported with."""
+    from txl_deploy.assets import DEMO_DIR
+    from txl_deploy.bench.random_weights import standin_checkpoint
+
+    if shape == "demo":
+        checkpoint, eval_text = DEMO_DIR / "kjv-char", DEMO_DIR / "heldout.txt"
+        mem_len = json.loads((checkpoint / "config.json").read_text())["config"]["mem_len"]
+    else:
+        checkpoint, eval_text = standin_checkpoint(shape, CACHE), None
+    name = "kjv-char" if shape == "demo" else shape
+    fp32, int4 = onnx_exports(checkpoint, name, mem_len, eval_text)
+    return {"ExecuTorch fp32": pte_export(checkpoint, name, "fp32", mem_len),
+            "ExecuTorch int4 (8da4w)": pte_export(checkpoint, name, "int4", mem_len, eval_text),
+            "ONNX Runtime fp32": fp32, "ONNX Runtime int4": int4}, mem_len
+
+
+def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, seed: int = 0) -> dict:
+    """Decode and prefill times of every file in one process, interleaved; log-probs of the timed decode steps."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    runtimes = {label: TxlRuntime.load(path, threads=threads) for label, path in paths.items()}
+    rt0 = next(iter(runtimes.values()))
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
+    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
+    prompt = rng.integers(0, rt0.n_token, size=(1, prefill))
+    full = {}
+    for label, rt in runtimes.items():
+        rt.prefill(context)  # every timed step attends to mem_len cached positions
+        full[label] = rt.save_state()
+        rt.step([[int(tokens[0])]])  # first-run allocations
+        rt.step([[int(tokens[1])]])
+    order = list(runtimes)
+    decode = {label: [] for label in order}
+    log_probs = {label: [] for label in order}
+    for k, tok in enumerate(tokens[2:]):
+        for label in (order if k % 2 == 0 else order[::-1]):  # A B C D, D C B A, ...
+            t0 = time.perf_counter()
+            lp = runtimes[label].step([[int(tok)]])
+            decode[label].append(time.perf_counter() - t0)
+            log_probs[label].append(lp[0, -1])
+    prefill_s = {label: [] for label in order}
+    for r in range(repeat + 1):
+        for label in (order if r % 2 == 0 else order[::-1]):
+            runtimes[label].load_state(full[label])
+            t0 = time.perf_counter()
+            runtimes[label].prefill(prompt)
+            if r:  # the first round warms each side's prefill-sized buffers
+                prefill_s[label].append(time.perf_counter() - t0)
+    for rt in runtimes.values():
+        rt.close()
+    lps = {label: np.stack(v) for label, v in log_probs.items()}
+    parity = {}
+    for et, ort_label in PARITY.items():
+        if et in lps and ort_label in lps:
+            a, b = lps[et], lps[ort_label]
+            parity[et] = {"against": ort_label, "max_abs_diff": float(np.max(np.abs(a - b))),
+                          "top1_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),
+                          "kl": float(np.mean(np.sum(np.exp(b) * (b - a), axis=-1)))}
+    return {"decode_ms": {k: 1e3 * float(np.median(v)) for k, v in decode.items()},
+            "decode_p90_ms": {k: 1e3 * float(np.percentile(v, 90)) for k, v in decode.items()},
+            "prefill_ms": {k: 1e3 * float(np.median(v)) for k, v in prefill_s.items()},
+            "parity": parity, "steps": steps, "prefill": prefill, "repeat": repeat}
+
+
+# -- peak RAM, in a fresh process per file ---------------------------------------------------------------------
+
+def _status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child_memory(path: str, threads: int) -> dict:
+    """Load `path`, fill its memory, decode a few tokens: the process's peak, and its resident set before loading."""
+    if path.endswith(".pte"):  # the imports a .pte app pays for, before the base is taken
+        import torch  # noqa: F401
+        from executorch.runtime import Runtime  # noqa: F401
+    else:
+        import onnxruntime  # noqa: F401
+    from txl_deploy.runtimes import TxlRuntime
+
+    base = _status()["VmRSS"]
+    rt = TxlRuntime.load(path, threads=threads)
+    rng = np.random.default_rng(0)
+    rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
+    for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
+        rt.step([[int(tok)]])
+    status = _status()
+    return {"peak": status["VmHWM"], "base": base, "rss": status["VmRSS"]}
+
+
+def memory(path: Path, threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--child", str(path), str(threads)], capture_output=True,
+                          text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {path.name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- where an ExecuTorch step goes -----------------------------------------------------------------------------
+
+def profile_pte(path: Path, threads: int, steps: int = PROFILE_STEPS, seed: int = 0) -> dict:
+    """ETDump of `steps` decode steps (batch 1, memory full): median ms per step of the XNNPACK delegate calls, of
+    each portable operator (its kernel plus the runtime's dispatch of it) and of the whole execute."""
+    from executorch.devtools import Inspector  # optional (the executorch extra): ETDump's reader
+    from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
+    from executorch.runtime import Runtime  # optional (the executorch extra)
+
+    from txl_deploy.contract.pte_file import read_pte_info
+    from txl_deploy.exporters.executorch.stream import RingStepper, program_call
+
+    info = read_pte_info(path)
+    portable_lib._unsafe_reset_threadpool(threads)
+    program = Runtime.get().load_program(str(path), enable_etdump=True, debug_buffer_size=0)
+    method = program.load_method("forward")
+    stepper = RingStepper(program_call(method), info.spec())
+    rng = np.random.default_rng(seed)
+    mem_len = info.mem_len
+    for start in range(0, mem_len, MAX_SEGMENT):
+        stepper.step(rng.integers(0, info.config.n_token, size=(1, min(MAX_SEGMENT, mem_len - start))))
+    for tok in rng.integers(0, info.config.n_token, size=steps):
+        stepper.step(np.array([[tok]]))
+    with tempfile.TemporaryDirectory(prefix="txl-etdump-") as work:
+        etdump = Path(work) / "step.etdp"
+        program.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
+        frame = Inspector(etdump_path=str(etdump)).to_dataframe()
+    names = frame["event_name"].astype(str)
+    runs = len(frame[names == "Method::execute"]["raw"].iloc[0])
+    frame = frame[[len(r) == runs for r in frame["raw"]]]  # the events of every execute (not the program's load)
+    names = frame["event_name"].astype(str)
+    last = slice(runs - steps, runs)  # the decode steps only (the memory fill came first)
+
+    def per_step(rows) -> float:
+        """Median over the decode steps of the summed time (ms) of `rows` in one step."""
+        if len(rows) == 0:
+            return 0.0
+        return float(np.median(np.sum([np.asarray(r[last], dtype=float) for r in rows["raw"]], axis=0)))
+
+    top = ~frame["is_delegated_op"].astype(bool)
+    total = per_step(frame[names == "Method::execute"])
+    delegate = per_step(frame[top & (names == "DELEGATE_CALL")])
+    dispatch = per_step(frame[top & (names == "OPERATOR_CALL")])
+    portable = {}
+    for name in sorted(set(names[top & names.str.startswith("native_call_")])):
+        op = name[len("native_call_"):].rsplit(".", 1)[0]
+        portable[op] = portable.get(op, 0.0) + per_step(frame[top & (names == name)])
+    xnn = {}
+    for name in sorted(set(names[frame["is_delegated_op"].astype(bool)])):
+        op = name.split(" #")[0]
+        xnn[op] = xnn.get(op, 0.0) + per_step(frame[names == name])
+    return {"execute_ms": total, "xnnpack_ms": delegate, "portable_ms": dispatch,
+            "portable_kernels_ms": sum(portable.values()), "portable_by_op_ms": portable, "xnnpack_by_op_ms": xnn,
+            "xnnpack_calls": int(((names == "DELEGATE_CALL") & top).sum()),
+            "portable_calls": int(((names == "OPERATOR_CALL") & top).sum()),
+            "partitions": info.export.get("xnnpack_partitions"), "portable_ops": info.export.get("portable_ops", []),
+            "steps": steps}
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+def _op(name: str) -> str:
+    """aten.gather.default (or its EdgeOpOverload repr) -> gather."""
+    name = name.split(":")[0].replace("<EdgeOpOverload", "").strip(" <>")
+    return name.removeprefix("aten.").rsplit(".", 1)[0]
+
+
+def state_bytes(cfg, mem_len: int) -> int:
+    """The memory one stream carries (fp32 keys and values of every layer and the counter), as `info --memory`
+    counts it."""
+    from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
+
+    return int(ram_state_bytes(cfg, mem_len))
+
+
+def render(raw: dict) -> str:
+    from txl_deploy.exporters.onnx.ram import format_bytes as fb
+
+    m, v = raw["machine"], raw["versions"]
+    lines = [
+        f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average {raw['load']}), "
+        f"{m['platform']}",
+        f"- versions: python {v['python']}, onnxruntime {v['onnxruntime']}, executorch {raw['executorch']}, "
+        f"torch {raw['torch']}, txl-deploy {v['txl_deploy']}",
+        f"- every runtime on {raw['threads']} intra-op thread(s) (ExecuTorch's XNNPACK thread pool, ONNX Runtime's "
+        "intra-op pool), batch 1, in one process, taking turns token by token; ExecuTorch through its Python "
+        "bindings (`TxlRuntime.load(\"x.pte\")`), ONNX Runtime's CPU provider (`TxlRuntime.load(\"x.onnx\")`)",
+        f"- decode: the memory full, median of {raw['steps']} steps per file; prefill: {raw['prefill']} tokens into "
+        f"the full memory, median of {raw['repeat']} rounds; peak RAM: a fresh process per file (load, fill the "
+        f"memory, decode {RSS_DECODE_STEPS} tokens), VmHWM, and what it added after the runtime's imports",
+        "- int4: ExecuTorch 8da4w (torchao: int8 dynamic activations per token, int4 symmetric weights in groups of "
+        "32); ONNX Runtime MatMulNBits (int4 weights in blocks, int8 compute, see the int4 section)",
+        "",
+    ]
+    ratio_lines = []
+    for shape in raw["shapes"]:
+        t, files, mem = shape["timing"], shape["files"], shape["memory"]
+        lines += [f"## {shape['title']}", "",
+                  f"mem_len {shape['mem_len']}; the memory of one stream is {fb(shape['state_bytes'])} (fp32 keys "
+                  "and values of every layer).", "",
+                  "| file | decode ms / token (p50) | p90 | x ONNX Runtime fp32 | prefill "
+                  f"{raw['prefill']} ms | file MB | peak RAM | added after imports |",
+                  "|---|---|---|---|---|---|---|---|"]
+        ref = t["decode_ms"]["ONNX Runtime fp32"]
+        for label in files:
+            lines.append(f"| {label} | {t['decode_ms'][label]:.2f} | {t['decode_p90_ms'][label]:.2f} | "
+                         f"{t['decode_ms'][label] / ref:.2f}x | {t['prefill_ms'][label]:.1f} | "
+                         f"{files[label]['mb']:.2f} | {fb(mem[label]['peak'])} | "
+                         f"{fb(mem[label]['peak'] - mem[label]['base'])} |")
+        et, et4 = t["decode_ms"]["ExecuTorch fp32"], t["decode_ms"]["ExecuTorch int4 (8da4w)"]
+        ort4 = t["decode_ms"]["ONNX Runtime int4"]
+        ratio_lines.append(f"{shape['title']}: ExecuTorch fp32 decode {et / ref:.2f}x ONNX Runtime fp32's time, "
+                           f"ExecuTorch int4 {et4 / ort4:.2f}x ONNX Runtime int4's, ExecuTorch int4 {et / et4:.2f}x "
+                           f"faster than its fp32; prefill ExecuTorch fp32 "
+                           f"{t['prefill_ms']['ExecuTorch fp32'] / t['prefill_ms']['ONNX Runtime fp32']:.2f}x "
+                           "ONNX Runtime fp32's time")
+        lines += ["", "Parity on the timed decode steps (each ExecuTorch program against ONNX Runtime fp32, both "
+                  "fed the same stream):", ""]
+        for label, p in t["parity"].items():
+            lines.append(f"- {label}: max abs difference of the log-probs {p['max_abs_diff']:.2g}, top-1 agreement "
+                         f"{p['top1_agreement']:.3f}, KL {p['kl']:.2g} nats per position")
+        acc = shape.get("int4_accuracy")
+        if acc:
+            lines.append(f"- ExecuTorch int4 on the demo model's held-out text (the export's gate): "
+                         f"{acc['metric'].replace('_', ' ')} {acc['reduced']:.4f} against fp32 {acc['fp32']:.4f} "
+                         f"({100 * acc['relative_change']:+.2f}%, limit +2%)")
+        for label in ("ExecuTorch fp32", "ExecuTorch int4 (8da4w)"):
+            prof = shape["profiles"].get(label)
+            if not prof:
+                continue
+            share = prof["portable_ms"] / prof["execute_ms"]
+            lines += ["", f"Where a {label} decode step goes (ETDump, median of {prof['steps']} steps; the tracer "
+                      f"adds its own cost): execute {prof['execute_ms']:.2f} ms, of which {prof['xnnpack_calls']} "
+                      f"XNNPACK delegate calls {prof['xnnpack_ms']:.2f} ms "
+                      f"({100 * prof['xnnpack_ms'] / prof['execute_ms']:.0f}%) and {prof['portable_calls']} "
+                      f"portable-kernel calls {prof['portable_ms']:.2f} ms ({100 * share:.0f}%; their kernels "
+                      f"{prof['portable_kernels_ms']:.2f} ms, the rest the runtime's dispatch).", "",
+                      "| portable operator | ms / step |", "|---|---|",
+                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["portable_by_op_ms"].items(),
+                                                                    key=lambda kv: -kv[1])[:8]],
+                      "", "| XNNPACK operator | ms / step |", "|---|---|",
+                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["xnnpack_by_op_ms"].items(),
+                                                                    key=lambda kv: -kv[1])[:6]]]
+        lines.append("")
+    first = raw["shapes"][0]["profiles"].get("ExecuTorch fp32") or {}
+    lines += ["## Which operators XNNPACK takes", "",
+              (f"XNNPACK takes the matrix products (Fully Connected, Batch Matrix Multiply), the adds, "
+              f"multiplications, transposes, copies and the softmax's exponentials, in "
+              f"{first.get('partitions', '?')} partitions on the demo model. Left to ExecuTorch's portable "
+              f"kernels: {', '.join(sorted({_op(n) for n in first.get('portable_ops', [])}))}."), "",
+              "## Ratios measured in this run", "", *[f"- {r}" for r in ratio_lines], ""]
+    return "\n".join(lines)
+
+
+def measure(args) -> dict:
+    import executorch
+    import torch
+
+    from txl_deploy.bench.benchmark import machine_info, versions
+    from txl_deploy.contract.pte_file import read_pte_info
+
+    raw = {"machine": machine_info(), "versions": versions(), "threads": args.threads, "steps": args.steps,
+           "prefill": args.prefill, "repeat": args.repeat, "torch": torch.__version__,
+           "executorch": getattr(executorch, "__version__", None) or _version("executorch"), "shapes": []}
+    for shape in args.shapes.split(","):
+        files, mem_len = shape_files(shape, args.mem_len)
+        print(f"{shape}: timing ...", file=sys.stderr, flush=True)
+        t = timing(files, args.threads, args.steps, args.prefill, args.repeat)
+        print(f"{shape}: peak RAM and profiles ...", file=sys.stderr, flush=True)
+        mem = {label: memory(path, args.threads) for label, path in files.items()}
+        profiles = {label: profile_pte(files[label], args.threads) for label in FILES[:2]}
+        info = read_pte_info(files["ExecuTorch fp32"], check_hash=False)
+        int4_info = read_pte_info(files["ExecuTorch int4 (8da4w)"], check_hash=False)
+        report = int4_info.export.get("precision_report") or {}
+        raw["shapes"].append({
+            "name": shape, "mem_len": mem_len,
+            "title": ("demo model `kjv-char`" if shape == "demo" else f"{shape} shape, random weights"),
+            "state_bytes": state_bytes(info.config, mem_len), "timing": t, "memory": mem, "profiles": profiles,
+            "int4_accuracy": report.get("accuracy"),
+            "files": {label: {"path": path.name, "mb": path.stat().st_size / 1e6} for label, path in files.items()}})
+    raw["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return raw
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(package)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
+    from txl_deploy.bench.report import command_line, results_markdown
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every runtime (default 1)")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per file (default 64)")
+    ap.add_argument("--prefill", type=int, default=64, help=f"prefill tokens, at most {MAX_SEGMENT} (default 64)")
+    ap.add_argument("--repeat", type=int, default=5, help="prefill rounds per file (default 5)")
+    ap.add_argument("--mem-len", type=int, default=512, help="the enwik8-base stand-in's mem_len (default 512)")
+    ap.add_argument("--shapes", default="demo,enwik8-base", help="comma-separated: demo and published shape names")
+    ap.add_argument("--out", default=str(HERE / "results_executorch.md"))
+    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    args = ap.parse_args(argv)
+    if not 1 <= args.prefill <= MAX_SEGMENT:
+        ap.error(f"--prefill must be 1 to {MAX_SEGMENT}")
+    out = Path(args.out)
+    json_path = out.with_suffix(".json")
+    if args.report_only:
+        raw = json.loads(json_path.read_text())
+    else:
+        CACHE.mkdir(exist_ok=True)
+        raw = measure(args)
+        raw["command"] = command_line("benchmarks/executorch_vs_ort.py", sys.argv[1:] if argv is None else argv)
+        json_path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    body = render(raw)
+    out.write_text(results_markdown("ExecuTorch (XNNPACK) beside ONNX Runtime, one thread each", body,
+                                    raw.get("command", COMMAND)), encoding="utf-8")
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(child_memory(sys.argv[2], int(sys.argv[3]))))
+        sys.exit(0)
+    sys.exit(main())
