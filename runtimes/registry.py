@@ -1,6 +1,6 @@
-"""Which backend runs a file, and opening it: `.onnx` -> ONNX Runtime, `.engine` -> TensorRT, a checkpoint ->
-PyTorch. Each backend module imports its engine (onnxruntime, tensorrt, torch) when it is imported, so this module
-imports a backend only once it is chosen: a machine with ONNX Runtime alone never needs the others."""
+"""Which backend runs a file, and opening it: `.onnx` and `.ort` -> ONNX Runtime, `.engine` -> TensorRT, `.pte` ->
+ExecuTorch, a checkpoint -> PyTorch. Each backend imports its engine (onnxruntime, tensorrt, executorch, torch) only
+when a file is opened with it: a machine with ONNX Runtime alone never needs the others."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.arguments import check_threads
 from txl_deploy.runtimes.backend import Backend
+from txl_deploy.runtimes.backends.executorch import ExecuTorchBackend
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 from txl_deploy.runtimes.backends.pytorch import TorchCachedBackend, TorchEagerBackend
 from txl_deploy.runtimes.backends.tensorrt import TensorRTBackend
 
-BACKENDS = ("onnxruntime", "tensorrt", "torch", "torch-fast")
+BACKENDS = ("onnxruntime", "tensorrt", "executorch", "torch", "torch-fast")
 
 TENSORRT_THREADS_NOTE = ("threads= has no effect on the TensorRT backend: the model runs on the GPU, and the host "
                          "only copies tokens and log-probabilities")
@@ -25,10 +26,12 @@ def backend_for(path: Path, backend: str | None = None) -> str:
     if backend:
         return backend
     suffix = Path(path).suffix.lower()
-    if suffix == ".onnx":
+    if suffix in (".onnx", ".ort"):  # .ort: the ONNX Runtime format (export --ort-format)
         return "onnxruntime"
     if suffix in (".engine", ".plan", ".trt"):
         return "tensorrt"
+    if suffix == ".pte":
+        return "executorch"
     return "torch"
 
 
@@ -50,6 +53,8 @@ def open_backend(path, backend: str | None = None, providers=None, device: str |
             warnings.warn(TENSORRT_THREADS_NOTE, RuntimeWarning, stacklevel=3)
 
         impl = TensorRTBackend(path)
+    elif kind == "executorch":
+        impl = ExecuTorchBackend(path, threads=threads)
     elif kind in ("torch", "torch-fast"):
         klass = TorchEagerBackend if kind == "torch" else TorchCachedBackend
         return klass.from_checkpoint(path, device=device, mem_len=mem_len, max_segment=max_segment,

@@ -54,7 +54,8 @@ class TxlRuntime:
              same_length: bool | None = None, threads: int | None = None,
              tokenizer: str | None = None) -> "TxlRuntime":
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
-        a checkpoint -> the PyTorch eager reference (`backend="torch-fast"` for the cached PyTorch path).
+        `.pte` -> ExecuTorch (the program and its `.pte.json` sidecar), a checkpoint -> the PyTorch eager reference
+        (`backend="torch-fast"` for the cached PyTorch path).
         `mem_len`, `max_segment`, `clamp_len` and `same_length` override a checkpoint's settings (an exported
         graph has them built in: asking for other values, or a longer max_segment, is an error that says to
         re-export; a shorter max_segment feeds input in shorter pieces).
@@ -63,7 +64,9 @@ class TxlRuntime:
         ONNX Runtime: this session's intra-op threads, with one inter-op thread (the graph runs sequentially).
         PyTorch backends: `torch.set_num_threads(threads)`, which is process-wide in PyTorch, so it also applies
         to every other torch model in the process. TensorRT: no effect (the model runs on the GPU); a
-        RuntimeWarning says so rather than dropping the setting silently.
+        RuntimeWarning says so rather than dropping the setting silently. ExecuTorch: the size of its thread pool,
+        which every ExecuTorch program in the process shares and which can only be resized while no other `.pte`
+        is open (otherwise a RuntimeWarning says the setting is not applied).
         Fix it whenever two models share a process (say an ONNX Runtime session beside an eager reference):
         at the defaults each library starts a thread per core and they contend for the same cores.
 
@@ -158,7 +161,7 @@ class TxlRuntime:
         positions: only these segment positions' log-probabilities, [B, P] (a list of ints is the same for every
         row); the graph then applies its output layer there alone. Needs Q <= max_segment.
         advance=False (with positions): leave the memory as it was, so that the same segment can be asked for other
-        positions (the ONNX Runtime CPU backend; others raise InputError)."""
+        positions (the ONNX Runtime CPU and ExecuTorch backends; others raise InputError)."""
         with self._lock:
             tokens = self._check_tokens(tokens)
             if positions is None:

@@ -36,7 +36,7 @@ EVAL_TOKENIZER_HELP = ("How a word model reads --text. [default] whitespace: a p
 @click.option("--clamp-len", type=int, help="Clamp relative distances (checkpoints; <= 0: no clamping).")
 @click.option("--same-length/--no-same-length", default=None, help="Every query sees the same number of keys "
               "(checkpoints).")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
               help="[default: by file type]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @click.option("--zero-memory", is_flag=True, help="Start from mem_len zero vectors that are attended to, as the "

@@ -24,13 +24,14 @@ from txl_deploy.runtimes import TxlRuntime
               "UTF-8 with newlines dropped, as the model was trained; for text8, lowercase a-z and spaces.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
 @sampling_options(temperature=1.0)
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
-              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
+              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, .pte -> executorch, "
+                   "checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @tokenizer_option("For this run only.")
 @threads_option
 def generate_cmd(model, prompt, max_new_tokens, sampling, backend, providers, tokenizer, threads):
-    """Stream text generated from MODEL (an .onnx, an .engine or a checkpoint) after PROMPT.
+    """Stream text generated from MODEL (an .onnx, an .engine, an ExecuTorch .pte or a checkpoint) after PROMPT.
 
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
     several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. --no-unk keeps `<unk>` out

@@ -49,8 +49,9 @@ API_KEY_ENV = "TXL_API_KEY"
               help="Prompt tokens fed per step between decode steps. [default: the model's max_segment]")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running streams get to finish.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
-              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, checkpoint -> torch]")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
+              help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, .pte -> executorch, "
+                   "checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @click.option("--triton", "triton_urls", default=None, metavar="URL[,URL...]",
               help="Serve through these Triton servers (grpc://HOST:PORT or http://HOST:PORT) instead of a local "
@@ -63,8 +64,9 @@ API_KEY_ENV = "TXL_API_KEY"
 def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_key, model_name, max_queue,
           max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, drain_timeout, backend, providers,
           triton_urls, triton_model, vocab, tokenizer):
-    """Serve MODEL (an .onnx, an .engine, a checkpoint or a hub reference hf://OWNER/NAME[@REVISION], fetched into
-    the HuggingFace hub cache first) over HTTP with OpenAI's completions API.
+    """Serve MODEL (an .onnx, an .engine, an ExecuTorch .pte, a checkpoint or a hub reference
+    hf://OWNER/NAME[@REVISION], fetched into the HuggingFace hub cache first) over HTTP with OpenAI's completions
+    API.
 
     \b
     POST /v1/completions   prompt (text or token ids), stream, logprobs, stop, the sampling parameters
@@ -111,7 +113,7 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
         if model is None:
             raise InputError("give a MODEL to serve (or --triton URL to serve through Triton servers)")
         name = model_name or (model.name if isinstance(model, HubReference) else
-                              Path(model).name.removesuffix(".onnx").removesuffix(".engine"))
+                              Path(model).name.removesuffix(".onnx").removesuffix(".engine").removesuffix(".pte"))
         model = local_model(model)  # fetched before the server starts, with its progress on the terminal
         def load():  # Scheduler.load, with the runtime's tokenizer set before the engine takes its vocabulary
             runtime = TxlRuntime.load(model, backend=backend, threads=threads,

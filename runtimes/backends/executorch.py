@@ -1,0 +1,170 @@
+"""ExecuTorch backend: a `.pte` program (and its `.pte.json` sidecar) run by ExecuTorch's Python runtime.
+
+The program is the cached step with the `incremental` layout: it returns only this segment's keys and values, and
+the memory is a set of numpy ring buffers owned by this backend, written with `contract.ring.write_segment` after a
+run has succeeded, exactly as the ONNX Runtime backend does. ExecuTorch's bindings take torch tensors, which wrap
+the numpy buffers without a copy (`torch.from_numpy`).
+
+Threads: ExecuTorch runs XNNPACK's delegated ops on one thread pool for the whole process. `threads=N` resizes that
+pool before the program is loaded, so it applies to every ExecuTorch program in the process, and only while no
+other is open (see `_set_pool`); ops that were not delegated run on portable kernels, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import numpy as np
+
+from txl_deploy.contract import io_spec
+from txl_deploy.contract.pte_file import read_pte_info
+from txl_deploy.contract.ring import write_segment
+from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.runtimes.backend import Backend, contract_layout
+
+EXTRA = "pip install 'txl-deploy[executorch]'"
+THREADS_NOTE = ("threads={threads} is not applied: ExecuTorch has one thread pool per process, which cannot be "
+                "resized while the {others} other open .pte runtime(s) use it; this one runs with their {current} "
+                "thread(s) (close them first, or open every .pte with the same threads=)")
+
+# One thread pool per process: resizing it while a program runs on it is unsafe, so every execute and every
+# resize holds this lock (XNNPACK's pool runs one parallel computation at a time anyway).
+_POOL_LOCK = threading.Lock()
+_OPEN = weakref.WeakSet()  # the ExecuTorch backends open in this process (for the threads warning)
+
+
+def _import_runtime():
+    """(torch, executorch.runtime.Runtime, the bindings module), or a one-line error naming the extra."""
+    try:
+        import torch  # optional (the executorch extra): ExecuTorch's bindings take and return torch tensors
+        from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
+        from executorch.runtime import Runtime  # optional (the executorch extra)
+    except ImportError as e:
+        raise InputError(f"running a .pte needs ExecuTorch: {EXTRA} ({e})") from None
+    return torch, Runtime, portable_lib
+
+
+class ExecuTorchBackend(Backend):
+    name = "executorch"
+
+    def __init__(self, path, threads: int | None = None):
+        self.path = str(path)
+        self.info = read_pte_info(path)  # the sidecar, checked against the program before ExecuTorch reads it
+        self.torch, runtime, self._bindings = _import_runtime()
+        self.config, self.vocab = self.info.config, self.info.vocab
+        self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
+        self.spec = self.info.spec()
+        if self.spec.state != "incremental":
+            raise CheckpointError(path, "a .pte runs the incremental layout only (its sidecar says "
+                                        f"{self.spec.state!r})")
+        if threads is not None:
+            self._set_pool(int(threads))
+        try:
+            program = runtime.get().load_program(self.path)
+            self.method = program.load_method("forward")
+        except Exception as e:  # RuntimeError from the loader: not a program, or one built for other kernels
+            raise CheckpointError(path, f"ExecuTorch cannot load it ({str(e).splitlines()[0][:200]})") from None
+        if self.method is None:
+            raise CheckpointError(path, "the ExecuTorch program has no forward method")
+        self._program = program  # the method borrows the program's buffers: keep it alive as long as the method
+        meta = self.method.metadata
+        names = self.spec.input_names()
+        if meta.num_inputs() != len(names) or meta.num_outputs() != len(self.spec.output_names()):
+            raise CheckpointError(path, f"the program takes {meta.num_inputs()} inputs and returns "
+                                        f"{meta.num_outputs()} outputs; its sidecar describes {len(names)} and "
+                                        f"{len(self.spec.output_names())}")
+        # Upper bounds of the dynamic axes, as the program was exported (its memory plan is sized for them).
+        self.max_batch = int(meta.input_tensor_meta(0).sizes()[0])
+        self.max_segment = min(self.max_segment, int(meta.input_tensor_meta(0).sizes()[1]))
+        self.max_positions = int(meta.input_tensor_meta(1).sizes()[1])
+        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
+        self._names = names
+        _OPEN.add(self)
+
+    def _set_pool(self, threads: int):
+        """Size ExecuTorch's process-wide pool, before this program is loaded: XNNPACK's delegate keeps the pool it
+        was loaded with, and resizing it under a loaded program crashes that program on its next new input shape
+        (measured: a segmentation fault on the second call). So the pool is resized only while no other program
+        of this process is open, and otherwise kept, with a warning, when it differs."""
+        with _POOL_LOCK:
+            current = self._bindings._threadpool_get_thread_count()
+            if threads == current:
+                self.threads = threads
+                return
+            others = [b for b in _OPEN if b.method is not None]
+            if others:
+                self.threads = current
+                warnings.warn(THREADS_NOTE.format(others=len(others), current=current, threads=threads),
+                              RuntimeWarning, stacklevel=5)
+                return
+            self._bindings._unsafe_reset_threadpool(threads)
+            self.threads = threads
+
+    def fingerprint(self) -> str:
+        # fp32: the same state layout and weights as the fp32 ONNX graph of the same checkpoint, so a state saved by
+        # either backend loads into the other. A quantized program's memory holds other numbers: its own.
+        base = f"kv-{self.info.fingerprint()}-float32"
+        return base if self.precision == "fp32" else f"{base}-pte-{self.precision}"
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def new_state(self, batch: int):
+        self._check_batch(batch)
+        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
+
+    def _check_batch(self, batch: int):
+        if batch > self.max_batch:
+            raise InputError(f"{self.path} was exported for batches of at most {self.max_batch} rows, got {batch}")
+
+    def state_batch(self, state) -> int:
+        return state[io_spec.MEM_COUNT].shape[0]
+
+    def state_arrays(self, state) -> dict:
+        return dict(state)
+
+    def state_layout(self, batch):
+        return contract_layout(self.spec, batch, np.float32)
+
+    def state_from_arrays(self, arrays, copy=True):
+        batch, out = self.checked_arrays(arrays, copy)
+        self._check_batch(batch)
+        return out
+
+    def reset_rows(self, state, rows):
+        for a in state.values():
+            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
+
+    # -- compute ----------------------------------------------------------------------------------------------
+    def run(self, state, tokens, out_positions):
+        return self._run(state, tokens, out_positions, advance=True)
+
+    def run_fixed(self, state, tokens, out_positions):
+        return self._run(state, tokens, out_positions, advance=False)
+
+    def _run(self, state, tokens, out_positions, advance: bool):
+        if out_positions.shape[1] > self.max_positions:
+            raise InputError(f"{self.path} returns log-probs for at most {self.max_positions} positions per call, "
+                             f"got {out_positions.shape[1]}")
+        # The program's slot axis is static (mem_len): a prompt into an empty memory is fed the zeroed buffers,
+        # which mem_count masks, rather than the 1-slot stand-in an ONNX graph takes.
+        feeds = dict(state)
+        # torch.from_numpy wants writable arrays (it warns on read-only ones); the memory buffers are ours.
+        feeds[io_spec.TOKENS] = np.require(tokens, np.int64, ("C", "W"))
+        feeds[io_spec.OUT_POSITIONS] = np.require(out_positions, np.int64, ("C", "W"))
+        inputs = [self.torch.from_numpy(feeds[n]) for n in self._names]  # views of the buffers, no copy
+        try:
+            with _POOL_LOCK:
+                outs = self.method.execute(inputs)
+        except RuntimeError as e:  # ExecuTorch's error code (its own log on stderr says which kernel refused)
+            raise InputError(f"the ExecuTorch program refused this input ({str(e).splitlines()[0][:200]})") from None
+        log_probs = outs[0].numpy()
+        # Commit only after the run succeeded: a failed call leaves the memory as it was.
+        if advance:
+            write_segment([state[n] for n in self._mem_names], [o.numpy() for o in outs[1:]],
+                          state[io_spec.MEM_COUNT], self.mem_len)
+        return log_probs if log_probs.dtype == np.float32 else log_probs.astype(np.float32)
+
+    def close(self):
+        _OPEN.discard(self)
+        self.method = self._program = None
