@@ -251,3 +251,15 @@ def test_a_pte_without_its_sidecar_is_a_one_line_error(tiny_pte, tmp_path):
     lone = tmp_path / "lone.pte"
     lone.write_bytes(tiny_pte.read_bytes())
     assert_one_line_error(cli("generate", lone, "--prompt", "w1", "--max-new-tokens", 2), "lone.pte", "sidecar")
+
+
+def test_bench_measures_a_pte(tiny_pte, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = cli("bench", tiny_pte, "--baseline", "none", "--gen-len", 4, "--prompt-len", 4, "--repeat", 1,
+            "--warmup", 0, "--quiet", "--json", out)
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["settings"]["backend"] == "executorch"
+    assert "executorch" in r.stdout

@@ -1,6 +1,7 @@
 """What MODEL means to `bench`, and how each side of the comparison is opened.
 
-MODEL is an exported graph (.onnx), a TensorRT engine (.engine/.plan/.trt), a checkpoint (any format
+MODEL is an exported graph (.onnx), a TensorRT engine (.engine/.plan/.trt), an ExecuTorch program (.pte), a
+checkpoint (any format
 `load_model` reads), or a published shape name (`enwik8-base`, `wt103-base`, ...: a random-weight stand-in).
 A checkpoint or shape is exported on the fly for the ONNX Runtime backend, once per memory length.
 The eager baseline needs the checkpoint: for an .onnx or .engine MODEL pass it as `reference`. Besides the
@@ -21,6 +22,7 @@ from txl_deploy.checkpoints import load_model
 from txl_deploy.config import PUBLISHED_SHAPES
 from txl_deploy.contract.engine_file import read_sidecar
 from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import BACKENDS, TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
@@ -33,14 +35,14 @@ ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 
 @dataclass
 class Source:
-    kind: str  # "onnx", "engine", "checkpoint", "shape"
+    kind: str  # "onnx", "engine", "pte", "checkpoint", "shape"
     path: Path | None  # the file (onnx / engine) or checkpoint
     checkpoint: Path | None  # for the eager baseline and on-the-fly exports
     fixed_mem_len: int | None  # an exported graph's own memory length
 
     @property
     def default_backend(self) -> str:
-        return {"onnx": "onnxruntime", "engine": "tensorrt"}.get(self.kind, "onnxruntime")
+        return {"onnx": "onnxruntime", "engine": "tensorrt", "pte": "executorch"}.get(self.kind, "onnxruntime")
 
 
 def resolve(model: str, reference=None, cache_dir=None) -> Source:
@@ -57,6 +59,8 @@ def resolve(model: str, reference=None, cache_dir=None) -> Source:
         return Source("onnx", path, ref, read_onnx_info(path).mem_len)
     if suffix in ENGINE_SUFFIXES:
         return Source("engine", path, ref, int(read_sidecar(path)["export"]["mem_len"]))
+    if suffix == ".pte":
+        return Source("pte", path, ref, read_pte_info(path, check_hash=False).mem_len)
     return Source("checkpoint", path, path, None)
 
 
@@ -96,7 +100,9 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
         elif source.kind in ("checkpoint", "shape"):
             path = standin_onnx(source.checkpoint, cache_dir, mem_len, state=state, max_segment=max_segment)
         else:
-            raise InputError(f"{source.path}: a TensorRT engine runs on the tensorrt backend only")
+            own = {"engine": "a TensorRT engine runs on the tensorrt",
+                   "pte": "an ExecuTorch program runs on the executorch"}[source.kind]
+            raise InputError(f"{source.path}: {own} backend only")
         if providers is None and device.startswith("cuda"):
             providers = ["cuda"]
         elif providers is None:
@@ -110,6 +116,11 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
             raise InputError("the tensorrt backend benchmarks a built engine: pass MODEL.engine "
                              "(txl-deploy build-engine makes one)")
         return lambda: TxlRuntime.load(source.path, backend="tensorrt")
+    if backend == "executorch":
+        if source.kind != "pte":
+            raise InputError("the executorch backend benchmarks an exported program: pass MODEL.pte "
+                             "(txl-deploy export CKPT --executorch makes one)")
+        return lambda: TxlRuntime.load(source.path, backend="executorch", threads=threads)
 
     raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 

@@ -27,8 +27,8 @@ def _int_list(ctx, param, value):
 
 @click.command("bench")
 @click.argument("model")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch", "torch-fast"]),
-              help="Backend under test [default: onnxruntime, or tensorrt for an engine].")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
+              help="Backend under test [default: onnxruntime, tensorrt for an engine, executorch for a .pte].")
 @click.option("--baseline", type=click.Choice(["eager", "none"]), default="eager", show_default=True,
               help="Also measure the PyTorch eager reference in the same run, interleaved, and report speedups. "
                    "Eager runs the model body, then its output layer only at the positions a caller needs (the "
@@ -75,9 +75,9 @@ def bench_cmd(model, backend, baseline, eager_as_written, compare, reference, ba
     tokens/s and peak memory, for the chosen backend and for the PyTorch eager reference in the same run.
     Nothing else runs while a call is timed: peak memory comes from a separate, untimed pass.
 
-    MODEL is an .onnx file, a TensorRT .engine, a checkpoint, or a published shape name (enwik8-base, wt103-base,
-    ...) which runs a random-weight stand-in of that shape. Both sides see the same token stream; their
-    log-probabilities are compared and the largest difference is reported.
+    MODEL is an .onnx file, a TensorRT .engine, an ExecuTorch .pte, a checkpoint, or a published shape name
+    (enwik8-base, wt103-base, ...) which runs a random-weight stand-in of that shape. Both sides see the same token
+    stream; their log-probabilities are compared and the largest difference is reported.
 
     \b
     Examples:
