@@ -1,0 +1,110 @@
+"""ONNX Runtime's mobile-usability checker on the demo model's graphs: how much of each graph the NNAPI and Core ML
+execution providers would take, as exported (dynamic batch, segment and memory slots) and with the shapes fixed by
+`onnxruntime.tools.make_dynamic_shape_fixed` to a decode step (batch 1, segment 1, the whole memory), and the ops
+each lacks. Writes results_mobile_usability.json and .md beside this script (quoted by docs/onnxruntime-mobile.md).
+
+    python benchmarks/mobile_usability.py [--work DIR]
+
+The checker covers NNAPI and Core ML (NeuralNetwork and MLProgram); the CPU provider runs every op of the graph, and
+the checker does not look at XNNPACK."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from txl_deploy.exporters.export import export_checkpoint
+
+HERE = Path(__file__).resolve().parent
+DEMO = HERE.parent / "txl_deploy" / "assets" / "demo" / "kjv-char"
+GRAPHS = {"fp32": {}, "fp32-full-state": {"state": "full"}, "int4": {"precision": "int4"},
+          "int8-dynamic": {"precision": "int8-dynamic"}}
+CHECKER = "onnxruntime.tools.check_onnx_model_mobile_usability"
+COVERAGE = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the (.+) EP")
+
+
+def fix_shapes(src: Path, dst: Path, mem_len: int) -> None:
+    """A decode step's shapes: batch 1, segment 1, one output position, the whole memory (mem_len slots)."""
+    values = {"batch": 1, "segment": 1, "positions": 1, "slots": mem_len}
+    current = src
+    for name, value in values.items():
+        subprocess.run([sys.executable, "-m", "onnxruntime.tools.make_dynamic_shape_fixed", "--dim_param", name,
+                        "--dim_value", str(value), str(current), str(dst)], check=True, capture_output=True)
+        current = dst
+
+
+def check(path: Path) -> dict:
+    """The checker's findings per provider: as exported, and as it predicts with fixed shapes."""
+    done = subprocess.run([sys.executable, "-m", CHECKER, str(path)], check=True, capture_output=True, text=True)
+    out, provider, fixed = {}, None, False
+    for line in (done.stdout + done.stderr).splitlines():
+        text = line.split("INFO:", 1)[-1].strip()
+        if text.startswith("Checking ") and not text.startswith("Checking if") and "usability" not in text:
+            provider, fixed = text[len("Checking "):], False
+            out[provider] = {}
+        elif text.startswith("Partition information if the model was updated"):
+            fixed = True
+        elif provider and (m := COVERAGE.match(text)):
+            key = "fixed_shapes_predicted" if fixed else "as_exported"
+            out[provider][key] = {"partitions": int(m[1]), "nodes": int(m[2]), "total_nodes": int(m[3])}
+        elif provider and text.startswith("Unsupported ops:"):
+            out[provider]["unsupported_ops"] = sorted(op.split(":")[-1] for op in text.split(":", 1)[1].split(","))
+        elif text.startswith("For optimal performance the model should be used with"):
+            out["recommendation"] = text
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, help="folder for the exported graphs [default: a temporary one]")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="mobile_usability."))
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"model": "the bundled demo model (kjv-char)", "decode_shapes": "batch 1, segment 1, mem_len slots",
+               "graphs": {}}
+    for name, options in GRAPHS.items():
+        onnx_path = work / f"{name}.onnx"
+        if not onnx_path.exists():
+            export_checkpoint(DEMO, onnx_path, verify=False, **options)
+        from txl_deploy.contract.metadata import read_onnx_info
+
+        mem_len = read_onnx_info(onnx_path).mem_len
+        fixed = work / f"{name}.decode-shapes.onnx"
+        fix_shapes(onnx_path, fixed, mem_len)
+        results["graphs"][name] = {"as_exported": check(onnx_path), "fixed_decode_shapes": check(fixed)}
+        print(name, json.dumps(results["graphs"][name]["fixed_decode_shapes"], sort_keys=True)[:300])
+    (HERE / "results_mobile_usability.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    (HERE / "results_mobile_usability.md").write_text(report(results))
+
+
+def report(results: dict) -> str:
+    lines = ["# ONNX Runtime mobile-usability checker on the demo model's graphs", "",
+             "Written by `benchmarks/mobile_usability.py` (onnxruntime.tools.check_onnx_model_mobile_usability; "
+             "fixed shapes by onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ").", "",
+             "| graph | provider | as exported (nodes, partitions) | checker's fixed-shape prediction | "
+             "decode shapes fixed, measured | ops it lacks |", "|---|---|---|---|---|---|"]
+    for name, graph in results["graphs"].items():
+        for provider, found in graph["as_exported"].items():
+            if provider == "recommendation":
+                continue
+            fixed = graph["fixed_decode_shapes"].get(provider, {})
+
+            def cov(d):
+                return f"{d['nodes']}/{d['total_nodes']} ({100 * d['nodes'] / d['total_nodes']:.0f}%), " \
+                       f"{d['partitions']}" if d else "-"
+
+            lines.append(f"| {name} | {provider} | {cov(found.get('as_exported'))} | "
+                         f"{cov(found.get('fixed_shapes_predicted'))} | {cov(fixed.get('as_exported'))} | "
+                         f"{', '.join(found.get('unsupported_ops', []))} |")
+        lines.append(f"| {name} | recommendation | {graph['as_exported'].get('recommendation', '-')} | | "
+                     f"{graph['fixed_decode_shapes'].get('recommendation', '-')} | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
