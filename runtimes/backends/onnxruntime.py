@@ -84,7 +84,11 @@ class OrtBackend(Backend):
         except Exception as e:
             raise CheckpointError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
         if ort_format:
-            self.info = ExportInfo.from_props(dict(self.session.get_modelmeta().custom_metadata_map), path)
+            try:
+                props = dict(self.session.get_modelmeta().custom_metadata_map)
+            except UnicodeDecodeError:  # ONNX Runtime hands the file's strings over as they are
+                raise CheckpointError(path, "corrupt txl-deploy metadata (not UTF-8)") from None
+            self.info = ExportInfo.from_props(props, path)
         self.config, self.vocab = self.info.config, self.info.vocab
         self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
         self.spec = self.info.spec()

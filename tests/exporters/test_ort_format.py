@@ -85,7 +85,9 @@ def test_damaged_or_foreign_ort_refused_in_one_line(exported, tmp_path):
 
     ort_path, _ = ort_format_paths(exported)
     data = ort_path.read_bytes()
-    cases = {"truncated.ort": data[: len(data) // 2], "garbage.ort": b"\x00" * 64, "empty.ort": b""}
+    at = data.index(b'{"kind"')  # the vocabulary's JSON in the metadata: a byte that is not UTF-8 (found by fuzzing)
+    cases = {"truncated.ort": data[: len(data) // 2], "garbage.ort": b"\x00" * 64, "empty.ort": b"",
+             "not_utf8.ort": data[:at] + b"\x80" + data[at + 1:]}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
     # A well-formed .ort that txl-deploy did not write, and one whose metadata is damaged.

@@ -131,10 +131,15 @@ def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
     import torch  # the torch.save seeds
 
     from txl_deploy.checkpoints import load_model
+    from txl_deploy.exporters.onnx.ort_format import write_ort_format
     from txl_deploy.runtimes import TxlRuntime
 
     ckpt = {name: (tiny_ckpt / name).read_bytes() for name in ("config.json", "model.safetensors", "vocab.json")}
     seeds = {"checkpoint": [ckpt], "onnx": [{"model.onnx": tiny_onnx.read_bytes()}]}
+    ort_folder = folder / "ort"  # the .ort of the tiny graph, as export --ort-format writes it
+    ort_folder.mkdir(parents=True, exist_ok=True)
+    (ort_folder / "model.onnx").write_bytes(tiny_onnx.read_bytes())
+    seeds["ort"] = [{"model.ort": write_ort_format(ort_folder / "model.onnx").path.read_bytes()}]
     states = []
     with TxlRuntime.load(tiny_onnx) as rt:
         for prompt in ([[5, 17, 42]], [[1] * 20], [[3], [4]]):

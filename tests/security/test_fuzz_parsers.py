@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from txl_deploy.serving.triton.repository import write_repository
 
 FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "safetensors", "config-json", "vocab-json", "torch-pickle",
-           "onnx-metadata", "saved-state", "triton-requests"]
+           "onnx-metadata", "ort-file", "saved-state", "triton-requests"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
 
 
@@ -179,6 +179,17 @@ def test_fuzz_onnx_metadata_reader(fuzz):
         return "onnx_metadata", {"model.onnx": data.draw(damaged(seed, region if data.draw(st.booleans()) else None))}
 
     fuzz_case(fuzz, "onnx-metadata", build)
+
+
+def test_fuzz_ort_files(fuzz):
+    seed = fuzz["seeds"]["ort"][0]["model.ort"]
+
+    def build(data):
+        # the flatbuffer's root table and offsets (its start), its metadata strings (its end) and anywhere
+        region = (0, 4096) if data.draw(st.booleans()) else (len(seed) - 8192, len(seed))
+        return "ort_file", {"model.ort": data.draw(damaged(seed, region if data.draw(st.booleans()) else None))}
+
+    fuzz_case(fuzz, "ort-file", build)
 
 
 def test_fuzz_saved_states(fuzz):
