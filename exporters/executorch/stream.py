@@ -57,7 +57,7 @@ def module_call(module):
 
     def call(*arrays):
         with torch.no_grad():
-            outs = module(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+            outs = module(*(torch.from_numpy(np.require(a, requirements=["C", "W"])) for a in arrays))
         return [o.numpy() for o in outs]
 
     return call

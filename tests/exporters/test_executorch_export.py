@@ -174,3 +174,29 @@ def test_info_describes_the_program_from_its_sidecar(tiny_pte, tmp_path):
     lonely = tmp_path / "lonely.pte"
     shutil.copy(tiny_pte, lonely)
     assert_one_line_error(cli("info", lonely), "no sidecar lonely.pte.json")
+
+
+@pytest.mark.parametrize("extra, fragment", [(["--state", "full"], "incremental layout only"),
+                                             (["--ort-format"], "--ort-format is for ONNX graphs"),
+                                             (["--precision", "fp16"], "--precision fp16 is not available"),
+                                             (["--opset", "17"], "--opset is for ONNX graphs")])
+def test_export_command_refuses_onnx_only_options_with_executorch(tiny_ckpt, tmp_path, extra, fragment):
+    from helpers.cli import assert_one_line_error, cli
+
+    assert_one_line_error(cli("export", tiny_ckpt, "--executorch", "-o", tmp_path / "x.pte", *extra), fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_command_writes_a_verified_program_that_generates(tiny_ckpt, tiny_pte, tmp_path):
+    from helpers.cli import cli
+
+    out = tmp_path / "cli.pte"
+    result = cli("export", tiny_ckpt, "--executorch", "--max-segment", "16", "--threads", "1", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.pte", "cli.pte.json"]
+    info = pte_file.read_pte_info(out)
+    assert info.verification["passed"] and info.precision == "fp32" and info.max_segment == 16
+    # the same program as the API export of the same checkpoint: the command adds nothing of its own
+    assert info.export["weights_sha256"] == pte_file.read_pte_info(tiny_pte).export["weights_sha256"]
+    result = cli("generate", out, "--prompt", "a", "--max-new-tokens", "5", "--temperature", "0")
+    assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""`txl-deploy export`: any supported checkpoint to a self-describing, verified ONNX graph."""
+"""`txl-deploy export`: any supported checkpoint to a self-describing, verified ONNX graph or ExecuTorch program."""
 
 from __future__ import annotations
 
@@ -16,8 +16,14 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 
 @click.command("export")
 @click.argument("checkpoint", type=ModelReference(click.Path(exists=True)))
-@click.option("--onnx", "to_onnx", is_flag=True, default=True, help="Export to ONNX (the default and only target).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx; a hub reference: the repository's name + .onnx].")
+@click.option("--onnx", "to_onnx", is_flag=True, default=True, help="Export to ONNX (the default target).")
+@click.option("--executorch", is_flag=True,
+              help="Export an ExecuTorch program for phones instead: NAME.pte (delegated to XNNPACK, batch 1 to 64, "
+                   "segments up to --max-segment) and its sidecar NAME.pte.json (config, vocabulary, export "
+                   "settings; keep the two together). --precision fp32, int8 (8da8w) or int4 (8da4w). Needs the "
+                   "executorch extra.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file [default: CHECKPOINT name + .onnx "
+              "(.pte with --executorch); a hub reference: the repository's name].")
 @click.option("--mem-len", type=click.IntRange(min=1), help="Memory length of the graph [default: the checkpoint's]. "
               "May exceed the training memory.")
 @click.option("--clamp-len", type=int, help="Clamp relative distances at this value (<= 0: no clamping) "
@@ -32,7 +38,9 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
               help="Longest segment one call of the graph takes (longer inputs are fed in pieces).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int8-dynamic", "int4"]), default="fp32",
               show_default=True, help="Numeric precision of the graph (reduced precision is verified against fp32). "
-              "int4: 4-bit weights (ONNX Runtime MatMulNBits, CPU and browser; not TensorRT).")
+              "int4: 4-bit weights (ONNX Runtime MatMulNBits, CPU and browser; not TensorRT). With --executorch: "
+              "fp32, int8 (int8 weights per channel) or int4 (int4 weights in groups of 32), both with int8 "
+              "activations quantized at run time, gated at bits per character within 2% of fp32 on --eval-text.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128", "256"]),
               help="--precision int4: weights per block sharing one scale (larger: fewer scales, coarser). "
                    f"[default: {INT4_DEFAULT_BLOCK}]")
@@ -44,7 +52,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
 @vocab_options
 @tokenizer_option("Stored with the vocabulary in the output, so every later command reads text this way.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
-              help="Check ONNX Runtime against the PyTorch reference on a multi-segment stream; fail on a mismatch.")
+              help="Check ONNX Runtime (ExecuTorch's runtime for --executorch) against the PyTorch reference on "
+                   "multi-segment streams; fail on a mismatch.")
 @click.option("--ort-format", is_flag=True,
               help="Also write the ONNX Runtime format beside the graph, for ONNX Runtime's minimal builds (phones): "
                    "NAME.ort and NAME.required_operators.config (the operators a custom build must include). Any "
@@ -55,14 +64,18 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
               help="Start even when the memory available now is below the export's estimated peak "
                    "(see `txl-deploy info CHECKPOINT --memory`).")
 @threads_option
-def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, opset, state, max_segment, precision,
-               block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, ort_format, force,
+def export_cmd(checkpoint, to_onnx, executorch, output, mem_len, clamp_len, same_length, opset, state, max_segment,
+               precision, block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, ort_format, force,
                skip_memory_check, threads):
     """Export CHECKPOINT (any supported format, or a HuggingFace hub reference) to a self-describing ONNX model.
 
     The graph takes token ids [batch, segment] and the memory (a fixed ring buffer of projected keys and values per
     layer plus a per-row token counter) and returns log-probabilities and the memory update. Config, vocabulary
     and export settings are stored in the file's metadata, so the .onnx alone is enough to run it.
+
+    --executorch writes the same step, with the same inputs and outputs in the same order, as an ExecuTorch program
+    for Android and iOS apps (XNNPACK), checked in ExecuTorch's runtime against PyTorch at batch 2, 1 and 3 before
+    it is written; its settings go into the sidecar NAME.pte.json.
 
     mem_len, clamp_len and same_length default to the checkpoint's values; published scores are often
     evaluated with others (NVIDIA evaluates WikiText-103 base with mem_len 640, clamp_len 400, same_length).
@@ -84,16 +97,18 @@ def export_cmd(checkpoint, to_onnx, output, mem_len, clamp_len, same_length, ops
       txl-deploy export LM-TFM/ -o wt103.onnx --mem-len 640 --clamp-len 400 --same-length
       txl-deploy export hf://transfo-xl/transfo-xl-wt103 -o wt103.onnx
       txl-deploy export model.pt -o model.onnx --ort-format
+      txl-deploy export model.pt --executorch --precision int4 --eval-text heldout.txt -o model-int4.pte
     """
     if isinstance(checkpoint, HubReference) and output is None:
-        output = f"{checkpoint.name}.onnx"  # not the snapshot folder's name, which is a commit hash
+        # not the snapshot folder's name, which is a commit hash
+        output = f"{checkpoint.name}{'.pte' if executorch else '.onnx'}"
     checkpoint = local_model(checkpoint)
     export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, vocab_kind=vocab_kind, config=config,
                       preset=preset, tokenizer=tokenizer, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
                       max_segment=max_segment, verify=verify, force=force, threads=threads,
                       block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text,
-                      ort_format=ort_format)
+                      ort_format=ort_format, executorch=executorch)
 
 
 COMMANDS = [export_cmd]
