@@ -172,12 +172,13 @@ def child_memory(path: str, threads: int) -> dict:
 
     base = _status()["VmRSS"]
     rt = TxlRuntime.load(path, threads=threads)
+    loaded = _status()["VmRSS"]
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
     status = _status()
-    return {"peak": status["VmHWM"], "base": base, "rss": status["VmRSS"]}
+    return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 
 def memory(path: Path, threads: int) -> dict:
@@ -278,7 +279,9 @@ def render(raw: dict) -> str:
         "bindings (`TxlRuntime.load(\"x.pte\")`), ONNX Runtime's CPU provider (`TxlRuntime.load(\"x.onnx\")`)",
         f"- decode: the memory full, median of {raw['steps']} steps per file; prefill: {raw['prefill']} tokens into "
         f"the full memory, median of {raw['repeat']} rounds; peak RAM: a fresh process per file (load, fill the "
-        f"memory, decode {RSS_DECODE_STEPS} tokens), VmHWM, and what it added after the runtime's imports",
+        f"memory, decode {RSS_DECODE_STEPS} tokens), VmHWM, what it added after the runtime's imports, and how much "
+        "of that loading the file added (an ExecuTorch program allocates its planned activation memory, sized for "
+        "the largest batch and segment it was exported for, when it loads)",
         "- int4: ExecuTorch 8da4w (torchao: int8 dynamic activations per token, int4 symmetric weights in groups of "
         "32); ONNX Runtime MatMulNBits (int4 weights in blocks, int8 compute, see the int4 section)",
         "",
@@ -290,14 +293,15 @@ def render(raw: dict) -> str:
                   f"mem_len {shape['mem_len']}; the memory of one stream is {fb(shape['state_bytes'])} (fp32 keys "
                   "and values of every layer).", "",
                   "| file | decode ms / token (p50) | p90 | x ONNX Runtime fp32 | prefill "
-                  f"{raw['prefill']} ms | file MB | peak RAM | added after imports |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  f"{raw['prefill']} ms | file MB | peak RAM | added after imports | of which by the load |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         ref = t["decode_ms"]["ONNX Runtime fp32"]
         for label in files:
             lines.append(f"| {label} | {t['decode_ms'][label]:.2f} | {t['decode_p90_ms'][label]:.2f} | "
                          f"{t['decode_ms'][label] / ref:.2f}x | {t['prefill_ms'][label]:.1f} | "
                          f"{files[label]['mb']:.2f} | {fb(mem[label]['peak'])} | "
-                         f"{fb(mem[label]['peak'] - mem[label]['base'])} |")
+                         f"{fb(mem[label]['peak'] - mem[label]['base'])} | "
+                         f"{fb(mem[label]['loaded'] - mem[label]['base'])} |")
         et, et4 = t["decode_ms"]["ExecuTorch fp32"], t["decode_ms"]["ExecuTorch int4 (8da4w)"]
         ort4 = t["decode_ms"]["ONNX Runtime int4"]
         ratio_lines.append(f"{shape['title']}: ExecuTorch fp32 decode {et / ref:.2f}x ONNX Runtime fp32's time, "
