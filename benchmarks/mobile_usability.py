@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from txl_deploy.bench.report import results_markdown
 from txl_deploy.exporters.export import export_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -25,6 +26,7 @@ DEMO = HERE.parent / "txl_deploy" / "assets" / "demo" / "kjv-char"
 GRAPHS = {"fp32": {}, "fp32-full-state": {"state": "full"}, "int4": {"precision": "int4"},
           "int8-dynamic": {"precision": "int8-dynamic"}}
 CHECKER = "onnxruntime.tools.check_onnx_model_mobile_usability"
+COMMAND = "python benchmarks/mobile_usability.py"
 COVERAGE = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the (.+) EP")
 
 
@@ -62,7 +64,13 @@ def check(path: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the exported graphs [default: a temporary one]")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: rewrite the .md from results_mobile_usability.json")
     args = parser.parse_args()
+    if args.report_only:
+        results = json.loads((HERE / "results_mobile_usability.json").read_text())
+        (HERE / "results_mobile_usability.md").write_text(report(results))
+        return
     work = args.work or Path(tempfile.mkdtemp(prefix="mobile_usability."))
     work.mkdir(parents=True, exist_ok=True)
     results = {"model": "the bundled demo model (kjv-char)", "decode_shapes": "batch 1, segment 1, mem_len slots",
@@ -83,9 +91,8 @@ def main():
 
 
 def report(results: dict) -> str:
-    lines = ["# ONNX Runtime mobile-usability checker on the demo model's graphs", "",
-             "Written by `benchmarks/mobile_usability.py` (onnxruntime.tools.check_onnx_model_mobile_usability; "
-             "fixed shapes by onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ").", "",
+    lines = ["The checker: onnxruntime.tools.check_onnx_model_mobile_usability; fixed shapes by "
+             "onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ".", "",
              "| graph | provider | as exported (nodes, partitions) | checker's fixed-shape prediction | "
              "decode shapes fixed, measured | ops it lacks |", "|---|---|---|---|---|---|"]
     for name, graph in results["graphs"].items():
@@ -103,7 +110,8 @@ def report(results: dict) -> str:
                          f"{', '.join(found.get('unsupported_ops', []))} |")
         lines.append(f"| {name} | recommendation | {graph['as_exported'].get('recommendation', '-')} | | "
                      f"{graph['fixed_decode_shapes'].get('recommendation', '-')} | |")
-    return "\n".join(lines) + "\n"
+    return results_markdown("ONNX Runtime mobile-usability checker on the demo model's graphs", "\n".join(lines),
+                            COMMAND)
 
 
 if __name__ == "__main__":

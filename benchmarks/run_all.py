@@ -63,6 +63,7 @@ SCRIPTS = {
               "benchmarks/results_chaos.json", "--force"],
     "peak-ram": ["benchmarks/peak_ram.py"],
     "executorch": ["benchmarks/executorch_vs_ort.py"],
+    "mobile": ["benchmarks/mobile_usability.py"],
 }
 
 
