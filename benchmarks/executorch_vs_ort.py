@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from peak_ram import process_memory  # benchmarks/ is on the path of a script run from it
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -151,16 +152,6 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
 
 # -- peak RAM, in a fresh process per file ---------------------------------------------------------------------
 
-def _status() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def child_memory(path: str, threads: int) -> dict:
     """Load `path`, fill its memory, decode a few tokens: the process's peak, and its resident set before loading."""
     if path.endswith(".pte"):  # the imports a .pte app pays for, before the base is taken
@@ -170,14 +161,14 @@ def child_memory(path: str, threads: int) -> dict:
         import onnxruntime  # noqa: F401
     from txl_deploy.runtimes import TxlRuntime
 
-    base = _status()["VmRSS"]
+    base = process_memory()["VmRSS"]
     rt = TxlRuntime.load(path, threads=threads)
-    loaded = _status()["VmRSS"]
+    loaded = process_memory()["VmRSS"]
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
-    status = _status()
+    status = process_memory()
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 

@@ -31,7 +31,8 @@ ROOT = HERE.parent
 COMMAND = "python benchmarks/peak_ram.py"
 
 
-def _status() -> dict:
+def process_memory() -> dict:
+    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -48,11 +49,11 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     from txl_deploy.checkpoints import load_model
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    base = _status()["VmRSS"]
+    base = process_memory()["VmRSS"]
     start = time.perf_counter()
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     export_onnx(loaded, out, verify=verify, force=True, consume=True)
-    return {"seconds": time.perf_counter() - start, "peak": _status()["VmHWM"], "base": base}
+    return {"seconds": time.perf_counter() - start, "peak": process_memory()["VmHWM"], "base": base}
 
 
 def child_runtime(model: str, prefill: int, decode: int, arena: bool) -> dict:
@@ -67,7 +68,7 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool) -> dict:
                 super().__setattr__(name, True if name == "enable_cpu_mem_arena" else value)
 
         ort.SessionOptions = WithArena
-    base = _status()["VmRSS"]
+    base = process_memory()["VmRSS"]
     rt = TxlRuntime.load(model, threads=os.cpu_count())
     tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
     start = time.perf_counter()
@@ -78,7 +79,7 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool) -> dict:
         t = time.perf_counter()
         rt.step(tokens[:, prefill + i:prefill + i + 1])
         times.append(time.perf_counter() - t)
-    return {"peak": _status()["VmHWM"], "base": base, "prefill_s": prefill_s,
+    return {"peak": process_memory()["VmHWM"], "base": base, "prefill_s": prefill_s,
             "decode_ms": 1e3 * float(np.median(times)),
             "state_bytes": sum(a.nbytes for k, a in rt.save_state().items() if not k.startswith("__"))}
 

@@ -218,9 +218,10 @@ def export_executorch(source, out_path, *, precision: str = "fp32", mem_len: int
     mem_len = int(mem_len if mem_len is not None else config.mem_len)
     if mem_len <= 0:
         raise ExportError(f"{loaded.path}: the model has mem_len {config.mem_len}; pass --mem-len N (N >= 1)")
-    info_stub = ExportInfo(config, loaded.vocab, {"mem_len": mem_len, "max_segment": max_segment})
+    # ids_from reads text through an export's vocabulary and n_token: the ones this program will carry
+    source_info = ExportInfo(config, loaded.vocab, {"mem_len": mem_len, "max_segment": max_segment})
     seg = max(1, min(int(config.tgt_len or 1), max_segment))
-    eval_ids = ids_from(eval_text, info_stub, "evaluation text") if precision != "fp32" else None
+    eval_ids = ids_from(eval_text, source_info, "evaluation text") if precision != "fp32" else None
     if eval_ids is not None:
         check_long_enough(eval_ids[0], seg, eval_ids[1], "evaluation text")
 
