@@ -36,3 +36,20 @@ def assert_state_equal(a, b):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def assert_reset_rows_restarts_only_those_rows(rt, seed: int, atol: float):
+    """After `reset(rows=[1])` on a batch of two, row 0 continues from its memory and row 1 as from an empty one:
+    each compared with the same row fed alone (the runtime is reset before and after)."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, rt.n_token, (2, 20)), rng.integers(0, rt.n_token, (2, 6))
+    rt.reset()
+    rt.step(a)
+    rt.reset(rows=[1])
+    got = rt.step(b)
+    rt.reset()
+    rt.step(a[:1])
+    np.testing.assert_allclose(got[0], rt.step(b[:1])[0], atol=atol)  # row 0 kept its memory
+    rt.reset()
+    np.testing.assert_allclose(got[1], rt.step(b[1:])[0], atol=atol)  # row 1 started afresh
+    rt.reset()

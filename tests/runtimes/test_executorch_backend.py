@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 from helpers.cli import assert_one_line_error, cli
-from helpers.streams import assert_state_equal, one_pass, stream
+from helpers.streams import assert_reset_rows_restarts_only_those_rows, assert_state_equal, one_pass, stream
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
@@ -96,18 +96,7 @@ def test_score_matches_the_reference(pte_rt, ref_rt):
 
 # -- state ----------------------------------------------------------------------------------------------------
 def test_reset_rows_restarts_only_those_rows(pte_rt):
-    rng = np.random.default_rng(14)
-    a, b = rng.integers(0, 60, (2, 20)), rng.integers(0, 60, (2, 6))
-    pte_rt.reset()
-    pte_rt.step(a)
-    pte_rt.reset(rows=[1])
-    got = pte_rt.step(b)
-    pte_rt.reset()
-    pte_rt.step(a[:1])
-    np.testing.assert_allclose(got[0], pte_rt.step(b[:1])[0], atol=TOL)  # row 0 kept its memory
-    pte_rt.reset()
-    np.testing.assert_allclose(got[1], pte_rt.step(b[1:])[0], atol=TOL)  # row 1 started afresh
-    pte_rt.reset()
+    assert_reset_rows_restarts_only_those_rows(pte_rt, seed=14, atol=TOL)
 
 
 def test_save_and_load_state_resumes_and_crosses_to_onnxruntime(pte_rt, ort_rt, tmp_path):

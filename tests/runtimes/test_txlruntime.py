@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.streams import assert_state_equal, one_pass
+from helpers.streams import assert_reset_rows_restarts_only_those_rows, assert_state_equal, one_pass
 from helpers.tiny import TINY_VOCAB, make_tiny_model
 
 from txl_deploy.errors import CheckpointError, InputError
@@ -111,19 +111,8 @@ def test_score_matches_step(ort_rt):
 
 # -- state ----------------------------------------------------------------------------------------------------
 def test_reset_rows_restarts_only_those_rows(ort_rt, ref_rt):
-    rng = np.random.default_rng(5)
-    a, b = rng.integers(0, 60, (2, 20)), rng.integers(0, 60, (2, 6))
     for rt in (ort_rt, ref_rt):
-        rt.reset()
-        rt.step(a)
-        rt.reset(rows=[1])
-        got = rt.step(b)
-        rt.reset()
-        rt.step(a[:1])
-        np.testing.assert_allclose(got[0], rt.step(b[:1])[0], atol=TOL)  # row 0 kept its memory
-        rt.reset()
-        np.testing.assert_allclose(got[1], rt.step(b[1:])[0], atol=TOL)  # row 1 started afresh
-        rt.reset()
+        assert_reset_rows_restarts_only_those_rows(rt, seed=5, atol=TOL)
 
 
 def test_save_and_load_state_resumes_a_conversation(ort_rt, tmp_path):
