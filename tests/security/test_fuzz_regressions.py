@@ -119,3 +119,25 @@ def test_a_key_value_entry_protobuf_cannot_parse(tmp_path, where):
     path.write_bytes(model + field(8, field(2, 18)))  # opset 18
     with pytest.raises(CheckpointError, match="model.onnx"):
         read(path)
+
+
+@pytest.mark.parametrize("export", [{"mem_len": 8}, {"mem_len": "8", "max_segment": 16},
+                                    {"mem_len": 8, "max_segment": 16, "state": ["full"]}, []])
+def test_export_settings_missing_or_of_the_wrong_type(tiny_onnx, tmp_path, export):
+    """A damaged .ort file's metadata without max_segment reached the runtime as a KeyError; the settings every
+    runtime sizes its memory from are now checked where the metadata is read, for every file kind."""
+    import onnx
+
+    from txl_deploy.contract.metadata import KEY_EXPORT, read_onnx_info
+    from txl_deploy.runtimes import TxlRuntime
+
+    model = onnx.load(str(tiny_onnx))
+    for prop in model.metadata_props:
+        if prop.key == KEY_EXPORT:
+            prop.value = json.dumps(export)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(CheckpointError, match="model.onnx: corrupt txl-deploy metadata"):
+        read_onnx_info(path)
+    with pytest.raises(CheckpointError, match="model.onnx: corrupt txl-deploy metadata"):
+        TxlRuntime.load(path)

@@ -82,7 +82,28 @@ class ExportInfo:
             raise CheckpointError(path, str(e)) from None
         except (ValueError, KeyError, TypeError, RecursionError, TxlError) as e:  # RecursionError: nested JSON
             raise CheckpointError(path, f"corrupt txl-deploy metadata ({str(e)[:200]})") from None
+        check_export_settings(export, path)
         return cls(config, vocab, export, verification)
+
+
+MAX_LENGTH = 1 << 20  # mem_len and max_segment above this are damage, not a model (the r table alone would be GBs)
+
+
+def check_export_settings(export, path) -> None:
+    """The export settings a runtime sizes its memory and graph inputs from: present, integers in range, a known
+    state layout. Checked once here, so no reader meets a missing key or a string where a length belongs."""
+    if not isinstance(export, dict):
+        raise CheckpointError(path, "corrupt txl-deploy metadata (the export settings are not an object)")
+    for key in ("mem_len", "max_segment"):
+        value = export.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LENGTH:
+            raise CheckpointError(path, f"corrupt txl-deploy metadata (export.{key} must be an integer in "
+                                        f"1..{MAX_LENGTH}, got {str(value)[:40]!r})")
+    for key in ("state", "precision"):
+        if not isinstance(export.get(key, ""), str):
+            raise CheckpointError(path, f"corrupt txl-deploy metadata (export.{key} is not a string)")
+    if export.get("state", "incremental") not in io_spec.STATE_LAYOUTS:
+        raise CheckpointError(path, f"corrupt txl-deploy metadata (unknown state layout {export['state'][:40]!r})")
 
 
 def read_onnx_info(path) -> ExportInfo:

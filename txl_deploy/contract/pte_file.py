@@ -125,13 +125,6 @@ def read_pte_info(path, *, check_hash: bool = True) -> ExportInfo:
 
 
 def _check_export(info: ExportInfo, sidecar: Path) -> None:
-    """The export settings a runtime sizes its memory from: integers in range, a known layout."""
-    for key in ("mem_len", "max_segment"):
-        value = info.export.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
-            raise CheckpointError(sidecar, f"corrupt txl-deploy sidecar (export.{key} must be an integer in "
-                                           f"1..{1 << 20}, got {value!r})")
-    if info.state not in io_spec.STATE_LAYOUTS:
-        raise CheckpointError(sidecar, f"corrupt txl-deploy sidecar (unknown state layout {info.state!r})")
+    """Beyond what every reader checks (metadata.check_export_settings): a precision this program format has."""
     if info.precision not in ("fp32", "int8", "int4"):
         raise CheckpointError(sidecar, f"corrupt txl-deploy sidecar (unknown precision {info.precision!r})")
