@@ -92,10 +92,15 @@ class OrtBackend(Backend):
         self.config, self.vocab = self.info.config, self.info.vocab
         self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
         self.spec = self.info.spec()
-        inputs = {i.name: i for i in self.session.get_inputs()}
+        try:
+            inputs = {i.name: i for i in self.session.get_inputs()}
+        except UnicodeDecodeError:  # a damaged .ort file: ONNX Runtime hands its names over as they are
+            raise CheckpointError(path, "corrupt graph (an input name is not UTF-8)") from None
         missing = [n for n in self.spec.input_names() if n not in inputs]
         if missing:
             raise CheckpointError(path, f"graph lacks the inputs its metadata declares ({', '.join(missing[:3])})")
+        if len(inputs[io_spec.mem_k(0)].shape) != 4:
+            raise CheckpointError(path, f"graph's {io_spec.mem_k(0)} is not the [B, H, d_head, M] its metadata declares")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
         self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]

@@ -141,3 +141,18 @@ def test_export_settings_missing_or_of_the_wrong_type(tiny_onnx, tmp_path, expor
         read_onnx_info(path)
     with pytest.raises(CheckpointError, match="model.onnx: corrupt txl-deploy metadata"):
         TxlRuntime.load(path)
+
+
+def test_an_ort_file_whose_input_name_is_not_utf8(tiny_onnx, tmp_path):
+    """ONNX Runtime loads a .ort file whose graph-input name is not UTF-8; its Python binding then raised
+    UnicodeDecodeError from session.get_inputs() inside the runtime's constructor."""
+    from txl_deploy.exporters.onnx.ort_format import write_ort_format
+    from txl_deploy.runtimes import TxlRuntime
+
+    shutil.copy(tiny_onnx, tmp_path / "model.onnx")
+    blob = write_ort_format(tmp_path / "model.onnx").path.read_bytes()
+    name = b"\x06\x00\x00\x00tokens"  # a flatbuffer string: its length, then its bytes
+    at = blob.rindex(name)  # the last copy: the graph's list of input names
+    (tmp_path / "model.ort").write_bytes(blob[:at] + b"\x06\x00\x00\x00\x80okens" + blob[at + len(name):])
+    with pytest.raises(CheckpointError, match="model.ort"):
+        TxlRuntime.load(tmp_path / "model.ort")
