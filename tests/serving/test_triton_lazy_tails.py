@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.triton_stub import Request, Tensor, load_model_module, start_model
 
-from txl_deploy.serving.triton.protocol import HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT, cluster_bounds
+from txl_deploy.serving.triton.protocol import HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT, cluster_bounds, head_column
 
 HEAD, TAILS = [HEAD_OUTPUT], [TAIL_OUTPUT]
 
@@ -39,6 +39,7 @@ def tail_request(corrid, clusters, dtype=np.int64):
 def test_cluster_bounds_cover_the_vocabulary_after_the_shortlist():
     assert cluster_bounds([10, 30], 60) == [(10, 30), (30, 60)]
     assert cluster_bounds([], 60) == []
+    assert [head_column([10, 30], i) for i in (1, 2)] == [11, 10]  # the original code's head_logprob[:, -i]
 
 
 def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
@@ -56,29 +57,31 @@ def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
         lp = full["log_probs"][0]
         assert head[HEAD_OUTPUT].shape == (1, 2, 10 + 2)
         np.testing.assert_array_equal(head[HEAD_OUTPUT][0, :, :10], lp[:, :10])
-        for i, (lo, hi) in enumerate(clusters):
+        for i, (lo, hi) in enumerate(clusters, start=1):
             mass = np.log(np.exp(lp[:, lo:hi].astype(np.float64)).sum(-1))
-            np.testing.assert_allclose(head[HEAD_OUTPUT][0, :, 10 + i], mass, rtol=0, atol=1e-5)
-            assert (head[HEAD_OUTPUT][0, :, 10 + i, None] >= lp[:, lo:hi]).all()  # the bound a sampler relies on
+            col = head[HEAD_OUTPUT][0, :, head_column([10, 30], i)]
+            np.testing.assert_allclose(col, mass, rtol=0, atol=1e-5)
+            assert (col[:, None] >= lp[:, lo:hi]).all()  # the bound a sampler relies on
         # tails of the latest distribution, in the order asked, without feeding anything
-        for order in ([1], [0], [1, 0]):
+        for order in ([2], [1], [2, 1]):
             tails, = ask(model, tail_request(2, order))
             np.testing.assert_array_equal(tails[TAIL_OUTPUT][0],
-                                          np.concatenate([lp[1, slice(*clusters[i])] for i in order]))
+                                          np.concatenate([lp[1, slice(*clusters[i - 1])] for i in order]))
         # the memory did not move: the next step of both conversations is the stream's next step
         a, b = ask(model, Request(1, [9], [0]), Request(2, [9], [0], outputs=HEAD + ["log_probs"]))
         np.testing.assert_allclose(a["log_probs"][0, 0], alone.step([[9]])[0, 0], rtol=0, atol=1e-5)
         np.testing.assert_array_equal(a["log_probs"], b["log_probs"])
         # tails asked for in the same request as the tokens are those of the distribution after them
-        c, = ask(model, Request(1, [4], [0], raw={TAIL_INPUT: Tensor(TAIL_INPUT, np.array([[0]]))},
+        c, = ask(model, Request(1, [4], [0], raw={TAIL_INPUT: Tensor(TAIL_INPUT, np.array([[1]]))},
                                 outputs=HEAD + TAILS + ["log_probs"]))
         np.testing.assert_array_equal(c[TAIL_OUTPUT][0], c["log_probs"][0, 0, 10:30])
         ask(model, Request(1, [], [], end=True, want_state=True), Request(2, [], [], end=True, want_state=True))
 
 
 @pytest.mark.parametrize("clusters, dtype, why", [
-    ([0, 0], np.int64, "twice"), ([2], np.int64, "in [0, 2)"), ([-1], np.int64, "in [0, 2)"),
-    ([0.0], np.float32, "INT64"), ([], np.int64, "K >= 1"), ([0, 1, 0], np.int64, "longer than this server")])
+    ([1, 1], np.int64, "twice"), ([3], np.int64, "clusters 1..2"), ([0], np.int64, "clusters 1..2"),
+    ([-1], np.int64, "clusters 1..2"), ([1.0], np.float32, "INT64"), ([], np.int64, "K >= 1"),
+    ([1, 2, 1], np.int64, "longer than this server")])
 def test_bad_tail_requests_are_refused_and_change_nothing(model, clusters, dtype, why):
     before, = ask(model, Request(3, [5, 6], [1], start=True))
     answer = model.execute([tail_request(3, clusters, dtype)])[0]
@@ -89,10 +92,10 @@ def test_bad_tail_requests_are_refused_and_change_nothing(model, clusters, dtype
 
 def test_tails_need_a_known_distribution(model):
     ask(model, Request(4, [5], [0], start=True))  # its distribution is of position 0 of a 1-token segment: known
-    ok, = ask(model, tail_request(4, [0]))
+    ok, = ask(model, tail_request(4, [1]))
     assert ok[TAIL_OUTPUT].shape == (1, 20)
     ask(model, Request(4, [5, 6], [0]))  # only an earlier position's: the next-token distribution is unknown
-    answer = model.execute([tail_request(4, [0])])[0]
+    answer = model.execute([tail_request(4, [1])])[0]
     assert answer.error is not None and "no next-token distribution" in answer.error
     ask(model, Request(4, [], [], end=True, want_state=True))
 
@@ -110,7 +113,7 @@ def test_a_plain_softmax_model_declares_and_answers_no_head_or_tails(tmp_path):
                         max_sequences=2)
     config = (tmp_path / "repo" / "txl" / "config.pbtxt").read_text()
     assert HEAD_OUTPUT not in config and TAIL_INPUT not in config  # Triton refuses them before the model sees them
-    for request in (Request(1, [1], [0], start=True, outputs=HEAD), tail_request(1, [0])):
+    for request in (Request(1, [1], [0], start=True, outputs=HEAD), tail_request(1, [1])):
         answer = model.execute([request])[0]
         assert answer.error is not None and "no adaptive softmax" in answer.error
 

@@ -358,20 +358,21 @@ class TritonPythonModel:
             raise ValueError(f"{TAIL_INPUT} must be INT64 cluster indices, got {clusters.dtype}")
         ids = clusters.reshape(-1)
         n = len(self.clusters)
-        if int(ids.min()) < 0 or int(ids.max()) >= n:
-            raise ValueError(f"{TAIL_INPUT} must name tail clusters in [0, {n}), got {ids.tolist()[:8]}")
+        if int(ids.min()) < 1 or int(ids.max()) > n:
+            raise ValueError(f"{TAIL_INPUT} must name tail clusters 1..{n}, got {ids.tolist()[:8]}")
         if np.unique(ids).size != ids.size:
             raise ValueError(f"{TAIL_INPUT} names a cluster twice: {ids.tolist()}")
         return ids.astype(np.int64)
 
     def _head(self, log_probs):
-        """[1, P, V] log-probs -> [1, P, shortlist + n]: the shortlist's, then each cluster's log p_head(i).
+        """[1, P, V] log-probs -> [1, P, shortlist + n]: the shortlist's, then each cluster's log p_head(i), cluster
+        i at column shortlist + n - i (protocol.HEAD_OUTPUT).
 
         The cluster's log-prob is the log-sum-exp of its tokens' in float64; it is >= every one of them (the max plus
         the log of a sum >= 1, rounded to the nearest float32 of a value >= a float32), so a sampler's bound holds."""
         lp = np.asarray(log_probs, dtype=np.float64)
         cols = [lp[..., :self.clusters[0][0]]]
-        for lo, hi in self.clusters:
+        for lo, hi in reversed(self.clusters):
             part = lp[..., lo:hi]
             top = part.max(axis=-1, keepdims=True)
             safe = np.where(np.isfinite(top), top, 0.0)  # a cluster the model rules out entirely stays -inf
@@ -386,7 +387,7 @@ class TritonPythonModel:
             raise ValueError(f"{TAIL_INPUT}: conversation {conv.corrid} has no next-token distribution yet (feed "
                              "tokens, with the last position among out_positions)")
         flat = np.asarray(last, dtype=np.float32).reshape(-1)
-        return np.concatenate([flat[self.clusters[i][0]:self.clusters[i][1]] for i in ids])[None]
+        return np.concatenate([flat[slice(*self.clusters[i - 1])] for i in ids])[None]
 
     def _check(self, tokens, positions, state_only=False):
         if tokens is None or positions is None:
