@@ -99,9 +99,11 @@ def _content_key(checkpoint: Path) -> str:
     graph does: a model retrained in place, or a new exporter, is exported again instead of being benchmarked
     through a stale cached export."""
     import txl_deploy.model.cached_step  # imports torch
+    import txl_deploy.model.output_layer  # imports torch
 
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
     stats = [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size,
               p.stat().st_mtime_ns) for p in files]
-    code = [Path(m.__file__).read_bytes().hex() for m in (txl_deploy.model.cached_step, txl_deploy.exporters.onnx.export)]
+    code = [Path(m.__file__).read_bytes().hex() for m in (txl_deploy.model.cached_step, txl_deploy.model.output_layer,
+                                                        txl_deploy.exporters.onnx.export)]
     return hashlib.sha256(json.dumps([stats, code]).encode()).hexdigest()[:10]
