@@ -22,7 +22,7 @@ from txl_deploy.contract.onnx_file import write_inline
 from txl_deploy.errors import ExportError
 from txl_deploy.exporters.graph_checks import check_strict
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
-from txl_deploy.files import atomic_path
+from txl_deploy.files import atomic_path, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,15 @@ def write_parts(model, out_path, *, mem_len: int, state: str, max_segment: int, 
                     f"(|diff| <= {ATOL:g} + {RTOL:g} x |log-prob|, {report['segments']} segments)")
         entry["verification"] = report
     return entry
+
+
+def move_parts(tmp, out_path, force: bool) -> None:
+    """Move the parts written beside `tmp` (named after it) beside `out_path`, named after it."""
+    tmp, out_path = Path(tmp), Path(out_path)
+    names = [contract.head_name(tmp)] + [n.name for n in sorted(tmp.parent.glob(f"{tmp.stem}.tail*.onnx"))]
+    for name in names:
+        dest = out_path.with_name(out_path.stem + name[len(tmp.stem):])
+        os.replace(tmp.parent / name, check_writable(dest, force))
 
 
 def assemble(head: np.ndarray, tails: list[np.ndarray], shortlist: int) -> np.ndarray:

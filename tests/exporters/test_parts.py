@@ -28,7 +28,7 @@ def test_export_lists_the_parts_with_their_digests(tiny_onnx):
     assert parts is not None and parts.n_clusters == info.config.n_clusters == 2
     assert parts.head.file == "tiny.head.onnx" and [t.file for t in parts.tails] == ["tiny.tail1.onnx",
                                                                                     "tiny.tail2.onnx"]
-    assert parts.bounds == ((0, 10), (10, 30), (30, info.config.n_token))
+    assert parts.bounds == ((10, 30), (30, info.config.n_token)) and parts.shortlist == 10
     assert info.export["parts"]["verification"]["passed"]
     paths = parts.files(tiny_onnx)  # present, in the folder, digests as listed
     for path in paths:
@@ -59,12 +59,12 @@ def test_parts_assembled_equal_the_full_graph(tiny_onnx):
         hidden, head_lp, *got_state = head.run(None, feeds)
         assert hidden.shape == (2, q, cfg.d_model) and head_lp.shape == (2, q, cfg.cutoffs[0] + 2)
         tails_lp = run_tails(tails, hidden, head_lp, parts.shortlist)
-        assert [t.shape[-1] for t in tails_lp] == [hi - lo for lo, hi in parts.bounds[1:]]
+        assert [t.shape[-1] for t in tails_lp] == [hi - lo for lo, hi in parts.bounds]
         np.testing.assert_allclose(assemble(head_lp, tails_lp, parts.shortlist), want, atol=1e-5, rtol=1e-5)
         for a, b in zip(got_state, want_state):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
         # Each cluster's probability sits in its head column, in the original code's reversed order.
-        for i, (lo, hi) in enumerate(parts.bounds[1:], start=1):
+        for i, (lo, hi) in enumerate(parts.bounds, start=1):
             mass = np.logaddexp.reduce(want[..., lo:hi], axis=-1)
             np.testing.assert_allclose(mass, head_lp[..., parts.head_column(i)], atol=1e-5)
         write_segment([state[n] for n in mems], want_state, state["mem_count"], spec.mem_len)

@@ -67,16 +67,30 @@ class Part:
 
 @dataclass(frozen=True)
 class Parts:
-    """The parts a model's metadata lists: `head`, `tails[i - 1]` for cluster i, and the clusters' bounds."""
+    """The parts a model's metadata lists: `head`, `tails[i - 1]` for cluster i, and where the clusters lie
+    (`bounds[i - 1]` = [lo, hi) of cluster i, the layout runtimes.sampling.Clusters describes). A backend that
+    computes the parts from a model it holds (the PyTorch reference) has no files: head and tails are None."""
 
-    head: Part
-    tails: tuple[Part, ...]
+    head: Part | None
+    tails: tuple[Part | None, ...]
     shortlist: int
-    bounds: tuple[tuple[int, int], ...]  # bounds[i] for cluster i = 1..n (bounds[0] is the shortlist)
+    bounds: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, config) -> "Parts":
+        """The layout of a model's clusters, without files."""
+        return cls(None, (None,) * config.n_clusters, int(config.cutoffs[0]),
+                   tuple(bounds(config.cutoffs, config.n_token))[1:])
 
     @property
     def n_clusters(self) -> int:
         return len(self.tails)
+
+    n = n_clusters
+
+    @property
+    def n_token(self) -> int:
+        return self.bounds[-1][1]
 
     def head_column(self, i: int) -> int:
         return head_column(self.shortlist, self.n_clusters, i)
@@ -109,7 +123,7 @@ class Parts:
                 raise CheckpointError(path, "corrupt txl-deploy metadata (export.parts: a sha256 is not 64 hex "
                                             "digits)")
         return cls(parts[0], tuple(parts[1:]), int(config.cutoffs[0]),
-                   tuple(bounds(config.cutoffs, config.n_token)))
+                   tuple(bounds(config.cutoffs, config.n_token))[1:])
 
     def files(self, model_path) -> list[Path]:
         """The parts' paths (head first), each checked: present, a regular file in the model's folder (no link
