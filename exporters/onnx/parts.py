@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.contract import io_spec
 from txl_deploy.contract import parts as contract
 from txl_deploy.contract.onnx_file import write_inline
+from txl_deploy.contract.ring import write_ring
 from txl_deploy.errors import ExportError
 from txl_deploy.exporters.graph_checks import check_strict
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
@@ -35,8 +35,8 @@ def _modules(model, cached):
     """(body + head module, [tail module of cluster i for i = 1..n]) built from `model.crit`'s cluster parameters
     with the formulas of `ProjectedAdaptiveLogSoftmax.forward`."""
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-    import torch.nn.functional as F
-    from torch import nn
+    import torch.nn.functional as F  # optional (the torch extra), as above
+    from torch import nn  # optional (the torch extra), as above
 
     crit = model.crit
     n = model.cfg.n_clusters
@@ -202,7 +202,6 @@ def verify_parts(model, cached, head_path, tail_paths, threads: int | None = Non
     import onnxruntime as ort  # optional (the cpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-    from txl_deploy.contract.ring import write_ring
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

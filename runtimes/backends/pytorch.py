@@ -81,7 +81,7 @@ def head_log_probs(crit, hidden):
     """The adaptive softmax's head log-probs [..., shortlist + n_clusters] (`ProjectedAdaptiveLogSoftmax.forward`'s
     head; cluster i's column is shortlist + n_clusters - i)."""
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # optional (the torch extra), as above
 
     weight, bias, proj = crit.cluster_params(0)
     weight, bias = torch.cat([weight, crit.cluster_weight], dim=0), torch.cat([bias, crit.cluster_bias], dim=0)
