@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from helpers.tiny import make_tiny_model
 
@@ -67,3 +68,40 @@ def test_tied_weights_are_held_once_in_the_matmul_layout():
     # The tied projections and the embedding's are one tensor; the head's own projection is another.
     assert sorted(n for n in names if n.startswith("proj_")) == ["proj_0", "proj_1"]
     assert layer.out_proj_names[1] == layer.out_proj_names[2] == layer.emb_proj_name
+
+
+def _weights(graph):
+    """Float initializers of two or more dimensions: the model's weights, not shapes or axes."""
+    return {i.name: i for i in graph.initializer if len(i.dims) >= 2 and i.data_type == 1}
+
+
+def test_the_exported_graph_reads_every_weight_as_stored(tiny_onnx):
+    onnx = pytest.importorskip("onnx")
+    graph = onnx.load(tiny_onnx).graph
+    weights = _weights(graph)
+    for node in graph.node:
+        read = [name for name in node.input if name in weights]
+        if not read:
+            continue
+        # A weight feeds a MatMul, a bias Add or the embedding's Gather directly: nothing to slice, transpose or
+        # fold into a second copy at load.
+        assert node.op_type in ("MatMul", "Add", "Gather"), (node.op_type, read)
+        if node.op_type == "Gather":
+            assert [a.i for a in node.attribute if a.name == "axis"] == [1]
+    # The tiny model ties its weights: the output weights are the only embedding tables.
+    out_weights = sorted(n for n in weights if "out_weight" in n)
+    gathered = sorted(n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in weights)
+    assert out_weights and gathered == out_weights
+
+
+def test_onnx_runtime_adds_no_weight_copies_at_load(tiny_onnx, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(tiny_onnx), options, providers=["CPUExecutionProvider"])
+
+    def weight_values(path):
+        return sum(int(np.prod(i.dims)) for i in _weights(onnx.load(path).graph).values())
+
+    assert weight_values(tmp_path / "optimized.onnx") == weight_values(tiny_onnx)
