@@ -439,7 +439,8 @@ class Conversation:
                     sampler = Sampler(params, self.client.n_token, context=context, vocab=self.client.vocab,
                                       clusters=self.client.clusters)
                 else:
-                    sampler = Sampler(params, self.last_log_probs.size, context=context, vocab=self.client.vocab)
+                    sampler = Sampler(params, self.last_log_probs.size, context=context, vocab=self.client.vocab,
+                                      clusters=self.client.clusters)  # the same decisions as the lazy path
             if lazy:  # the head, then only the tails this decision can depend on
                 choice = sampler.start(self.last_head)
                 while choice.needs:
