@@ -13,6 +13,7 @@ from txl_deploy.contract import parts as contract
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import CheckpointError
 from txl_deploy.exporters.onnx.parts import assemble, run_tails
+from helpers.cli import cli
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -71,6 +72,7 @@ def test_parts_assembled_equal_the_full_graph(tiny_onnx):
 
 
 def test_parts_that_do_not_belong_are_refused(tiny_onnx, tmp_path):
+    assert "present and matching" in cli("info", tiny_onnx).output
     for f in tiny_onnx.parent.glob("tiny*.onnx"):
         shutil.copy(f, tmp_path / f.name)
     model = tmp_path / "tiny.onnx"
@@ -83,6 +85,9 @@ def test_parts_that_do_not_belong_are_refused(tiny_onnx, tmp_path):
     with pytest.raises(CheckpointError, match="does not belong") as e:
         parts.files(model)
     assert "\n" not in str(e.value)
+    shown = cli("info", model)
+    assert shown.exit_code == 0 and "tail 2:    tiny.tail2.onnx, tokens [30, 60), head column 10" in shown.output
+    assert "softmax parts: tiny.head.onnx" in shown.output and "refused: " in shown.output
     tail.unlink()
     with pytest.raises(CheckpointError, match="not found"):
         parts.files(model)
