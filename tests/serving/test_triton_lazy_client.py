@@ -5,7 +5,6 @@ with fewer log-probs on the wire. `serve-client` decodes this way
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from txl_deploy.serving.triton.repository import write_repository

@@ -36,7 +36,14 @@ from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, ExportError
 from txl_deploy.files import atomic_path
 from txl_deploy.serving.triton.protocol import (
-    CUTOFFS_PARAM, HEAD_OUTPUT, PARAM_PREFIX, RESUME_INPUT, SAVED_OUTPUT, TAIL_INPUT, TAIL_OUTPUT)
+    CUTOFFS_PARAM,
+    HEAD_OUTPUT,
+    PARAM_PREFIX,
+    RESUME_INPUT,
+    SAVED_OUTPUT,
+    TAIL_INPUT,
+    TAIL_OUTPUT,
+)
 from txl_deploy.vocab import Vocab
 
 logger = logging.getLogger(__name__)
