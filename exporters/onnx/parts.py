@@ -50,21 +50,28 @@ def _modules(model, cached):
 
         def __init__(self):
             super().__init__()
-            self.crit = crit
+            # Copies of the head's rows only: with div_val 1 cluster_params slices the whole output matrix, and a
+            # traced Slice would keep all of it in the graph (every tail's rows in the head file).
+            weight, bias, proj = crit.cluster_params(0)
+            with torch.no_grad():
+                self.register_buffer("weight", torch.cat([weight, crit.cluster_weight], dim=0).contiguous())
+                self.register_buffer("bias", torch.cat([bias, crit.cluster_bias], dim=0).contiguous())
+            self.proj = proj
 
         def forward(self, hidden):
-            weight, bias, proj = self.crit.cluster_params(0)
-            head_weight = torch.cat([weight, self.crit.cluster_weight], dim=0)
-            head_bias = torch.cat([bias, self.crit.cluster_bias], dim=0)
-            return hidden, F.log_softmax(logit(hidden, head_weight, head_bias, proj), dim=-1)
+            return hidden, F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
 
     class Tail(nn.Module):
         def __init__(self, i):
             super().__init__()
-            self.crit, self.i = crit, i
+            weight, bias, proj = crit.cluster_params(i)
+            with torch.no_grad():  # this cluster's rows only (see HiddenAndHead)
+                self.register_buffer("weight", weight.detach().clone().contiguous())
+                self.register_buffer("bias", bias.detach().clone().contiguous())
+            self.proj = proj
 
         def forward(self, hidden, head_log_prob):
-            tail = F.log_softmax(logit(hidden, *self.crit.cluster_params(self.i)), dim=-1)
+            tail = F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
             return tail + head_log_prob[:, None]
 
     cached.crit = HiddenAndHead()
