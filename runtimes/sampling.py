@@ -405,6 +405,9 @@ class Sampler:
         for i in set(revealed):
             self.tail_counts[i - 1] += 1
 
+    def stopped_by_token(self, token: int) -> bool:
+        return token in self.params.stop_token_ids
+
     def tail_fractions(self) -> np.ndarray:
         """Per tail cluster, the fraction of decisions that needed it."""
         return self.tail_counts / max(self.decisions, 1)
