@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe, graph_step_bytes, interleaved_efficiency
+
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 
@@ -122,68 +124,24 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
             "file_mb": {k: Path(p).stat().st_size / 1e6 for k, p in paths.items()}}
 
 
-ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
+def against_own_bytes(paths: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
+    """Each graph's decode step (memory full) against the plain read and the copy floor of the bytes that graph's
+    step reads, the graphs' steps and the probes taking turns round by round (`interleaved_efficiency`)."""
+    from txl_deploy.runtimes import TxlRuntime
+    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-
-def step_bytes(path) -> dict:
-    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
-    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
-    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
-    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
-    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
-    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
-    import onnx
-    from onnx import numpy_helper
-
-    from txl_deploy.contract.metadata import read_onnx_info
-
-    graph = onnx.load(str(path)).graph
-    inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-
-    def constant(name):
-        """(dims, bytes per element as the kernel reads it) of a constant input, or None for an activation."""
-        if name in inits:
-            t = inits[name]
-            return list(t.dims), ELEMENT_BYTES.get(t.data_type, 4)
-        node = producer.get(name)
-        if node is None or node.op_type not in ("Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
-                                                "Concat"):
-            return None
-        srcs = [constant(i) for i in node.input[:1 if node.op_type != "Concat" else None]]
-        if any(c is None for c in srcs):
-            return None
-        dims, size = srcs[0]
-        if node.op_type == "Cast":
-            return dims, ELEMENT_BYTES.get(next(a.i for a in node.attribute if a.name == "to"), 4)
-        if node.op_type == "Concat":  # the pieces of an adaptive-softmax head: their elements, in one block
-            return [sum(int(np.prod(d)) for d, _ in srcs)], size
-        if node.op_type == "Slice":  # the rows of a cluster, cut from the tied embedding
-            starts, ends = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
-            axes = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 else range(len(starts))
-            dims = list(dims)
-            for axis, a, b in zip(axes, starts, ends):
-                dims[axis] = max(0, min(int(b), dims[axis]) - min(int(a), dims[axis]))
-        return dims, size
-
-    out = {"weights": 0, "positional_tables": 0}
-    for node in graph.node:
-        if node.op_type == "MatMulNBits":
-            inputs = node.input[1:]
-        elif node.op_type in ("MatMul", "Gemm"):
-            inputs = node.input
-        else:
-            continue
-        for name in inputs:
-            c = constant(name) if name else None
-            if c is not None:
-                kind = "positional_tables" if node.op_type == "MatMul" and len(c[0]) == 3 else "weights"
-                out[kind] += int(np.prod(c[0])) * c[1]
-    info = read_onnx_info(path)
-    cfg = info.config
-    state_bytes = 2 if info.precision == "fp16" else 4
-    out["memory"] = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * info.mem_len * state_bytes
-    out["total"] = out["weights"] + out["positional_tables"] + out["memory"]
+    rng = np.random.default_rng(seed)
+    runtimes, steps = {}, {}
+    for name, path in paths.items():
+        rt = runtimes[name] = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
+        rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
+        tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
+        steps[name] = (lambda rt=rt, tokens=tokens: rt.step([[next(tokens)]]))
+        steps[name](), steps[name]()  # first-run allocations
+    out = interleaved_efficiency(steps, {name: graph_step_bytes(p)["total"] for name, p in paths.items()},
+                                 BandwidthProbe(), rounds, steps_per_round)
+    for rt in runtimes.values():
+        rt.close()
     return out
 
 
@@ -233,6 +191,7 @@ def main():
                                **{f"int4, block {b}": acc_other[b]["int4_path"] for b in others}},
                               args.threads, args.steps)
 
+    own = against_own_bytes({"fp32": wt["fp32"], "int4": wt["int4"]}, args.threads)
     a = acc["report"]["accuracy"]
     s = acc["report"]["stream"]
     speedup = speed_wt["median_ms"]["fp32"] / speed_wt["median_ms"]["int4"]
@@ -305,7 +264,7 @@ def main():
     for g in speed_wt["profiles"]:
         lines += [f"{g}:", "", "```", profile_table(speed_wt["profiles"][g], 8), "```", ""]
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
-    reads = {g: step_bytes(path) for g, path in graphs.items()}
+    reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
     lines += ["What a WikiText-103 base decode step reads (batch 1, memory full; counted from each graph: the "
               "weight products' constants with the scales as the fp32 the kernels get, the positional tables, "
               "the memory's keys and values). At batch 1 every byte is read once per step, so fp32's bytes over a "
@@ -318,9 +277,18 @@ def main():
               *[f"| {g} | {r['weights'] / 1e6:.1f} | {r['positional_tables'] / 1e6:.1f} | {r['memory'] / 1e6:.1f} | "
                 f"{r['total'] / 1e6:.1f} | {reads['fp32']['total'] / r['total']:.2f}x | "
                 f"{speed_wt['median_ms']['fp32'] / speed_wt['median_ms'][g]:.2f}x |" for g, r in reads.items()], ""]
+    lines += ["Each WikiText-103 base step against its own bytes (the bytes above; plain read: numpy's dot product, "
+              "a pure read; copy floor: numpy copy, read + written; both of a 256 MB buffer, one thread, measured in "
+              "the rounds of the steps: 9 rounds of 6 steps of each graph, then the probes; medians of each round's "
+              "ratio):", "",
+              "| graph | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy |",
+              "|---|---|---|---|---|---|---|",
+              *[f"| {g} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | {r['copy_ms']:.2f} | "
+                f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x |" for g, r in own.items()], ""]
     text = "\n".join(lines).rstrip() + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
-    raw = {"accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
+    raw = {"against_own_bytes": own,
+           "accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command}
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
     print(text)

@@ -25,6 +25,9 @@ class Backend(abc.ABC):
     max_segment = 512
     precision = "fp32"
     threads = None  # CPU threads the backend was opened with (None: its library's default)
+    # The adaptive softmax's parts (contract.parts.Parts: shortlist, bounds, head_column) when this backend can
+    # compute the head and each tail separately (run_head, run_tail); None: only full distributions (run).
+    clusters = None
 
     @abc.abstractmethod
     def fingerprint(self) -> str:
@@ -48,6 +51,17 @@ class Backend(abc.ABC):
         """`run` that leaves `state` as it was, so the same call can be repeated (other positions' log-probs).
         Backends that cannot raise NotImplementedError."""
         raise NotImplementedError(f"the {self.name} backend always advances its memory")
+
+    def run_head(self, state, tokens: np.ndarray, out_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`run` that stops at the adaptive softmax's head: (hidden [B, P, d_model], head_log_probs
+        [B, P, shortlist + n_clusters]) float32, advancing `state` exactly as `run` does. Only where `clusters`
+        is set."""
+        raise NotImplementedError(f"the {self.name} backend computes full distributions only")
+
+    def run_tail(self, i: int, hidden: np.ndarray, head_log_prob: np.ndarray) -> np.ndarray:
+        """Tail cluster i (1..n_clusters) on hidden [N, d_model] and its head column [N]: the full log-probs
+        [N, hi_i - lo_i] of the cluster's tokens (log p_head(i) + log p_i(t | i)). Only where `clusters` is set."""
+        raise NotImplementedError(f"the {self.name} backend computes full distributions only")
 
     @abc.abstractmethod
     def reset_rows(self, state, rows: np.ndarray):

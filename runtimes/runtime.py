@@ -23,8 +23,9 @@ from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
 from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
+from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.runtimes.registry import open_backend
-from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, generation_params
 from txl_deploy.runtimes.saved_state import read_saved_state
 from txl_deploy.vocab import CONTINUING
 
@@ -45,6 +46,9 @@ class TxlRuntime:
         self.backend = backend
         self._state = None
         self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
+        # Lazy decoding's counts (generate on a backend with the softmax's parts): decisions made, and per tail
+        # cluster how many of them computed it.
+        self.tail_stats = {"decisions": 0, "tails": [0] * (backend.config.n_clusters if backend.clusters else 0)}
         self._lock = threading.RLock()
 
     # -- construction --------------------------------------------------------------------------------------
@@ -398,7 +402,12 @@ class TxlRuntime:
                 ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
             else:
                 self._check_can_continue()
-        sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab)
+        # An adaptive softmax's decisions are the cluster-factored ones on every backend (runtimes/sampling.py), so
+        # the lazy path (head first, tails as asked) and the full path give the same tokens.
+        sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab,
+                          clusters=Clusters.of(self.config))
+        if self.backend.clusters is not None:
+            return self._generate_lazy(ids, sampler)
         return self._generate(ids, sampler)
 
     def _check_can_continue(self):
@@ -409,6 +418,60 @@ class TxlRuntime:
                              "and feed a single row")
         if np.isnan(self._last_log_probs[0]).any():
             raise InputError("generate() needs a prompt (this stream was reset since its last call)")
+
+    def _generate_lazy(self, ids, sampler: Sampler) -> Iterator[int]:
+        """`_generate` through the softmax's parts: each fed token computes the head, and a decision computes only
+        the tails its sampler asks for (runtimes/lazy_decode.py). While suspended between tokens the runtime has
+        no full distribution of the next token (`_last_log_probs` is a NaN row, which generate() without a prompt
+        refuses); when the generator ends or is dropped it is assembled from the head and every tail, once."""
+        pending = np.full((1, self.n_token), np.nan, dtype=np.float32)
+        last = None
+        try:
+            with self._lock:
+                if ids is not None:
+                    last = self._feed_head(ids)
+                else:
+                    self._check_can_continue()
+                    log_probs = self._last_log_probs[0]
+            for _ in range(sampler.params.max_tokens):
+                if last is None:
+                    tok, revealed = sampler.choose(log_probs), ()  # continuing a full distribution left by a call
+                else:
+                    choice = decide(self.backend, [sampler], *last).choices[0]
+                    tok, revealed = int(choice.token), choice.revealed
+                self._count_decision(revealed)
+                yield tok  # no lock held here
+                if tok in sampler.params.stop_token_ids:
+                    return
+                with self._lock:  # one locked step, fed when the next token is asked for (the last one too)
+                    last = self._feed_head(self._check_tokens(np.array([[tok]], dtype=np.int64)))
+                    self._last_log_probs = pending
+        finally:
+            with self._lock:
+                if last is not None and (self._last_log_probs is pending or ids is not None and
+                                         self._last_log_probs is None):
+                    self._last_log_probs = full_log_probs(self.backend, *last)
+
+    def _feed_head(self, tokens: np.ndarray):
+        """Feed tokens [B, Q] (checked) and return run_head's outputs at the last position: (hidden [B, d_model],
+        head [B, H]). Segments before the last run the full path at their last position only."""
+        B, Q = tokens.shape
+        self._ensure_state(B)
+        step = self.backend.max_segment
+        starts = list(range(0, Q, step))
+        self._last_log_probs = None
+        for start in starts[:-1]:
+            seg = tokens[:, start:start + step]
+            self.backend.run(self._state, seg, np.full((B, 1), seg.shape[1] - 1, dtype=np.int64))
+        seg = tokens[:, starts[-1]:]
+        hidden, head = self.backend.run_head(self._state, seg, np.full((B, 1), seg.shape[1] - 1, dtype=np.int64))
+        return hidden[:, -1], head[:, -1]
+
+    def _count_decision(self, revealed):
+        stats = self.tail_stats
+        stats["decisions"] += 1
+        for i in set(revealed):
+            stats["tails"][i - 1] += 1
 
     def _generate(self, ids, sampler: Sampler) -> Iterator[int]:
         with self._lock:
@@ -421,7 +484,7 @@ class TxlRuntime:
         for _ in range(sampler.params.max_tokens):
             tok = sampler.choose(log_probs)
             yield tok  # no lock held here
-            if sampler.stopped_by_token(tok):
+            if tok in sampler.params.stop_token_ids:
                 return
             # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
             log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step

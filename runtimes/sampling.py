@@ -3,7 +3,9 @@
 Every path that generates uses this module: `TxlRuntime.generate`, the HTTP server (`txl-deploy serve`, also over a
 Triton fleet), and the Triton client (`serve-client`; the Triton model returns log-probs and the client samples).
 `exporters/web/static/txl.js` implements the same steps in the same order for the browser page, and draws the same
-uniform numbers from the same seeded generator, so a seeded page samples the tokens Python samples.
+uniform numbers from the same seeded generator, so a seeded page samples the tokens Python samples for a model
+without an adaptive softmax (an adaptive one is sampled here by the cluster-factored algorithm, docs/sampling.md,
+which the page does not implement: same distribution, other draws).
 
 As vLLM's `SamplingParams`, the parameters are built once from a request, checked once (`SamplingParams(...)` raises
 InputError naming the first bad value) and handed to the engine; a `Sampler` is one stream's state (its generator,
@@ -44,6 +46,9 @@ import numpy as np
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.arguments import is_real, whole
+from txl_deploy.runtimes.tail_bounds import MASS_MARGIN, Clusters, power_sum_bound
+
+__all__ = ["Choice", "Clusters", "Sampler", "SamplingParams"]
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # alternatives reported per token
@@ -240,17 +245,79 @@ def top_logprobs(log_probs: np.ndarray, n: int) -> list[tuple[int, float]]:
     return [(int(i), float(lp[i])) for i in part]
 
 
+def _positions(ids: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the sorted `targets` occur in the sorted `ids`: (positions in ids, positions in targets)."""
+    pos = np.searchsorted(ids, targets)
+    inside = np.flatnonzero(pos < ids.size)
+    hit = inside[ids[pos[inside]] == targets[inside]]
+    return pos[hit], hit
+
+
+def _top_known(ids: np.ndarray, lps: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """top_logprobs over the tokens known (ids with their log-probs): most likely first, ties in id order."""
+    if n <= 0:
+        return []
+    order = np.lexsort((ids, -lps.astype(np.float64)))[:n]
+    return [(int(ids[j]), float(lps[j])) for j in order]
+
+
+class Choice:
+    """One row's decision in progress. `needs`: the tail clusters it must see before it can go on (() once
+    decided); `reveal(i, tail_log_probs)` gives one. Once decided: `token`, its model log-prob `logprob`, the
+    `top_logprobs` (params.logprobs of them) and `revealed`, every cluster it asked for."""
+
+    def __init__(self, sampler: Sampler, steps=None, decided=None):
+        self._sampler, self._steps, self._given = sampler, steps, {}
+        self.needs: tuple[int, ...] = ()
+        self.revealed: tuple[int, ...] = ()
+        self.token = self.logprob = self.top_logprobs = None
+        if decided is not None:
+            self._finish(*decided)
+        else:
+            self._advance(None)
+
+    def reveal(self, i: int, tail_log_probs) -> None:
+        if i not in self.needs:
+            raise InputError(f"tail cluster {i} was not asked for (this decision needs {list(self.needs)})")
+        lo, hi = self._sampler.clusters.bounds[i - 1]
+        tail = np.asarray(tail_log_probs).reshape(-1)
+        if tail.size != hi - lo:
+            raise InputError(f"tail cluster {i} has {hi - lo} tokens, got {tail.size} log-probs")
+        self._given[i] = tail
+        if all(j in self._given for j in self.needs):
+            given, self._given = self._given, {}
+            self.revealed += tuple(j for j in self.needs)
+            self._advance(given)
+
+    def _advance(self, given):
+        try:
+            self.needs = tuple(self._steps.send(given))
+        except StopIteration as done:
+            self.needs = ()
+            self._finish(*done.value)
+
+    def _finish(self, token, logprob, top):
+        self.token, self.logprob, self.top_logprobs = token, logprob, top
+        self._sampler._commit(token, self.revealed)
+
+
 class Sampler:
     """One stream's sampling: its generator (seeded), the context the penalties see, the tokens it generated.
 
     `context`: the token ids the stream was given (the prompt of this request); the repetition penalty and the
     n-gram bans look at them and at the generated tokens, the presence and frequency penalties at the generated
-    tokens only. `vocab`: the model's vocabulary (`ban_unk` needs it, to find `<unk>`)."""
+    tokens only. `vocab`: the model's vocabulary (`ban_unk` needs it, to find `<unk>`). `clusters`: the adaptive
+    softmax's layout (`Clusters.of(config)`); with it every decision is the cluster-factored one (docs/sampling.md),
+    which `start` runs on the head alone, asking for a tail only when the decision can depend on it, and `choose`
+    and `choose_parts` run with every tail at hand. `tail_counts[i - 1]` counts the decisions that needed tail
+    cluster i, out of `decisions`."""
 
-    def __init__(self, params: SamplingParams, n_token: int, context=(), vocab=None):
+    def __init__(self, params: SamplingParams, n_token: int, context=(), vocab=None, clusters: Clusters | None = None):
         params.check_vocabulary(n_token)
+        if clusters is not None and clusters.n_token != n_token:
+            raise InputError(f"the clusters cover {clusters.n_token} tokens, the vocabulary {n_token}")
         self.unk = unk_id(params, vocab)
-        self.params, self.n_token = params, n_token
+        self.params, self.n_token, self.clusters = params, n_token, clusters
         self.rng = np.random.default_rng(params.seed)
         self.context = [int(t) for t in np.asarray(context, dtype=np.int64).reshape(-1)]
         self.generated: list[int] = []
@@ -258,6 +325,8 @@ class Sampler:
         self._plain = not (params.logit_bias or params.repetition_penalty != 1 or params.presence_penalty
                            or params.frequency_penalty or params.no_repeat_ngram_size or
                            (params.min_tokens and params.stop_token_ids) or self.unk is not None)
+        self.decisions = 0
+        self.tail_counts = np.zeros(0 if clusters is None else clusters.n, dtype=np.int64)
 
     def scores(self, log_probs: np.ndarray) -> np.ndarray:
         """Steps 1-5 on one distribution [V]: the scores that temperature and the filters act on (float64)."""
@@ -282,27 +351,298 @@ class Sampler:
             s[self.unk] = -np.inf
         return s
 
+    # -- the whole distribution at hand ---------------------------------------------------------------------------
     def choose(self, log_probs: np.ndarray) -> int:
-        """The next token for these log-probs [V]; it becomes part of the stream's history."""
+        """The next token for these log-probs [V]; it becomes part of the stream's history. With clusters: the
+        cluster-factored decision on the head `head_from_full` derives and the tails sliced from the same row."""
+        if self.clusters is not None:
+            lp = np.asarray(log_probs).reshape(-1)
+            head = self.clusters.head_from_full(lp)
+            return self.choose_parts(head, [lp[lo:hi] for lo, hi in self.clusters.bounds])
+        return self._choose_full(log_probs)
+
+    def choose_parts(self, head_log_probs, tails) -> int:
+        """The cluster-factored decision with every tail given (tails[i - 1], or a mapping i -> tail, each the full
+        log-probs of cluster i's tokens): the algorithm `start` runs, answered at once, so the same token."""
+        choice = self.start(head_log_probs)
+        while choice.needs:
+            for i in choice.needs:
+                choice.reveal(i, tails[i] if isinstance(tails, Mapping) else tails[i - 1])
+        return choice.token
+
+    def start(self, head_log_probs) -> Choice:
+        """Begin a decision on the head [shortlist + n] (without clusters: the full distribution [V], decided at
+        once). Drive the Choice with `reveal` while it `needs` tails; its token then joins the history."""
+        if self.clusters is None:
+            lp = np.asarray(head_log_probs).reshape(-1)
+            tok = self._choose_full(lp, commit=False)
+            n = self.params.logprobs or 0
+            return Choice(self, decided=(tok, float(lp[tok]), top_logprobs(lp, n)))
+        head = np.asarray(head_log_probs).reshape(-1)
+        if head.size != self.clusters.shortlist + self.clusters.n:
+            raise InputError(f"head log-probs have {head.size} entries, the head {self.clusters.shortlist} "
+                             f"shortlist tokens and {self.clusters.n} clusters")
+        return Choice(self, steps=self._factored(head))
+
+    def _choose_full(self, log_probs, commit=True) -> int:
         p = self.params
         if self._plain and p.greedy:  # the common case, without the float64 copy
             tok = int(np.argmax(log_probs))
-            self.generated.append(tok)
-            self.counts[tok] += 1
-            return tok
-        s = self.scores(log_probs)
-        if not np.isfinite(s.max()):
-            raise InputError("no token is left to choose: the sampling parameters exclude every token")
-        if p.greedy:
-            tok = int(np.argmax(s))
         else:
-            tok = draw(filtered_weights(s, p.temperature, p.top_k, p.top_p, p.min_p), self.rng.random())
+            s = self.scores(log_probs)
+            if not np.isfinite(s.max()):
+                raise InputError("no token is left to choose: the sampling parameters exclude every token")
+            if p.greedy:
+                tok = int(np.argmax(s))
+            else:
+                tok = draw(filtered_weights(s, p.temperature, p.top_k, p.top_p, p.min_p), self.rng.random())
+        if commit:
+            self._commit(tok, ())
+        return tok
+
+    def _commit(self, tok: int, revealed: tuple[int, ...]):
         self.generated.append(tok)
         self.counts[tok] += 1
-        return tok
+        self.decisions += 1
+        for i in set(revealed):
+            self.tail_counts[i - 1] += 1
 
     def stopped_by_token(self, token: int) -> bool:
         return token in self.params.stop_token_ids
+
+    def tail_fractions(self) -> np.ndarray:
+        """Per tail cluster, the fraction of decisions that needed it."""
+        return self.tail_counts / max(self.decisions, 1)
+
+    # -- steps 1-5 token by token ---------------------------------------------------------------------------------
+    def _adjustments(self):
+        """This decision's steps 1-5 as the sorted token ids each touches: (bias ids, bias values, repetition
+        ids, banned ids), and every token any step touches."""
+        p = self.params
+        bias_ids = np.array(sorted(p.logit_bias), dtype=np.int64)
+        bias_vals = np.array([p.logit_bias[t] for t in bias_ids.tolist()], dtype=np.float64)
+        rep = np.unique(np.asarray(self.context + self.generated, dtype=np.int64)) if p.repetition_penalty != 1 \
+            else np.zeros(0, np.int64)
+        banned = []
+        if p.no_repeat_ngram_size:
+            banned += banned_ngram_tokens(self.context + self.generated, p.no_repeat_ngram_size)
+        if p.min_tokens and len(self.generated) < p.min_tokens:
+            banned += list(p.stop_token_ids)
+        if self.unk is not None:
+            banned.append(self.unk)
+        banned = np.unique(np.asarray(banned, dtype=np.int64))
+        counted = np.flatnonzero(self.counts) if p.presence_penalty or p.frequency_penalty else np.zeros(0, np.int64)
+        touched = np.unique(np.concatenate([bias_ids, rep, banned, counted]))
+        return (bias_ids, bias_vals, rep, banned), touched
+
+    def _steps(self, ids: np.ndarray, values, adj) -> np.ndarray:
+        """Steps 1-5 on the tokens `ids` (sorted) with these log-probs: what `scores` gives them (the same
+        float64 operations, element by element)."""
+        p = self.params
+        s = np.array(values, dtype=np.float64).reshape(-1)
+        if self._plain:
+            return s
+        bias_ids, bias_vals, rep, banned = adj
+        at, which = _positions(ids, bias_ids)
+        s[at] += bias_vals[which]
+        if rep.size:
+            at, _ = _positions(ids, rep)
+            v = s[at]
+            s[at] = np.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            s = openai_penalties(s, self.counts[ids], p.presence_penalty, p.frequency_penalty)
+        at, _ = _positions(ids, banned)
+        s[at] = -np.inf
+        return s
+
+    # -- the cluster-factored decision ----------------------------------------------------------------------------
+    def _factored(self, head: np.ndarray):
+        """The one decision algorithm for adaptive models (docs/sampling.md): a generator that yields the tail
+        clusters it needs next, is sent {i: tail log-probs}, and returns (token, log-prob, top log-probs)."""
+        p, c = self.params, self.clusters
+        adj, touched = self._adjustments()
+        n_short = c.shortlist
+        # the known tokens: part 0 the shortlist, part i tail cluster i once revealed
+        ids = {0: np.arange(n_short)}
+        raw = {0: head[:n_short]}
+        proc = {0: self._steps(ids[0], raw[0], adj)}
+        hcol = np.array([float(head[c.head_column(i)]) for i in range(1, c.n + 1)])
+        bound = np.empty(c.n)  # B_i: every processed score of cluster i is <= it
+        adj_bounds = []  # f_t(head_i) of the touched tokens of cluster i
+        for i, (lo, hi) in enumerate(c.bounds, start=1):
+            t = touched[(touched >= lo) & (touched < hi)]
+            fb = self._steps(t, np.full(t.size, hcol[i - 1]), adj)
+            adj_bounds.append(fb)
+            bound[i - 1] = max(hcol[i - 1], float(fb.max())) if fb.size else hcol[i - 1]
+
+        def reveal(needed):
+            given = yield tuple(needed)
+            for i in needed:
+                lo, hi = c.bounds[i - 1]
+                ids[i] = np.arange(lo, hi)
+                raw[i] = given[i]
+                proc[i] = self._steps(ids[i], given[i], adj)
+
+        def hidden():
+            return [i for i in range(1, c.n + 1) if i not in ids]
+
+        def known(what):
+            parts = sorted(what)
+            return np.concatenate([ids[k] for k in parts]), np.concatenate([what[k] for k in parts])
+
+        if p.greedy:
+            tok = yield from self._greedy(proc, ids, bound, hidden, reveal)
+        else:
+            tok = yield from self._sample(proc, ids, bound, hcol, adj_bounds, hidden, reveal)
+        top = []
+        n = p.logprobs or 0
+        if n:  # a hidden cluster's tokens are all <= its head log-prob: it matters only if that reaches the n-th
+            _, k_lp = known(raw)
+            nth = -np.inf if k_lp.size < n else -float(np.partition(-k_lp.astype(np.float64), n - 1)[n - 1])
+            need = [i for i in hidden() if hcol[i - 1] >= nth]
+            if need:
+                yield from reveal(need)
+            top = _top_known(*known(raw), n)
+        part = 0 if tok < n_short else next(i for i in ids if i and ids[i][0] <= tok < ids[i][-1] + 1)
+        return tok, float(raw[part][tok - ids[part][0]]), top
+
+    def _greedy(self, proc, ids, bound, hidden, reveal):
+        """The first maximum: a hidden cluster can hold it only if its bound beats the best known score, or
+        equals it with lower ids than the best known token's."""
+        c = self.clusters
+        while True:
+            best, best_id = -np.inf, -1
+            for k in sorted(proc):
+                j = int(np.argmax(proc[k]))
+                if proc[k][j] > best:
+                    best, best_id = float(proc[k][j]), int(ids[k][j])
+            can = [i for i in hidden() if bound[i - 1] > best or
+                   (bound[i - 1] == best and best > -np.inf and c.bounds[i - 1][0] < best_id)]
+            if not can:
+                break
+            yield from reveal([max(can, key=lambda i: (bound[i - 1], -i))])
+        if best_id < 0:
+            raise InputError("no token is left to choose: the sampling parameters exclude every token")
+        return best_id
+
+    def _sample(self, proc, ids, bound, hcol, adj_bounds, hidden, reveal):
+        """Temperature, top-k, top-p, min-p and the draw, by rejection over blocks (shortlist tokens, then clusters
+        in id order), a hidden cluster's block an upper bound of its mass."""
+        p, c, T = self.params, self.clusters, self.params.temperature
+        x = {}  # processed score / T of the known tokens
+
+        def scaled():
+            for k in proc:
+                if k not in x:
+                    x[k] = proc[k] / T
+
+        def known_x():
+            parts = sorted(x)
+            return np.concatenate([x[k] for k in parts])
+
+        scaled()
+        xb = bound / T
+        # the shift m: from the head alone, >= every scaled score (so no weight overflows)
+        m = max(float(np.max(x[0])) if x[0].size else -np.inf, float(np.max(xb)))
+        if not m > -np.inf:
+            raise InputError("no token is left to choose: the sampling parameters exclude every token")
+        dead = set()  # hidden clusters whose every token is filtered out
+        kth = -np.inf
+        if p.top_k is not None and p.top_k < self.n_token:
+            # the k-th largest known score is <= the true k-th; a hidden cluster below it holds none of the top k
+            while True:
+                kx = known_x()
+                kth = -np.inf if kx.size < p.top_k else float(np.partition(kx, kx.size - p.top_k)[kx.size - p.top_k])
+                can = [i for i in hidden() if xb[i - 1] >= kth]
+                if not can:
+                    break
+                yield from reveal([max(can, key=lambda i: (xb[i - 1], -i))])
+                scaled()
+            dead.update(hidden())
+
+        def weights(k):
+            s = np.where(x[k] < kth, -np.inf, x[k])
+            return np.exp(s - m)
+
+        # per hidden cluster: the largest weight b_i one token can have, and the mass bound W_i
+        tb = np.exp(xb - m)
+        mass = np.array([(1 + MASS_MARGIN) * (math.exp(hcol[i] / T - m) * power_sum_bound(hi - lo, T) +
+                                              float(np.sum(np.exp(adj_bounds[i] / T - m))))
+                         for i, (lo, hi) in enumerate(c.bounds)])
+        cut = {}  # part -> bool mask of its tokens top-p cuts
+        if p.top_p < 1:
+            while True:
+                live = [i for i in hidden() if i not in dead]
+                parts = sorted(x)
+                w = np.concatenate([weights(k) for k in parts])
+                kid = np.concatenate([ids[k] for k in parts])
+                order = np.lexsort((kid, -w))
+                ranked = np.cumsum(w[order])
+                before = np.concatenate([[0.0], ranked[:-1]])
+                total_lo = ranked[-1]
+                total_hi = total_lo + sum(mass[i - 1] for i in live)
+                wr = w[order]
+                unknown_before = np.zeros(wr.size)
+                for i in live:
+                    unknown_before += np.where(tb[i - 1] >= wr, mass[i - 1], 0.0)
+                kept = before + unknown_before < p.top_p * total_lo
+                gone = before >= p.top_p * total_hi
+                settled = [i for i in live
+                           if (ranked[np.count_nonzero(wr > tb[i - 1]) - 1] if np.any(wr > tb[i - 1]) else 0.0)
+                           >= p.top_p * total_hi]
+                if (kept | gone).all() and len(settled) == len(live):
+                    break
+                yield from reveal([max(live, key=lambda i: (mass[i - 1], -i))])
+                scaled()
+            dead.update(live)
+            mask = np.zeros(w.size, dtype=bool)
+            mask[order] = gone
+            start = 0
+            for k in parts:
+                cut[k] = mask[start:start + ids[k].size]
+                start += ids[k].size
+        floor = 0.0
+        if p.min_p > 0:
+            # the cut is min_p times the largest weight: exact once no hidden cluster can beat the known maximum
+            while True:
+                top = float(np.max(known_x()))
+                can = [i for i in hidden() if i not in dead and xb[i - 1] > top]
+                if not can:
+                    break
+                yield from reveal([max(can, key=lambda i: (xb[i - 1], -i))])
+                scaled()
+            floor = p.min_p * math.exp(top - m)  # top-k and top-p keep the most likely token
+            dead.update(i for i in hidden() if tb[i - 1] < floor)
+
+        def final(k):
+            w = weights(k)
+            if k in cut:
+                w = np.where(cut[k], 0.0, w)
+            return np.where(w < floor, 0.0, w)
+
+        while True:
+            blocks = [final(k) if k in proc else np.array([0.0 if k in dead else mass[k - 1]])
+                      for k in range(c.n + 1)]
+            lens = [b.size for b in blocks]
+            flat = np.concatenate(blocks)
+            cum = np.cumsum(flat)
+            if not cum[-1] > 0:
+                raise InputError("no token is left to choose: the sampling parameters exclude every token")
+            at = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
+            at = min(at, int(np.flatnonzero(flat > 0)[-1]))  # a rounding past the end: the last block with mass
+            k, start = 0, 0
+            while at >= start + lens[k]:
+                start += lens[k]
+                k += 1
+            if k in proc:
+                return int(ids[k][at - start])
+            # a hidden cluster's block: reveal it, accept with probability S_i / W_i, then draw inside it
+            yield from reveal([k])
+            scaled()
+            w = final(k)
+            inner = float(np.cumsum(w)[-1])
+            if self.rng.random() * mass[k - 1] < inner:
+                return int(ids[k][0]) + draw(w, self.rng.random())
 
 
 def generation_params(where: str, params, given: dict, defaults: dict, controls: dict) -> SamplingParams:

@@ -23,8 +23,10 @@ from txl_deploy.checkpoints import LoadedModel, load_model
 from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
 from txl_deploy.contract.onnx_file import write_inline
+from txl_deploy.contract.parts import KEY as PARTS_KEY
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.graph_checks import check_strict
+from txl_deploy.exporters.onnx.parts import move_parts, write_parts
 from txl_deploy.exporters.onnx.ram import return_free_memory
 from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_export
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
@@ -170,6 +172,11 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         del cached
         _forget_matched_graphs()
         gc.collect()
+        if config.n_clusters > 0:  # the adaptive softmax's head and tails as graphs of their own, beside the model
+            info.export[PARTS_KEY] = write_parts(model, tmp, mem_len=mem_len, state=state,
+                                                 max_segment=max_segment, opset=opset, force=force, verify=verify,
+                                                 threads=threads)
+            _write_verification(tmp, info)
         # Every export must stay inside what TensorRT 10.x/11.x parse (no control flow, no zero-size tensors, ...):
         # the same graph serves ONNX Runtime, TensorRT and Triton.
 
@@ -197,6 +204,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         if n_bytes < EXTERNAL_DATA_BYTES:
             _inline(tmp)
         place_external_data(tmp, out_path, force)
+        if PARTS_KEY in info.export:
+            move_parts(tmp, out_path, force)
     logger.info(f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
 

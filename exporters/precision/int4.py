@@ -95,8 +95,10 @@ def _embedding_tables(model) -> dict:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         t = inits[node.input[0]]
-        if axis == 0 and len(t.dims) == 2 and t.data_type == 1:  # FLOAT
-            out[node.name] = (node, numpy_helper.to_array(t))
+        if axis in (0, 1) and len(t.dims) == 2 and t.data_type == 1:  # FLOAT
+            # axis 1: a tied embedding reading the output weight [d, V] by columns; its rows are the columns.
+            table = numpy_helper.to_array(t)
+            out[node.name] = (node, table if axis == 0 else np.ascontiguousarray(table.T))
     return out
 
 
@@ -218,14 +220,19 @@ def _quantize_gathers(model, tables: dict, ties: dict, block_size: int, symmetri
                 joined = flat
             inputs.append(joined)
         padded = k_blocks * block_size != d
-        out = node.output[0] + ("_padded" if padded else "")
+        by_columns = next((a.i for a in node.attribute if a.name == "axis"), 0) == 1
+        rows_out = node.output[0] + ("_rows" if by_columns else "")
+        out = rows_out + ("_padded" if padded else "")
         nodes.append(helper.make_node("GatherBlockQuantized", [inputs[0], node.input[1], *inputs[1:]], [out],
                                       name=f"{name}_q4", domain="com.microsoft", gather_axis=0, quantize_axis=1,
                                       block_size=block_size, bits=4))
         if padded:  # the last block of each row was zero-padded to the block size
             nodes.append(helper.make_node("Slice", [out, const(f"{name}_trim_starts", [0]),
                                                     const(f"{name}_trim_ends", [d]), const(f"{name}_trim_axes", [-1])],
-                                          [node.output[0]], name=f"{name}_trim"))
+                                          [rows_out], name=f"{name}_trim"))
+        if by_columns:  # [N, d] rows back to the Gather's [d, N] (the cached step gathers with 1-D indices)
+            nodes.append(helper.make_node("Transpose", [rows_out], [node.output[0]], name=f"{name}_columns",
+                                          perm=[1, 0]))
         new_nodes[name] = nodes
     rebuilt = []
     for node in graph.node:

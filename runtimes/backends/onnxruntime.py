@@ -13,16 +13,20 @@ validated as an .onnx's is.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.backend import Backend, contract_layout
+
+logger = logging.getLogger(__name__)
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 ORT_SUFFIX = ".ort"
@@ -113,6 +117,42 @@ class OrtBackend(Backend):
             warnings.warn(f"{path}: an 'incremental' graph on {self.session.get_providers()[0]} keeps its memory on "
                           "the host and copies it to the GPU every step; export with --state full to keep it on "
                           "the device", stacklevel=3)
+        self.parts_error = None  # why the model's softmax parts were refused (a CheckpointError), if they were
+        self._head, self._tails = None, []
+        if not ort_format and not self.on_device:
+            self._open_parts(opts, providers)
+
+    def _open_parts(self, opts, providers):
+        """Open the adaptive softmax's head and tail graphs the metadata lists, each checked to be the file the
+        model names (folder, sha256, external data). A refused part is logged and leaves the full path: `clusters`
+        stays None and run_head raises the refusal."""
+        import onnxruntime as ort  # optional (the cpu or gpu extra)
+
+        try:
+            parts = parts_contract.Parts.from_export(self.info.export, self.config, self.path)
+            if parts is None:
+                return
+            made_for = self.info.export[parts_contract.KEY].get("precision")
+            if made_for != self.precision:  # a graph derived from the fp32 export keeps its metadata
+                raise CheckpointError(self.path, f"its softmax parts are {str(made_for)[:20]} graphs, the model "
+                                                 f"is {self.precision}")
+            files = parts.files(self.path)
+            sessions = []
+            for f in files:
+                external_data(f)
+                try:
+                    sessions.append(ort.InferenceSession(str(f), opts, providers=choose_providers(providers)))
+                except Exception as e:
+                    raise CheckpointError(f, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+            head_outputs = [o.name for o in sessions[0].get_outputs()]
+            if head_outputs[:2] != [parts_contract.HIDDEN, parts_contract.HEAD_LOG_PROBS]:
+                raise CheckpointError(files[0], "not a head graph (its outputs are not hidden, head_log_probs)")
+        except CheckpointError as e:
+            self.parts_error = e
+            logger.warning(f"{e}; computing full distributions only")
+            return
+        self._head, self._tails, self.clusters = sessions[0], sessions[1:], parts
+        self._head_outputs = head_outputs
 
     def fingerprint(self) -> str:
         return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
@@ -161,23 +201,45 @@ class OrtBackend(Backend):
             raise NotImplementedError("a memory kept on the GPU always advances")
         return self._run(state, tokens, out_positions, advance=False)
 
-    def _run(self, state, tokens, out_positions, advance: bool):
+    def run_head(self, state, tokens, out_positions):
+        if self.clusters is None:
+            if self.parts_error is not None:
+                raise self.parts_error
+            return super().run_head(state, tokens, out_positions)
+        hidden, head = self._run(state, tokens, out_positions, advance=True, session=self._head, n_out=2,
+                                 output_names=self._head_outputs)
+        return hidden, head
+
+    def run_tail(self, i, hidden, head_log_prob):
+        if self.clusters is None:
+            return super().run_tail(i, hidden, head_log_prob)
+        if not 1 <= i <= self.clusters.n_clusters:
+            raise InputError(f"tail cluster {i} does not exist (the model has {self.clusters.n_clusters})")
+        (out,) = self._tails[i - 1].run(None, {parts_contract.HIDDEN: np.ascontiguousarray(hidden, np.float32),
+                                               parts_contract.HEAD_LOG_PROB: np.ascontiguousarray(head_log_prob,
+                                                                                                  np.float32)})
+        return out
+
+    def _run(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1, output_names=None):
         if isinstance(state, _DeviceState):
             return state.run(tokens, out_positions)
+        session, output_names = session or self.session, output_names or self.output_names
         feeds = dict(state)
         if self.fresh_prefill and not state[io_spec.MEM_COUNT].any():
             feeds.update(self._empty_memory(tokens.shape[0]))
         feeds[io_spec.TOKENS], feeds[io_spec.OUT_POSITIONS] = tokens, out_positions
-        outs = self.session.run(self.output_names if advance else self.output_names[:1], feeds)
+        outs = session.run(output_names if advance else output_names[:n_out], feeds)
+        results = [o if o.dtype == np.float32 else o.astype(np.float32) for o in outs[:n_out]]
         if not advance:
-            return outs[0] if outs[0].dtype == np.float32 else outs[0].astype(np.float32)
+            return results[0]
         # Commit only after the run succeeded: a failed call leaves the memory as it was.
         if self.spec.state == "incremental":
-            write_segment([state[n] for n in self._mem_names], outs[1:], state[io_spec.MEM_COUNT], self.mem_len)
+            write_segment([state[n] for n in self._mem_names], outs[n_out:], state[io_spec.MEM_COUNT],
+                          self.mem_len)
         else:
-            for name, value in zip(self.output_names[1:], outs[1:]):
+            for name, value in zip(output_names[n_out:], outs[n_out:]):
                 state[_input_for(name)] = value
-        return outs[0] if outs[0].dtype == np.float32 else outs[0].astype(np.float32)
+        return results[0] if n_out == 1 else results
 
     def _empty_memory(self, batch: int) -> dict:
         """1-slot zero buffers standing in for an empty memory (allocated once per batch size)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.contract import io_spec
+from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import InputError
@@ -66,12 +67,32 @@ class _TorchBase(Backend):
         info = ExportInfo(model.cfg, loaded.vocab, {"mem_len": self.mem_len,
                                                     "weights_sha256": weights_sha256(model.state_dict())})
         self._fp = info.fingerprint()
+        if self.config.n_clusters > 0 and isinstance(self, TorchEagerBackend):  # the reference for lazy decoding
+            self.clusters = parts_contract.Parts.of(self.config)
 
     def _tensor(self, a, copy=True):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         # owns its memory (inputs may be read-only views), unless the caller gives the array away
         return torch.from_numpy(np.array(a, copy=True) if copy else np.ascontiguousarray(a)).to(self.device)
+
+
+def head_log_probs(crit, hidden):
+    """The adaptive softmax's head log-probs [..., shortlist + n_clusters] (`ProjectedAdaptiveLogSoftmax.forward`'s
+    head; cluster i's column is shortlist + n_clusters - i)."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    import torch.nn.functional as F  # optional (the torch extra), as above
+
+    weight, bias, proj = crit.cluster_params(0)
+    weight, bias = torch.cat([weight, crit.cluster_weight], dim=0), torch.cat([bias, crit.cluster_bias], dim=0)
+    return F.log_softmax(crit._logit(hidden, weight, bias, proj), dim=-1)
+
+
+def tail_log_probs(crit, i, hidden, head_log_prob):
+    """Tail cluster i's full log-probs [N, hi - lo]: log p_i(t | i) + the head's log p(i) ([N])."""
+    import torch.nn.functional as F  # optional (the torch extra)
+
+    return F.log_softmax(crit._logit(hidden, *crit.cluster_params(i)), dim=-1) + head_log_prob[:, None]
 
 
 class TorchEagerBackend(_TorchBase):
@@ -90,27 +111,54 @@ class TorchEagerBackend(_TorchBase):
         return len(state["rows"]) if state["batched"] is None else state["batched"][0].shape[0]
 
     def run(self, state, tokens, out_positions):
+        return self._apply(state, tokens, out_positions, self.model).float().cpu().numpy()
+
+    def run_head(self, state, tokens, out_positions):
+        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+        if self.clusters is None:
+            return super().run_head(state, tokens, out_positions)
+        hidden = self._apply(state, tokens, out_positions, self.model.body)
+        with torch.no_grad():
+            head = head_log_probs(self.model.crit, hidden)
+        return hidden.float().cpu().numpy(), head.float().cpu().numpy()
+
+    def run_tail(self, i, hidden, head_log_prob):
+        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+        if self.clusters is None:
+            return super().run_tail(i, hidden, head_log_prob)
+        if not 1 <= i <= self.clusters.n_clusters:
+            raise InputError(f"tail cluster {i} does not exist (the model has {self.clusters.n_clusters})")
+        dtype = next(self.model.parameters()).dtype
+        with torch.no_grad():
+            out = tail_log_probs(self.model.crit, i, self._tensor(hidden).to(dtype),
+                                 self._tensor(head_log_prob).to(dtype))
+        return out.float().cpu().numpy()
+
+    def _apply(self, state, tokens, out_positions, fn):
+        """fn(tokens, mems) -> (out [B, Q, ...], new mems) over the state's rows (batched, or one at a time when
+        their memories differ in length), advancing the state; out at `out_positions`."""
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         x = self._tensor(tokens)
         with torch.no_grad():
             if state["batched"] is not None:
-                log_probs, new = self.model(x, state["batched"])
+                result, new = fn(x, state["batched"])
                 state["batched"] = new
             else:
                 outs, new_rows = [], []
                 for b, mems in enumerate(state["rows"]):
-                    lp, new = self.model(x[b:b + 1], mems)
+                    lp, new = fn(x[b:b + 1], mems)
                     outs.append(lp)
                     new_rows.append(new)
-                log_probs = torch.cat(outs)
+                result = torch.cat(outs)
                 state["rows"] = new_rows
                 lens = {r[0].shape[1] for r in new_rows}
                 if len(lens) == 1:  # rows caught up (all full): batch them again
                     state["batched"] = [torch.cat([r[i] for r in new_rows]) for i in range(self.config.n_layer)]
             idx = self._tensor(out_positions)
-            picked = torch.gather(log_probs, 1, idx[:, :, None].expand(-1, -1, log_probs.shape[-1]))
-        return picked.float().cpu().numpy()
+            return torch.gather(result, 1, idx[:, :, None].expand(-1, -1, result.shape[-1]))
 
     def reset_rows(self, state, rows):
         if state["batched"] is not None:

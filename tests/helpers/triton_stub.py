@@ -60,7 +60,7 @@ class Response:
 
 class Request:
     def __init__(self, corrid, tokens=None, positions=None, start=False, end=False, resume=None, want_state=False,
-                 raw=None):
+                 raw=None, outputs=None):
         self.inputs = {"CORRID": Tensor("CORRID", np.array([[corrid]], np.uint64)),
                        "START": Tensor("START", np.array([[int(start)]], np.int32)),
                        "END": Tensor("END", np.array([[int(end)]], np.int32))}
@@ -72,7 +72,8 @@ class Request:
             self.inputs["resume_state"] = Tensor("resume_state", np.frombuffer(bytes(resume), np.uint8)[None])
         for name, tensor in (raw or {}).items():
             self.inputs[name] = tensor
-        self.wanted = ["log_probs"] + (["saved_state"] if want_state else [])
+        # the outputs the client asks for: by default what TxlTritonClient asks for
+        self.wanted = list(outputs) if outputs is not None else ["log_probs"] + (["saved_state"] if want_state else [])
 
     def requested_output_names(self):
         return self.wanted

@@ -368,7 +368,8 @@ def safetensors_structured(draw, data: bytes) -> bytes:
 @st.composite
 def triton_calls(draw, parked_states: list[bytes]) -> list:
     """execute() calls of requests with any shapes and values for tokens and out_positions, any START/END flags and
-    conversation ids (the canary's excepted), resume_state bytes from parked states (damaged or not)."""
+    conversation ids (the canary's excepted), resume_state bytes from parked states (damaged or not), tail_clusters
+    of any shape and value, and any of the outputs asked for (the head, tails, the full log-probs, the state)."""
     calls = []
     for _ in range(draw(st.integers(1, 4))):
         call = []
@@ -390,6 +391,14 @@ def triton_calls(draw, parked_states: list[bytes]) -> list:
                     ints = [draw(st.sampled_from([-1, 60, 2**62, -(2**63), 16, 0]))] * size
                 if draw(st.integers(0, 9)):  # mostly present
                     raw[name] = np.array(ints, dtype=np.int64).astype(dtype).reshape(shape)
+            if draw(st.integers(0, 2)) == 0:  # lazy decoding: tails of the latest distribution
+                shape = draw(st.sampled_from([(1, 1), (1, 2), (1, 3), (1, 0), (2, 1), (1,), ()]))
+                dtype = draw(st.sampled_from([np.int64, np.int64, np.int32, np.float32, np.uint64, np.bool_]))
+                ints = draw(st.lists(st.sampled_from([1, 2, 0, 3, -1, 2**62, -(2**63)]), min_size=int(np.prod(shape)),
+                                     max_size=int(np.prod(shape))))
+                raw["tail_clusters"] = np.array(ints, dtype=np.int64).astype(dtype).reshape(shape)
+            r["outputs"] = draw(st.sampled_from([None, ["head_log_probs"], ["tail_log_probs"],
+                                                 ["log_probs", "head_log_probs", "tail_log_probs", "saved_state"]]))
             if draw(st.integers(0, 3)) == 0 and parked_states:
                 blob = draw(st.sampled_from(parked_states))
                 if draw(st.booleans()):

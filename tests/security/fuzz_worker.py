@@ -138,7 +138,8 @@ class Targets:
             for r in call:
                 raw = {name: Tensor(name, value) for name, value in r.get("raw", {}).items()}
                 requests.append(Request(r["corrid"], r.get("tokens"), r.get("positions"), r.get("start", False),
-                                        r.get("end", False), r.get("resume"), r.get("want_state", False), raw=raw))
+                                        r.get("end", False), r.get("resume"), r.get("want_state", False), raw=raw,
+                                        outputs=r.get("outputs")))
             responses = model.execute(requests)
             if len(responses) != len(requests) or any(x is None for x in responses):
                 raise Broken(f"execute() answered {len(responses)} of {len(requests)} requests")

@@ -23,6 +23,10 @@ import time
 from typing import NamedTuple
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from txl_deploy.contract.metadata import read_onnx_info
 
 
 class Bandwidth(NamedTuple):
@@ -108,3 +112,99 @@ def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float
         out.update(read_bandwidth_rounds=[float(bw) for bw in read_rounds], read_bandwidth_bytes_per_s=read,
                    read_ms=read_ms, read_gap=measured_ms / read_ms, read_over_floor=read_ms / floor_ms)
     return out
+
+
+ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
+
+
+def graph_step_bytes(path) -> dict:
+    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
+    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
+    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
+    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
+    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
+    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def constant(name):
+        """(dims, bytes per element as the kernel reads it) of a constant input, or None for an activation."""
+        if name in inits:
+            t = inits[name]
+            return list(t.dims), ELEMENT_BYTES.get(t.data_type, 4)
+        node = producer.get(name)
+        if node is None or node.op_type not in ("Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
+                                                "Concat"):
+            return None
+        srcs = [constant(i) for i in node.input[:1 if node.op_type != "Concat" else None]]
+        if any(c is None for c in srcs):
+            return None
+        dims, size = srcs[0]
+        if node.op_type == "Cast":
+            return dims, ELEMENT_BYTES.get(next(a.i for a in node.attribute if a.name == "to"), 4)
+        if node.op_type == "Concat":  # the pieces of an adaptive-softmax head: their elements, in one block
+            return [sum(int(np.prod(d)) for d, _ in srcs)], size
+        if node.op_type == "Slice":  # the rows of a cluster, cut from the tied embedding
+            starts, ends = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
+            axes = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 else range(len(starts))
+            dims = list(dims)
+            for axis, a, b in zip(axes, starts, ends):
+                dims[axis] = max(0, min(int(b), dims[axis]) - min(int(a), dims[axis]))
+        return dims, size
+
+    out = {"weights": 0, "positional_tables": 0}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            inputs = node.input[1:]
+        elif node.op_type in ("MatMul", "Gemm"):
+            inputs = node.input
+        else:
+            continue
+        for name in inputs:
+            c = constant(name) if name else None
+            if c is not None:
+                kind = "positional_tables" if node.op_type == "MatMul" and len(c[0]) == 3 else "weights"
+                out[kind] += int(np.prod(c[0])) * c[1]
+    info = read_onnx_info(path)
+    cfg = info.config
+    state_bytes = 2 if info.precision == "fp16" else 4
+    out["memory"] = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * info.mem_len * state_bytes
+    out["total"] = out["weights"] + out["positional_tables"] + out["memory"]
+    return out
+
+
+def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, rounds: int, steps_per_round: int) -> dict:
+    """Each side's decode step against the copy floor and the plain read of the bytes it reads, in one run.
+
+    steps: {side: a callable running one decode step}; n_bytes: {side: bytes that step reads}. A round times
+    `steps_per_round` steps of every side (the order alternating from round to round), then the probe's copy and
+    read; each round's step median is set against that round's bandwidth (`efficiency`)."""
+    step_rounds = {side: [] for side in steps}
+    bandwidths = []
+    for k in range(rounds):
+        order = list(steps.items()) if k % 2 == 0 else list(steps.items())[::-1]
+        for side, step in order:
+            times = []
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            step_rounds[side].append(1e3 * float(np.median(times)))
+        bandwidths.append(probe())
+    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths) for side in steps}
+
+
+def efficiency(n_bytes: int, step_ms_rounds, bandwidths) -> dict:
+    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` (the
+    bytes over the median plain-read rate), `copy_ms` (the copy floor: the bytes over the median copy rate, which
+    counts a byte read and a byte written), and the medians of each round's own ratios (`over_read`,
+    `over_copy`), so a round slowed by another job compares its step with its own bandwidth."""
+    step_ms_rounds = [float(ms) for ms in step_ms_rounds]
+    read = [float(bw.read) for bw in bandwidths]
+    copy = [float(bw.copy) for bw in bandwidths]
+    return {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
+            "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
+            "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
+            "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
+            "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}

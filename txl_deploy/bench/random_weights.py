@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from txl_deploy.checkpoints import save_checkpoint
-from txl_deploy.config import PUBLISHED_SHAPES, published_config
+from txl_deploy.config import PUBLISHED_SHAPES, TxlConfig, published_config
 from txl_deploy.errors import InputError
 from txl_deploy.exporters.onnx.export import export_onnx
 from txl_deploy.vocab import Vocab
@@ -23,9 +23,29 @@ logger = logging.getLogger(__name__)
 
 SEED = 0
 
+# The paper's other published models, as stand-in shapes only (no checkpoint reader needs them): text8's model is
+# enwik8 large's shape and evaluation settings over text8's 27 symbols; One Billion Word's large model (the 0.8B
+# one) is 24 x 1280, 16 heads of 80, d_inner 8192, adaptive input and softmax with div_val 4 over the original
+# code's lm1b cutoffs, no projection tied (lm1b's tie_projs are all False), evaluated with 32 / 128 / no clamp.
+STANDIN_SHAPES: dict[str, dict] = {
+    "text8": {**PUBLISHED_SHAPES["enwik8-large"], "n_token": 27},
+    "lm1b-large": dict(
+        n_token=793470, n_layer=24, n_head=16, d_model=1280, d_head=80, d_inner=8192,
+        cutoffs=[60000, 100000, 640000], div_val=4, tie_weight=True, tie_projs=[False] * 4, untie_r=True,
+        mem_len=128, tgt_len=32, clamp_len=0, same_length=True,
+    ),
+}
+
 
 def is_shape_name(name: str) -> bool:
-    return str(name) in PUBLISHED_SHAPES
+    return str(name) in PUBLISHED_SHAPES or str(name) in STANDIN_SHAPES
+
+
+def shape_config(name: str, **overrides) -> TxlConfig:
+    """The config of a published shape or of a stand-in-only shape (`STANDIN_SHAPES`)."""
+    if str(name) in STANDIN_SHAPES:
+        return TxlConfig(**{**STANDIN_SHAPES[name], **overrides})
+    return published_config(name, **overrides)
 
 
 def random_model(config, seed: int = SEED):
@@ -54,9 +74,9 @@ def char_vocab(n: int):
 def standin_checkpoint(name: str, cache_dir, mem_len: int | None = None, seed: int = SEED) -> Path:
     """Our checkpoint folder for the published shape `name` (random weights), built once per cache_dir."""
     if not is_shape_name(name):
-        raise InputError(f"unknown shape {name!r}; known: {', '.join(PUBLISHED_SHAPES)}")
+        raise InputError(f"unknown shape {name!r}; known: {', '.join([*PUBLISHED_SHAPES, *STANDIN_SHAPES])}")
     overrides = {} if mem_len is None else {"mem_len": int(mem_len)}
-    config = published_config(name, **overrides)
+    config = shape_config(name, **overrides)
     key = hashlib.sha256(json.dumps([config.to_dict(), seed], sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"{name}-{key}"
     if not path.exists():
@@ -79,9 +99,11 @@ def _content_key(checkpoint: Path) -> str:
     graph does: a model retrained in place, or a new exporter, is exported again instead of being benchmarked
     through a stale cached export."""
     import txl_deploy.model.cached_step  # imports torch
+    import txl_deploy.model.output_layer  # imports torch
 
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
     stats = [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size,
               p.stat().st_mtime_ns) for p in files]
-    code = [Path(m.__file__).read_bytes().hex() for m in (txl_deploy.model.cached_step, txl_deploy.exporters.onnx.export)]
+    code = [Path(m.__file__).read_bytes().hex() for m in (txl_deploy.model.cached_step, txl_deploy.model.output_layer,
+                                                        txl_deploy.exporters.onnx.export)]
     return hashlib.sha256(json.dumps([stats, code]).encode()).hexdigest()[:10]

@@ -11,6 +11,9 @@ from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.describe import describe_checkpoint
 from txl_deploy.cli.options import ModelReference, local_model, vocab_options
 from txl_deploy.contract.describe import describe_onnx, describe_pte
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.parts import Parts
+from txl_deploy.errors import CheckpointError
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
 from txl_deploy.vocab import DESCRIPTIONS
@@ -50,6 +53,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         loaded = load_model(path, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
         d = describe_checkpoint(loaded)
         cfg, weight_bytes, precision = loaded.config, loaded_weight_bytes(loaded), "fp32"
+    if path.suffix == ".onnx" and path.is_file():
+        d["softmax_parts"] = _softmax_parts(path)
     if memory:
         d["memory_estimate"] = ram_report(cfg, weight_bytes, mem_len or cfg.mem_len or 1, max_segment, batch,
                                           precision)
@@ -76,6 +81,12 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
     click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {fb(mem['fp32']['hidden'])} fp32 / "
                f"{fb(mem['fp16']['hidden'])} fp16; key/value cache {fb(mem['fp32']['kv_cache'])} fp32 / "
                f"{fb(mem['fp16']['kv_cache'])} fp16")
+    parts = d.get("softmax_parts")
+    if parts:
+        click.echo(f"softmax parts: {parts['head']} (body + head: shortlist {parts['shortlist']} and "
+                   f"{len(parts['tails'])} cluster columns), {parts['status']}")
+        for i, t in enumerate(parts["tails"], start=1):
+            click.echo(f"  tail {i}:    {t['file']}, tokens [{t['lo']}, {t['hi']}), head column {t['head_column']}")
     click.echo("config:")
     for key, value in d["config"].items():
         click.echo(f"  {key}: {value}")
@@ -85,6 +96,22 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         click.echo(f"note: {note}")
     if memory:
         _print_memory(d["memory_estimate"])
+
+
+def _softmax_parts(path) -> dict | None:
+    """The adaptive softmax's head and tail graphs the model lists, and whether the files beside it are theirs."""
+    info = read_onnx_info(path)
+    parts = Parts.from_export(info.export, info.config, path)
+    if parts is None:
+        return None
+    try:
+        parts.files(path)
+        status = "present and matching (lazy decoding available)"
+    except CheckpointError as e:
+        status = f"refused: {e}"
+    return {"head": parts.head.file, "shortlist": parts.shortlist, "status": status,
+            "tails": [{"file": t.file, "lo": lo, "hi": hi, "head_column": parts.head_column(i)}
+                      for i, (t, (lo, hi)) in enumerate(zip(parts.tails, parts.bounds), start=1)]}
 
 
 def _print_memory(m: dict) -> None:

@@ -26,7 +26,8 @@ def serve_client(url, prompt, model, max_new_tokens, sampling, vocab, tokenizer,
     they arrive. The conversation is one Triton sequence, ended when generation stops. The server returns
     log-probs; this client samples them with the sampler every txl-deploy path uses (the options of `generate`).
     The text continues PROMPT, decoded as `generate` prints it; the prompt itself is not printed again."""
-    client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout)
+    # lazy: an adaptive-softmax model sends each step's head and only the tails the sampler asks for
+    client = TxlTritonClient(url, model=model, vocab=vocab, timeout=timeout, lazy=True)
     try:
         if client.vocab is None:
             raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")

@@ -26,6 +26,7 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.ring import write_ring
 from txl_deploy.model.mem_transformer import MemTransformerLM
+from txl_deploy.model.output_layer import OutputLayer
 
 
 class CachedTxl(nn.Module):
@@ -36,7 +37,13 @@ class CachedTxl(nn.Module):
             raise ValueError(f"state must be one of {io_spec.STATE_LAYOUTS}")
         self.cfg, self.mem_len, self.state, self.max_segment = cfg, int(mem_len), state, int(max_segment)
         self.spec = io_spec.GraphSpec(cfg.n_layer, cfg.n_head, cfg.d_head, self.mem_len, cfg.n_token, state)
-        self.word_emb, self.layers, self.crit = model.word_emb, model.layers, model.crit
+        self.layers = model.layers
+        # The embedding and the adaptive softmax over one copy of the output weights, stored as the MatMuls read
+        # them: a traced graph then holds the tied weight once, with nothing to slice, transpose or fold at load.
+        # `crit` is the step's last module, the same object; a caller may replace it to trace the output layer's
+        # parts as graphs of their own.
+        self.output_layer = OutputLayer(model)
+        self.crit = self.output_layer
         # same_length: a query sees only the last mem_len (+1 for NVIDIA's variant) positions.
         self.window = self.mem_len + cfg.same_length_extra if cfg.same_length else None
         self.table_size = r_table_size(cfg.clamp_len, self.mem_len, self.max_segment)
@@ -98,7 +105,7 @@ class CachedTxl(nn.Module):
         idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
         idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
 
-        h = self.word_emb(tokens)
+        h = self.output_layer.embed(tokens)
         outs = []
         for i, layer in enumerate(self.layers):
             attn = layer.dec_attn

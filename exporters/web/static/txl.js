@@ -263,7 +263,9 @@ export class StreamDecoder {
 // The same parameters, checked the same way (a bad value throws RangeError), the same steps in the same order, in
 // float64, with running sums in the same order, and the same uniform numbers: `Pcg64` is numpy's default_rng(seed)
 // (SeedSequence, then PCG64 XSL-RR, random() = (next64 >> 11) / 2^53), so a seeded page samples the tokens that
-// TxlRuntime.generate and the HTTP server sample from the same log-probs.
+// TxlRuntime.generate and the HTTP server sample from the same log-probs, for a model without an adaptive softmax
+// (Python samples an adaptive one with the cluster-factored algorithm of docs/sampling.md, which this file does not
+// implement: the same distribution, other draws).
 
 const MASK32 = 0xffffffff;
 const M128 = (1n << 128n) - 1n;

@@ -101,9 +101,11 @@ class Completion:
     """Sampling, text and stopping for one request. `next(log_probs)` -> TokenOut; `finish` is then set once the
     request is done ("stop": a stop string or stop token id, "length": max_tokens)."""
 
-    def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=()):
+    def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=(), clusters=None):
         self.params, self.vocab = params, vocab
-        self.sampler = Sampler(params, n_token, context, vocab=vocab)
+        # clusters: the model's adaptive softmax (Clusters.of(config)), so its decisions are the cluster-factored
+        # ones TxlRuntime.generate makes: the same tokens as generate, with the same seed
+        self.sampler = Sampler(params, n_token, context, vocab=vocab, clusters=clusters)
         self.stops = StopText(params.stop)
         # The completion continues the prompt's text (or, with none, a session's earlier text it was not shown): a
         # word gets its leading space unless the prompt ends a line, and a character that a byte-level model spells

@@ -185,7 +185,8 @@ class FleetEngine:
             if job.cancelled:
                 return
             conv = self._conversation(job.session)
-            completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt)
+            completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
+                                    clusters=self.client.clusters)
             log_probs = conv.feed(job.prompt) if job.prompt.size else job.session.last_log_probs
             fed = int(job.prompt.size)
             while completion.finish is None and not job.cancelled:

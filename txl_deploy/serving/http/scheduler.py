@@ -48,6 +48,7 @@ import numpy as np
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.sampling import Clusters
 from txl_deploy.serving.http.completion import Completion, TokenOut
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import GONE, LOADING, PARKING, Session, SessionStore
@@ -92,6 +93,7 @@ class Scheduler:
         self.rt = runtime
         self.backend = runtime.backend
         self.vocab, self.n_token, self.mem_len = runtime.vocab, runtime.n_token, runtime.mem_len
+        self.clusters = Clusters.of(runtime.config)  # the adaptive softmax's, as TxlRuntime.generate samples
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_chunk = int(prefill_chunk or self.backend.max_segment)
         if not 1 <= self.prefill_chunk <= self.backend.max_segment:
@@ -412,7 +414,8 @@ class Scheduler:
                     job.handle = job.session.handle
                 else:
                     job.handle = self.rows.start()
-                job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt)
+                job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
+                                            clusters=self.clusters)
             except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
                 self._fail(job, e)
                 self._check()

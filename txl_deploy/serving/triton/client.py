@@ -34,14 +34,19 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
-from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params, unk_id
+from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, generation_params, unk_id
 from txl_deploy.runtimes.saved_state import read_state_metadata
 from txl_deploy.serving.triton.protocol import (
+    CUTOFFS_PARAM,
+    HEAD_OUTPUT,
     PARAM_PREFIX,
     RESUME_INPUT,
     SAVED_OUTPUT,
+    TAIL_INPUT,
+    TAIL_OUTPUT,
     UNKNOWN_SEQUENCE,
     UNKNOWN_TO_MODEL,
+    cluster_bounds,
 )
 from txl_deploy.vocab import CONTINUING, Vocab
 
@@ -116,7 +121,7 @@ class _Server:
 
 
 class TxlTritonClient:
-    def __init__(self, url, model: str = "txl", vocab=None, timeout: float = 60.0):
+    def __init__(self, url, model: str = "txl", vocab=None, timeout: float = 60.0, lazy: bool = False):
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ServingError("no server URL given")
@@ -156,6 +161,12 @@ class TxlTritonClient:
             self.vocab = Vocab.from_dict(json.loads(self.params[PARAM_PREFIX + "vocab"]))
         else:
             self.vocab = None
+        # Lazy decoding (protocol.HEAD_OUTPUT / TAIL_INPUT): generate() fetches each step's head and only the tails
+        # its sampler asks for, where the model has an adaptive softmax and serves them (the python backend).
+        cutoffs = json.loads(self.params.get(CUTOFFS_PARAM) or "[]")
+        self.clusters = (Clusters(int(cutoffs[0]), cluster_bounds(cutoffs, self.n_token))
+                         if cutoffs and self.n_token else None)
+        self.lazy = bool(lazy) and self.clusters is not None
 
     @property
     def urls(self) -> list[str]:
@@ -237,7 +248,7 @@ class TxlTritonClient:
         return self._where.get(int(sequence_id)) or self.servers[self.route(sequence_id)]
 
     def _request(self, server: _Server, sequence_id: int, tokens, out_positions, start=False, end=False,
-                 resume_state=None, want_state=False, conversation=None):
+                 resume_state=None, want_state=False, conversation=None, output=io_spec.LOG_PROBS, tails=None):
         tc = server.tc
         tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(1, -1))
         positions = np.ascontiguousarray(np.asarray(out_positions, dtype=np.int64).reshape(1, -1))
@@ -245,12 +256,14 @@ class TxlTritonClient:
         if resume_state is not None:
             blob = np.frombuffer(bytes(resume_state), dtype=np.uint8).reshape(1, -1)
             arrays.append((RESUME_INPUT, blob, "UINT8"))
+        if tails is not None:
+            arrays.append((TAIL_INPUT, np.asarray(tails, dtype=np.int64).reshape(1, -1), "INT64"))
         inputs = []
         for name, array, dtype in arrays:
             inp = tc.InferInput(name, list(array.shape), dtype)
             inp.set_data_from_numpy(array)
             inputs.append(inp)
-        outputs = [tc.InferRequestedOutput(io_spec.LOG_PROBS)]
+        outputs = [tc.InferRequestedOutput(output)]
         if want_state:
             outputs.append(tc.InferRequestedOutput(SAVED_OUTPUT))
         extra = {"client_timeout": self.timeout} if server.protocol == "grpc" else {}
@@ -328,6 +341,8 @@ class Conversation:
         self.server = None  # the _Server holding the memory, fixed at the first request
         self.pending = None  # a generated token the server has not been fed yet
         self.last_log_probs = None
+        self.last_head = None  # lazy decoding: the head of the latest distribution (the full one is not fetched)
+        self.received = 0  # log-prob values received, full, head or tail (what lazy decoding saves)
         self._lock = threading.RLock()  # a drain may move the conversation while another thread feeds it
 
     @property
@@ -349,6 +364,11 @@ class Conversation:
 
     def feed(self, ids) -> np.ndarray:
         """Send token ids (split into pieces the server accepts); returns the next-token log-probs [V]."""
+        return self._feed(ids, head=False)
+
+    def _feed(self, ids, head: bool) -> np.ndarray:
+        """feed(); with head=True the server returns only the head of each distribution (`last_head`)."""
+        output = HEAD_OUTPUT if head else io_spec.LOG_PROBS
         with self._lock:
             if self.ended:
                 raise InputError(f"conversation {self.id} has ended")
@@ -363,11 +383,27 @@ class Conversation:
             for lo in range(0, ids.size, step):
                 piece = ids[lo:lo + step]
                 result = self.client._request(server, self.id, piece, [piece.size - 1], start=not self.started,
-                                              conversation=self)
-                self.last_log_probs = result.as_numpy(io_spec.LOG_PROBS)[0][0]
+                                              conversation=self, output=output)
+                last = result.as_numpy(output)[0][0]
+                self.received += last.size
+                self.last_log_probs, self.last_head = (None, last) if head else (last, None)
                 if not self.started:
                     self._register(server)
-            return self.last_log_probs
+            return last
+
+    def _tails(self, clusters) -> list[np.ndarray]:
+        """The log-probs of these tail clusters' tokens in the latest distribution, in one request that feeds
+        nothing (the server's memory does not move)."""
+        with self._lock:
+            result = self.client._request(self.server, self.id, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                          conversation=self, output=TAIL_OUTPUT, tails=list(clusters))
+            flat = result.as_numpy(TAIL_OUTPUT).reshape(-1)
+            self.received += flat.size
+            sizes = [hi - lo for lo, hi in (self.client.clusters.bounds[i - 1] for i in clusters)]
+            if flat.size != sum(sizes):
+                raise ServingError(f"the server sent {flat.size} tail log-probs for clusters {list(clusters)}, "
+                                   f"which hold {sum(sizes)} tokens")
+            return np.split(flat, np.cumsum(sizes)[:-1])
 
     def generate(self, prompt=None, max_new_tokens: int = 50, temperature: float = 0.0, top_k=None, top_p=None,
                  seed=None, stop=None, *, params: SamplingParams | None = None, **controls) -> Iterator[int]:
@@ -386,18 +422,34 @@ class Conversation:
         return self._generate(ids, params)
 
     def _generate(self, ids, params: SamplingParams) -> Iterator[int]:
+        lazy = self.client.lazy
         if ids is not None and ids.size:
-            self.feed(ids)
-        if self.last_log_probs is None and self.pending is None:
+            self._feed(ids, head=lazy)
+        elif lazy and self.pending is None and self.last_log_probs is not None:
+            self.last_head = self.client.clusters.head_from_full(self.last_log_probs)  # what an earlier feed() got
+        if self.last_log_probs is None and self.last_head is None and self.pending is None:
             raise InputError("generate() needs a prompt: nothing has been sent in this conversation yet")
         sampler = None
         for _ in range(params.max_tokens):
             if self.pending is not None:
-                self.feed([])
+                self._feed([], head=lazy)
             if sampler is None:
-                sampler = Sampler(params, self.last_log_probs.size, context=() if ids is None else ids.reshape(-1),
-                                  vocab=self.client.vocab)
-            tok = sampler.choose(self.last_log_probs)
+                context = () if ids is None else ids.reshape(-1)
+                if lazy:
+                    sampler = Sampler(params, self.client.n_token, context=context, vocab=self.client.vocab,
+                                      clusters=self.client.clusters)
+                else:
+                    sampler = Sampler(params, self.last_log_probs.size, context=context, vocab=self.client.vocab,
+                                      clusters=self.client.clusters)  # the same decisions as the lazy path
+            if lazy:  # the head, then only the tails this decision can depend on
+                choice = sampler.start(self.last_head)
+                while choice.needs:
+                    needs = choice.needs
+                    for i, tail in zip(needs, self._tails(needs)):
+                        choice.reveal(i, tail)
+                tok = choice.token
+            else:
+                tok = sampler.choose(self.last_log_probs)
             self.pending = tok
             yield tok
             if sampler.stopped_by_token(tok):

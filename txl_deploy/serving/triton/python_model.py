@@ -32,6 +32,12 @@ arrays (one row, the model's fingerprint, a format version); with END that parks
 with the input `resume_state` (such bytes) starts the conversation from that memory, refused with an error when the
 state belongs to another model. Tokens may be empty ([1, 0]) in a request that only parks or resumes; it gets the
 conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none is known).
+Lazy adaptive-softmax decoding (models with cutoffs; names and shapes in protocol.py): a request may ask for
+`head_log_probs` instead of `log_probs` (the shortlist's log-probs and one per tail cluster), and a request that
+feeds no tokens may name `tail_clusters` to get `tail_log_probs`, those clusters' tokens' log-probs in the
+conversation's latest distribution, leaving the memory as it was. The head is summed here from the distribution the
+graph computed, so what this saves is the transfer (1 MB a token for WikiText-103's 267,735 words, against 80 KB for
+its head), not the model's work.
 A bad request gets an error response and changes no memory. Inputs are refused by their shape before the model
 allocates anything from them: tokens and out_positions beyond max_request_tokens, a resume_state larger than one
 conversation's state; a resume_state is then read as untrusted (runtimes.saved_state: names, headers, sizes and
@@ -73,7 +79,8 @@ from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.runtimes.saved_state import max_archive_bytes, read_saved_state  # noqa: E402
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
-    RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, UNKNOWN_TO_MODEL)
+    HEAD_OUTPUT, RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, TAIL_INPUT, TAIL_OUTPUT,
+    UNKNOWN_TO_MODEL, cluster_bounds)
 
 _previous_hook = sys.unraisablehook
 
@@ -117,11 +124,13 @@ class Conversation:
 
 
 class _Work:
-    __slots__ = ("index", "conv", "tokens", "positions", "want_state", "end", "log_probs", "error")
+    __slots__ = ("index", "conv", "tokens", "positions", "want_state", "end", "log_probs", "error", "want_full",
+                 "want_head", "tails")
 
-    def __init__(self, index, conv, tokens, positions, want_state, end):
+    def __init__(self, index, conv, tokens, positions, want_state, end, want_full=True, want_head=False, tails=None):
         self.index, self.conv, self.tokens, self.positions = index, conv, tokens, positions
         self.want_state, self.end, self.log_probs, self.error = want_state, end, None, None
+        self.want_full, self.want_head, self.tails = want_full, want_head, tails
 
 
 def _message(e):
@@ -144,6 +153,8 @@ class TritonPythonModel:
             self.runtime = TxlRuntime.load(model_file)  # a TensorRT engine: host threads do not matter
         self.backend = self.runtime.backend
         self.n_token = self.runtime.n_token
+        # The adaptive softmax's tail clusters (none for a plain softmax): what head and tail requests refer to.
+        self.clusters = cluster_bounds(self.runtime.config.cutoffs, self.n_token)
         self.max_request_tokens = int(params.get("max_request_tokens") or self.backend.max_segment)
         # At most max_candidate_sequences conversations are live on one instance at a time (Triton's oldest
         # strategy); more held memories can only belong to sequences Triton has already dropped (idle timeout).
@@ -250,10 +261,18 @@ class TritonPythonModel:
             start = bool(_input(request, "START").reshape(-1)[0])
             end = bool(_input(request, "END").reshape(-1)[0])
             resume = _input(request, RESUME_INPUT, self.max_state_bytes, "bytes")
-            want_state = SAVED_OUTPUT in request.requested_output_names()
+            wanted = request.requested_output_names()
+            want_state = SAVED_OUTPUT in wanted
+            want_head = HEAD_OUTPUT in wanted
+            tails = self._check_tails(_input(request, TAIL_INPUT, max(len(self.clusters), 1), "clusters"))
+            if want_head and not self.clusters:
+                raise ValueError(f"{HEAD_OUTPUT}: this model has no adaptive softmax (a plain softmax): ask for "
+                                 "log_probs")
+            want_full = "log_probs" in wanted or not (want_head or tails is not None)
             tokens = _input(request, "tokens", self.max_request_tokens, "tokens")
             positions = _input(request, "out_positions", self.max_request_tokens, "positions")
-            tokens, positions = self._check(tokens, positions, state_only=resume is not None or want_state)
+            tokens, positions = self._check(tokens, positions,
+                                            state_only=resume is not None or want_state or tails is not None)
             if resume is not None and not start:
                 raise ValueError(f"{RESUME_INPUT} starts a conversation: send it with sequence_start")
             if start:
@@ -265,7 +284,7 @@ class TritonPythonModel:
             else:
                 raise ValueError(f"conversation {corrid} {UNKNOWN_TO_MODEL} (it ended, idled out, "
                                  "or the server restarted): start a new sequence")
-            return _Work(i, conv, tokens, positions, want_state, end)
+            return _Work(i, conv, tokens, positions, want_state, end, want_full, want_head, tails)
         except Exception as e:  # a bad request must not take the instance (and its other conversations) down
             responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"txl-deploy: {_message(e)}"))
             if end and corrid is not None:
@@ -310,7 +329,13 @@ class TritonPythonModel:
                 last = work.conv.last_log_probs
                 log_probs = (np.full((1, 1, self.n_token), np.nan, np.float32) if last is None
                              else last.reshape(1, 1, -1))
-            outputs = [_output("log_probs", log_probs.astype(np.float32, copy=False))]
+            outputs = []
+            if work.want_full:
+                outputs.append(_output("log_probs", log_probs.astype(np.float32, copy=False)))
+            if work.want_head:
+                outputs.append(_output(HEAD_OUTPUT, self._head(log_probs)))
+            if work.tails is not None:
+                outputs.append(_output(TAIL_OUTPUT, self._tails(work.conv, work.tails)))
             if work.want_state:
                 outputs.append(_output(SAVED_OUTPUT, self._saved_state(work.conv)))
             response = pb_utils.InferenceResponse(output_tensors=outputs)
@@ -319,6 +344,50 @@ class TritonPythonModel:
         if work.end:
             self._forget(work.conv.corrid)
         return response
+
+    # -- lazy adaptive-softmax decoding (protocol.HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT) ---------------------------
+    def _check_tails(self, clusters):
+        """TAIL_INPUT -> the cluster indices asked for (int64 [K]), or None when the request asks for none."""
+        if clusters is None:
+            return None
+        if not self.clusters:
+            raise ValueError(f"{TAIL_INPUT}: this model has no adaptive softmax, so no tail clusters")
+        if clusters.ndim != 2 or clusters.shape[0] != 1 or clusters.shape[1] < 1:
+            raise ValueError(f"{TAIL_INPUT} must be [1, K] with K >= 1, got shape {list(clusters.shape)}")
+        if not np.issubdtype(clusters.dtype, np.integer):
+            raise ValueError(f"{TAIL_INPUT} must be INT64 cluster indices, got {clusters.dtype}")
+        ids = clusters.reshape(-1)
+        n = len(self.clusters)
+        if int(ids.min()) < 1 or int(ids.max()) > n:
+            raise ValueError(f"{TAIL_INPUT} must name tail clusters 1..{n}, got {ids.tolist()[:8]}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError(f"{TAIL_INPUT} names a cluster twice: {ids.tolist()}")
+        return ids.astype(np.int64)
+
+    def _head(self, log_probs):
+        """[1, P, V] log-probs -> [1, P, shortlist + n]: the shortlist's, then each cluster's log p_head(i), cluster
+        i at column shortlist + n - i (protocol.HEAD_OUTPUT).
+
+        The cluster's log-prob is the log-sum-exp of its tokens' in float64; it is >= every one of them (the max plus
+        the log of a sum >= 1, rounded to the nearest float32 of a value >= a float32), so a sampler's bound holds."""
+        lp = np.asarray(log_probs, dtype=np.float64)
+        cols = [lp[..., :self.clusters[0][0]]]
+        for lo, hi in reversed(self.clusters):
+            part = lp[..., lo:hi]
+            top = part.max(axis=-1, keepdims=True)
+            safe = np.where(np.isfinite(top), top, 0.0)  # a cluster the model rules out entirely stays -inf
+            with np.errstate(divide="ignore"):
+                cols.append(safe + np.log(np.exp(part - safe).sum(axis=-1, keepdims=True)))
+        return np.concatenate(cols, axis=-1).astype(np.float32)
+
+    def _tails(self, conv, ids):
+        """The log-probs of clusters `ids`' tokens in the conversation's latest next-token distribution [1, N]."""
+        last = conv.last_log_probs
+        if last is None:
+            raise ValueError(f"{TAIL_INPUT}: conversation {conv.corrid} has no next-token distribution yet (feed "
+                             "tokens, with the last position among out_positions)")
+        flat = np.asarray(last, dtype=np.float32).reshape(-1)
+        return np.concatenate([flat[slice(*self.clusters[i - 1])] for i in ids])[None]
 
     def _check(self, tokens, positions, state_only=False):
         if tokens is None or positions is None:

@@ -18,6 +18,7 @@ Three backends, one wire format (`tokens` [1, Q] int64, `out_positions` [1, P] i
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -34,7 +35,15 @@ from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, ExportError
 from txl_deploy.files import atomic_path
-from txl_deploy.serving.triton.protocol import PARAM_PREFIX, RESUME_INPUT, SAVED_OUTPUT
+from txl_deploy.serving.triton.protocol import (
+    CUTOFFS_PARAM,
+    HEAD_OUTPUT,
+    PARAM_PREFIX,
+    RESUME_INPUT,
+    SAVED_OUTPUT,
+    TAIL_INPUT,
+    TAIL_OUTPUT,
+)
 from txl_deploy.vocab import Vocab
 
 logger = logging.getLogger(__name__)
@@ -220,6 +229,13 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
               if opts.backend == "python" else "")
     saved = (f',\n  {{ name: "{SAVED_OUTPUT}" data_type: TYPE_UINT8 dims: [ -1 ] }}'
              if opts.backend == "python" else "")
+    # With an adaptive softmax it also answers lazy decoders: the head of a step, and tails of the same step on
+    # request (protocol.py), so a client that samples need not fetch all V log-probs every token.
+    cutoffs = list(model.info.config.cutoffs)
+    if opts.backend == "python" and cutoffs:
+        resume += f',\n  {{ name: "{TAIL_INPUT}" data_type: TYPE_INT64 dims: [ -1 ] optional: true }}'
+        saved += (f',\n  {{ name: "{HEAD_OUTPUT}" data_type: TYPE_FP32 dims: [ -1, {cutoffs[0] + len(cutoffs)} ] }}'
+                  f',\n  {{ name: "{TAIL_OUTPUT}" data_type: TYPE_FP32 dims: [ -1 ] }}')
     lines += [
         f"max_batch_size: {opts.max_batch}",
         "input [",
@@ -264,6 +280,8 @@ def config_text(model: ServedModel, opts: RepoOptions) -> str:
     params = _common_params(model)
     if opts.backend == "python":
         params += [_param("model_file", model.path.name), _param("max_request_tokens", model.max_segment)]
+        if model.info.config.cutoffs:
+            params.append(_param(CUTOFFS_PARAM, json.dumps([int(c) for c in model.info.config.cutoffs])))
         if opts.threads is not None:
             params.append(_param(PARAM_PREFIX + "threads", opts.threads))
     lines += params
@@ -291,7 +309,7 @@ def check_config(config, model: ServedModel, opts: RepoOptions) -> list[str]:
         problems.append("the sequence batcher with the oldest strategy is missing")
     if config.max_batch_size != opts.max_batch:
         problems.append(f"max_batch_size {config.max_batch_size} != {opts.max_batch}")
-    names = {i.name for i in config.input} - ({RESUME_INPUT} if opts.backend == "python" else set())
+    names = {i.name for i in config.input} - ({RESUME_INPUT, TAIL_INPUT} if opts.backend == "python" else set())
     if names != {io_spec.TOKENS, io_spec.OUT_POSITIONS}:
         problems.append(f"inputs {sorted(names)}")
     if opts.backend == "python":

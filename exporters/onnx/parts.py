@@ -1,0 +1,258 @@
+"""The adaptive softmax's head and tails exported as graphs of their own, beside the model (contract: `contract.parts`).
+
+ONNX Runtime runs every node of a graph whatever outputs a caller asks for, so a decoder that needs the head and
+one tail of a word model still pays for every tail (62% of a WikiText-103 base decode step's bytes) unless the
+parts are separate graphs. Each part is self-contained (its weights inline) and passes the checks the main graph
+passes; `write_parts` checks them against the PyTorch cached step on a multi-segment stream before the model's
+metadata lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from txl_deploy.contract import parts as contract
+from txl_deploy.contract.onnx_file import write_inline
+from txl_deploy.contract.ring import write_ring
+from txl_deploy.errors import ExportError
+from txl_deploy.exporters.graph_checks import check_strict
+from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
+from txl_deploy.files import atomic_path, check_writable
+
+logger = logging.getLogger(__name__)
+
+# The parts compute what the main graph computes in another arrangement (the head's log-softmax, then each tail's
+# log-softmax plus the head column): in fp32 the assembled log-probs stay within the main export's tolerance.
+ATOL, RTOL = 1e-4, 1e-5
+
+
+def _modules(model, cached):
+    """(body + head module, [tail module of cluster i for i = 1..n]) built from `model.crit`'s cluster parameters
+    with the formulas of `ProjectedAdaptiveLogSoftmax.forward`."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    import torch.nn.functional as F  # optional (the torch extra), as above
+    from torch import nn  # optional (the torch extra), as above
+
+    crit = model.crit
+    n = model.cfg.n_clusters
+
+    def logit(hidden, weight, bias, proj):
+        return F.linear(hidden @ proj if proj is not None else hidden, weight, bias)
+
+    class HiddenAndHead(nn.Module):
+        """Stands in for CachedTxl's output layer: returns the hidden states and the head's log-probs, so the
+        cached step's body is traced unchanged and its outputs become (hidden, head_log_probs, *state)."""
+
+        def __init__(self):
+            super().__init__()
+            # Copies of the head's rows only: with div_val 1 cluster_params slices the whole output matrix, and a
+            # traced Slice would keep all of it in the graph (every tail's rows in the head file).
+            weight, bias, proj = crit.cluster_params(0)
+            with torch.no_grad():
+                self.register_buffer("weight", torch.cat([weight, crit.cluster_weight], dim=0).contiguous())
+                self.register_buffer("bias", torch.cat([bias, crit.cluster_bias], dim=0).contiguous())
+            self.proj = proj
+
+        def forward(self, hidden):
+            return hidden, F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
+
+    class Tail(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            weight, bias, proj = crit.cluster_params(i)
+            with torch.no_grad():  # this cluster's rows only (see HiddenAndHead)
+                self.register_buffer("weight", weight.detach().clone().contiguous())
+                self.register_buffer("bias", bias.detach().clone().contiguous())
+            self.proj = proj
+
+        def forward(self, hidden, head_log_prob):
+            tail = F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
+            return tail + head_log_prob[:, None]
+
+    cached.crit = HiddenAndHead()
+    return cached, [Tail(i).eval() for i in range(1, n + 1)]
+
+
+def head_output_names(spec) -> list[str]:
+    return [contract.HIDDEN, contract.HEAD_LOG_PROBS] + [s.name for s in spec.state_outputs()]
+
+
+def _export(module, args, input_names, output_names, dynamic, opset):
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    quiet = logging.getLogger("torch.onnx")  # registry warnings that say nothing about this model
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
+                                     dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False,
+                                     report=False)
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export of a softmax part failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        quiet.setLevel(level)
+
+
+def _save(program, path: Path, force: bool, what: str) -> None:
+    """Write a part: its weights inline (one file, as the main graph under 2 GB), checked as the main graph is."""
+    with atomic_path(path, force=force) as tmp:
+        program.save(str(tmp), external_data=True)
+        check_tensorrt_compat(str(tmp)).raise_if_failed()
+        one = tmp.with_name(tmp.name + ".inline")
+        write_inline(tmp, one)
+        os.replace(one, tmp)
+        Path(str(tmp) + ".data").unlink()
+        check_strict(tmp, what)
+
+
+def write_parts(model, out_path, *, mem_len: int, state: str, max_segment: int, opset: int, force: bool,
+                verify: bool = True, threads: int | None = None) -> dict:
+    """Export the head and every tail of `model`'s adaptive softmax beside `out_path` (`contract.parts` names),
+    verify them against PyTorch and return the `export.parts` entry (file names and sha256) for the model's
+    metadata."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    from txl_deploy.model.cached_step import CachedTxl  # imports torch
+
+    cfg = model.cfg
+    if cfg.n_clusters <= 0:
+        raise ExportError("the model has no adaptive softmax clusters: there are no parts to export")
+    out_path = Path(out_path)
+    head_module, tails = _modules(model, CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval())
+    spec = head_module.spec
+    p = next(model.parameters())
+
+    # The head: the main graph's inputs and dynamic axes (see export._torch_export).
+    st = head_module.empty_state(2, dtype=p.dtype)
+    args = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), *st)
+    b = torch.export.Dim("batch", min=1, max=65536)
+    q = torch.export.Dim("segment", min=1, max=65536)
+    pos = torch.export.Dim("positions", min=1, max=65536)
+    state_dims = [{0: b} for _ in st]
+    if spec.state == "incremental" and spec.mem_len >= 2:
+        slots = torch.export.Dim("slots", min=1, max=spec.mem_len)
+        for i in range(spec.n_layer):
+            state_dims[2 * i][3] = slots
+            state_dims[2 * i + 1][2] = slots
+    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
+    head_path = out_path.with_name(contract.head_name(out_path))
+    logger.info(f"exporting the adaptive softmax's head and {cfg.n_clusters} tails beside {out_path.name}")
+    _save(_export(head_module, args, spec.input_names(), head_output_names(spec), dynamic, opset), head_path,
+          force, "the body + head graph")
+
+    n = torch.export.Dim("rows", min=1, max=1 << 24)
+    tail_paths = []
+    for i, tail in enumerate(tails, start=1):
+        path = out_path.with_name(contract.tail_name(out_path, i))
+        example = (torch.zeros(2, cfg.d_model, dtype=p.dtype), torch.zeros(2, dtype=p.dtype))
+        program = _export(tail, example, [contract.HIDDEN, contract.HEAD_LOG_PROB], [contract.TAIL_LOG_PROBS],
+                          ({0: n}, {0: n}), opset)
+        _save(program, path, force, f"the tail {i} graph")
+        tail_paths.append(path)
+
+    entry = {"head": {"file": head_path.name, "sha256": contract.sha256(head_path)},
+             "tails": [{"file": t.name, "sha256": contract.sha256(t)} for t in tail_paths]}
+    entry["precision"] = "fp32"  # a reduced-precision graph derived from this one must not run these parts
+    if verify:
+        try:
+            report = verify_parts(model, head_module, head_path, tail_paths, threads=threads)
+        except BaseException:
+            for path in (head_path, *tail_paths):
+                path.unlink(missing_ok=True)
+            raise
+        logger.info(f"  parts checked against PyTorch: max abs difference {report['max_abs_diff']:.3g} "
+                    f"(|diff| <= {ATOL:g} + {RTOL:g} x |log-prob|, {report['segments']} segments)")
+        entry["verification"] = report
+    return entry
+
+
+def move_parts(tmp, out_path, force: bool) -> None:
+    """Move the parts written beside `tmp` (named after it) beside `out_path`, named after it."""
+    tmp, out_path = Path(tmp), Path(out_path)
+    names = [contract.head_name(tmp)] + [n.name for n in sorted(tmp.parent.glob(f"{tmp.stem}.tail*.onnx"))]
+    for name in names:
+        dest = out_path.with_name(out_path.stem + name[len(tmp.stem):])
+        os.replace(tmp.parent / name, check_writable(dest, force))
+
+
+def assemble(head: np.ndarray, tails: list[np.ndarray], shortlist: int) -> np.ndarray:
+    """Full log-probs [..., V] from the head's log-probs and every tail's (`tails[i - 1]` for cluster i, each
+    already holding log p_head(i) + log p_i(t | i)): the main graph's composition."""
+    return np.concatenate([head[..., :shortlist], *tails], axis=-1)
+
+
+def run_tails(sessions, hidden: np.ndarray, head: np.ndarray, shortlist: int) -> list[np.ndarray]:
+    """Every tail session on `hidden` [..., d_model] with its head column: [..., hi - lo] each."""
+    lead, n = hidden.shape[:-1], len(sessions)
+    flat, flat_head = hidden.reshape(-1, hidden.shape[-1]), head.reshape(-1, head.shape[-1])
+    out = []
+    for i, sess in enumerate(sessions, start=1):
+        col = np.ascontiguousarray(flat_head[:, contract.head_column(shortlist, n, i)])
+        (lp,) = sess.run(None, {contract.HIDDEN: flat, contract.HEAD_LOG_PROB: col})
+        out.append(lp.reshape(*lead, lp.shape[-1]))
+    return out
+
+
+def verify_parts(model, cached, head_path, tail_paths, threads: int | None = None, batch: int = 2,
+                 seed: int = 0) -> dict:
+    """Run the parts with ONNX Runtime beside the PyTorch cached step over a stream of segments that fills and
+    wraps the memory (prefill, decode steps, a segment longer than the memory where the graph allows) and refuse
+    a mismatch of the assembled log-probs or of the state outputs."""
+    import onnxruntime as ort  # optional (the cpu extra)
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = int(threads)
+    head = ort.InferenceSession(str(head_path), opts, providers=["CPUExecutionProvider"])
+    tails = [ort.InferenceSession(str(t), opts, providers=["CPUExecutionProvider"]) for t in tail_paths]
+    cfg, spec, M = model.cfg, cached.spec, cached.mem_len
+    shortlist = cfg.cutoffs[0]
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [min(5, cached.max_segment), 1, 1, min(M + 3, cached.max_segment), 1]
+    state = cached.empty_state(batch, dtype=next(model.parameters()).dtype)
+    worst, segments = 0.0, 0
+    names = spec.input_names()
+    with torch.no_grad():
+        for q in lengths:
+            tokens = torch.randint(0, cfg.n_token, (batch, q), generator=gen)
+            positions = torch.arange(q).expand(batch, q).contiguous()
+            (ref_hidden, _), *outs = cached(tokens, positions, *state)
+            ref = model.crit(ref_hidden)  # the full output layer on PyTorch's hidden states
+            feeds = {k: v.numpy() for k, v in zip(names, [tokens, positions, *state])}
+            hidden, head_lp, *parts_outs = head.run(None, feeds)
+            got = assemble(head_lp, run_tails(tails, hidden, head_lp, shortlist), shortlist)
+            want = ref.numpy()
+            diff = np.abs(got - want)
+            worst = max(worst, float(diff.max()))
+            bad = diff > ATOL + RTOL * np.abs(want)
+            if bad.any() or got.shape != want.shape:
+                raise ExportError(f"the softmax parts differ from PyTorch: max abs difference {diff.max():.3g} "
+                                  f"outside |diff| <= {ATOL:g} + {RTOL:g} x |log-prob|; nothing was written")
+            for name, a, b in zip(head_output_names(spec)[2:], parts_outs, outs):
+                if not np.allclose(a, b.numpy(), atol=ATOL, rtol=RTOL):
+                    raise ExportError(f"the head graph's {name} differs from PyTorch; nothing was written")
+            # Advance the reference state as a runtime does: the ring buffer takes this segment's entries.
+            if spec.state == "incremental":
+                nxt = []
+                for i in range(spec.n_layer):
+                    nxt += list(write_ring(state[2 * i], state[2 * i + 1], outs[2 * i], outs[2 * i + 1], state[-1],
+                                           M, in_place=False))
+                state = nxt + [state[-1] + q]
+            else:
+                state = list(outs)
+            segments += 1
+    return {"passed": True, "max_abs_diff": worst, "segments": segments,
+            "criterion": f"|diff| <= {ATOL:g} + {RTOL:g} x |log-prob|", "state_outputs": "allclose",
+            "io": {"head": {"outputs": head_output_names(spec)[:2]}, "tail": {"inputs": [contract.HIDDEN,
+                                                                                           contract.HEAD_LOG_PROB]}}}

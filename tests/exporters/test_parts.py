@@ -1,0 +1,105 @@
+"""The adaptive softmax's head and tails as graphs of their own beside the model (exporters/onnx/parts.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from txl_deploy.contract import parts as contract
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.errors import CheckpointError
+from txl_deploy.exporters.onnx.parts import assemble, run_tails
+from helpers.cli import cli
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _sessions(folder, parts):
+    return (ort.InferenceSession(str(folder / parts.head.file), providers=["CPUExecutionProvider"]),
+            [ort.InferenceSession(str(folder / t.file), providers=["CPUExecutionProvider"]) for t in parts.tails])
+
+
+def test_export_lists_the_parts_with_their_digests(tiny_onnx):
+    info = read_onnx_info(tiny_onnx)
+    parts = contract.Parts.from_export(info.export, info.config, tiny_onnx)
+    assert parts is not None and parts.n_clusters == info.config.n_clusters == 2
+    assert parts.head.file == "tiny.head.onnx" and [t.file for t in parts.tails] == ["tiny.tail1.onnx",
+                                                                                    "tiny.tail2.onnx"]
+    assert parts.bounds == ((10, 30), (30, info.config.n_token)) and parts.shortlist == 10
+    assert info.export["parts"]["verification"]["passed"]
+    paths = parts.files(tiny_onnx)  # present, in the folder, digests as listed
+    for path in paths:
+        onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    head = onnx.load(str(paths[0]), load_external_data=False)
+    assert [o.name for o in head.graph.output][:2] == ["hidden", "head_log_probs"]
+    assert [i.name for i in head.graph.input] == info.spec().input_names()
+
+
+def test_parts_assembled_equal_the_full_graph(tiny_onnx):
+    """Head + every tail, combined as the contract says, give the main graph's log-probs and state outputs over a
+    stream that fills and wraps the memory."""
+    info = read_onnx_info(tiny_onnx)
+    spec, cfg = info.spec(), info.config
+    parts = contract.Parts.from_export(info.export, cfg, tiny_onnx)
+    full = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    head, tails = _sessions(tiny_onnx.parent, parts)
+    rng = np.random.default_rng(0)
+    state = {s.name: np.zeros(s.shape_for(2), np.int64 if s.dtype == "int64" else np.float32)
+             for s in spec.state_inputs()}
+    from txl_deploy.contract.ring import write_segment
+
+    mems = [n for i in range(spec.n_layer) for n in (f"mem_k.{i}", f"mem_v.{i}")]
+    for q in (4, 1, 15, 1):
+        feeds = dict(state, tokens=rng.integers(0, cfg.n_token, (2, q)),
+                     out_positions=np.tile(np.arange(q), (2, 1)))
+        want, *want_state = full.run(None, feeds)
+        hidden, head_lp, *got_state = head.run(None, feeds)
+        assert hidden.shape == (2, q, cfg.d_model) and head_lp.shape == (2, q, cfg.cutoffs[0] + 2)
+        tails_lp = run_tails(tails, hidden, head_lp, parts.shortlist)
+        assert [t.shape[-1] for t in tails_lp] == [hi - lo for lo, hi in parts.bounds]
+        np.testing.assert_allclose(assemble(head_lp, tails_lp, parts.shortlist), want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(got_state, want_state):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+        # Each cluster's probability sits in its head column, in the original code's reversed order.
+        for i, (lo, hi) in enumerate(parts.bounds, start=1):
+            mass = np.logaddexp.reduce(want[..., lo:hi], axis=-1)
+            np.testing.assert_allclose(mass, head_lp[..., parts.head_column(i)], atol=1e-5)
+        write_segment([state[n] for n in mems], want_state, state["mem_count"], spec.mem_len)
+
+
+def test_parts_that_do_not_belong_are_refused(tiny_onnx, tmp_path):
+    assert "present and matching" in cli("info", tiny_onnx).output
+    for f in tiny_onnx.parent.glob("tiny*.onnx"):
+        shutil.copy(f, tmp_path / f.name)
+    model = tmp_path / "tiny.onnx"
+    info = read_onnx_info(model)
+    parts = contract.Parts.from_export(info.export, info.config, model)
+    tail = tmp_path / "tiny.tail2.onnx"
+    data = bytearray(tail.read_bytes())
+    data[-1] ^= 1
+    tail.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not belong") as e:
+        parts.files(model)
+    assert "\n" not in str(e.value)
+    shown = cli("info", model)
+    assert shown.exit_code == 0 and "tail 2:    tiny.tail2.onnx, tokens [30, 60), head column 10" in shown.output
+    assert "softmax parts: tiny.head.onnx" in shown.output and "refused: " in shown.output
+    tail.unlink()
+    with pytest.raises(CheckpointError, match="not found"):
+        parts.files(model)
+    shutil.copy(tmp_path / "tiny.tail1.onnx", tail)  # another part of the same model under this name
+    with pytest.raises(CheckpointError, match="does not belong"):
+        parts.files(model)
+
+
+@pytest.mark.parametrize("name", ["../x.onnx", "/etc/passwd", "sub/x.onnx", ".."])
+def test_part_names_outside_the_folder_are_refused(tiny_onnx, name):
+    info = read_onnx_info(tiny_onnx)
+    export = json.loads(json.dumps(info.export))
+    export["parts"]["tails"][0]["file"] = name
+    with pytest.raises(CheckpointError, match="model's folder"):
+        contract.Parts.from_export(export, info.config, tiny_onnx)
