@@ -68,11 +68,13 @@ CORPUS = [
 def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, reference):
     good = [[1, 2, 3], [7, 8], list(range(20))]
     n = 60
-    # seeded sampling: each stream's tokens are its own, so one that a bad request disturbed (or that got another's
-    # row) would differ from the same stream alone
-    sampling = {"temperature": 1.0, "seed": 6}
+    # seeded sampling, each stream its own seed: each stream's tokens are its own, so one that a bad request
+    # disturbed (or that got another's row or tokens) would differ from the same stream alone. One seed for all
+    # would not show it: the tiny random model's next-token distribution hardly depends on the context, and with
+    # the same draws two of these prompts write the same 60 tokens.
+    sampling = [{"temperature": 1.0, "seed": 6 + i} for i in range(len(good))]
 
-    def stream(prompt):
+    def stream(prompt, sampling):
         body = {"prompt": prompt, "max_tokens": n, **sampling, "return_token_ids": True, "stream": True}
         ids = []
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
@@ -83,7 +85,7 @@ def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, referenc
         return ids
 
     with ThreadPoolExecutor(len(good)) as pool:
-        running = [pool.submit(stream, p) for p in good]
+        running = [pool.submit(stream, p, s) for p, s in zip(good, sampling)]
         answers = []
         with httpx.Client(base_url=server.url, timeout=60) as c:
             for method, path, kwargs, status, fragment in CORPUS:
@@ -102,9 +104,9 @@ def test_every_bad_request_gets_a_4xx_while_other_streams_go_on(server, referenc
     named = {r.json()["error"]["param"].split(".")[0] for method, path, *_, r in answers
              if path == "/v1/completions" and r.json()["error"]["param"] is not None}
     assert set(CompletionRequest.model_fields) - named == set()
-    for prompt, ids in zip(good, results):
+    for prompt, ids, s in zip(good, results, sampling):
         rt = reference()
-        assert ids == list(rt.generate(prompt, params=SamplingParams(max_tokens=n, **sampling)))
+        assert ids == list(rt.generate(prompt, params=SamplingParams(max_tokens=n, **s)))
         rt.close()
     assert len(set(results[0])) > 10 and len({tuple(ids) for ids in results}) == len(good)
     # and it still serves
