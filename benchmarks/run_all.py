@@ -54,6 +54,7 @@ SCRIPTS = {
     "peers": ["benchmarks/peers.py", "--force"],
     "int4": ["benchmarks/int4.py"],
     "efficiency": ["benchmarks/decode_efficiency.py"],
+    "lazy-decode": ["benchmarks/lazy_decode.py"],
     "precision": ["benchmarks/precision.py", "accuracy", "--out", "/tmp/bench/prec", "--md",
                   "benchmarks/results_precision.md", "--force"],
     "triton": ["benchmarks/triton_load.py", "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_triton.md",

@@ -42,8 +42,11 @@ class TxlRuntime:
     >>> for tok in rt.generate("The", max_new_tokens=20, seed=0): ...
     """
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, lazy: bool = True):
         self.backend = backend
+        # generate() through the adaptive softmax's parts where the backend has them; False: every step computes
+        # the full distribution through the main graph (the same tokens, for comparing the two).
+        self.lazy = bool(lazy)
         self._state = None
         self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
         # Lazy decoding's counts (generate on a backend with the softmax's parts): decisions made, and per tail
@@ -56,7 +59,7 @@ class TxlRuntime:
     def load(cls, path, backend: str | None = None, providers=None, device: str | None = None,
              mem_len: int | None = None, max_segment: int | None = None, clamp_len: int | None = None,
              same_length: bool | None = None, threads: int | None = None,
-             tokenizer: str | None = None) -> "TxlRuntime":
+             tokenizer: str | None = None, lazy: bool = True) -> "TxlRuntime":
         """Open a model. `.onnx` -> ONNX Runtime (providers automatic or named), `.engine` -> TensorRT,
         `.pte` -> ExecuTorch (the program and its `.pte.json` sidecar), a checkpoint -> the PyTorch eager reference
         (`backend="torch-fast"` for the cached PyTorch path).
@@ -75,10 +78,14 @@ class TxlRuntime:
         at the defaults each library starts a thread per core and they contend for the same cores.
 
         tokenizer: how a word model reads and writes text for this runtime ("whitespace", "wikitext", "lm1b";
-        see `set_tokenizer`) [default: the vocabulary's own, stored with the model]."""
+        see `set_tokenizer`) [default: the vocabulary's own, stored with the model].
+
+        lazy: on a backend with the adaptive softmax's parts, `generate` computes each step's head and only the
+        tails its sampler asks for [default]; False computes every step's full distribution (the same tokens).
+        Also the `lazy` attribute, which may be changed between calls."""
         rt = cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
                               max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
-                              threads=threads))
+                              threads=threads), lazy=lazy)
         if tokenizer is not None:
             rt.set_tokenizer(tokenizer)
         return rt
@@ -406,7 +413,7 @@ class TxlRuntime:
         # the lazy path (head first, tails as asked) and the full path give the same tokens.
         sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab,
                           clusters=Clusters.of(self.config))
-        if self.backend.clusters is not None:
+        if self.lazy and self.backend.clusters is not None:
             return self._generate_lazy(ids, sampler)
         return self._generate(ids, sampler)
 

@@ -1,0 +1,115 @@
+"""The lazy-vs-full generation benchmark's logic on the tiny model (adaptive softmax, two tail clusters): the
+runtime's lazy switch, the two timed sides giving the same tokens, the rates counted, the head fitted to target
+rates, the report (no timing is asserted)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from txl_deploy.bench import lazy_decode as ld
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.sampling import Clusters
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_onnx):
+    with TxlRuntime.load(tiny_onnx, threads=1) as rt:
+        assert rt.backend.clusters is not None, "the tiny export has its head and tail graphs"
+        yield rt
+
+
+def test_lazy_off_generates_the_same_tokens_through_the_full_distribution(rt):
+    rt.reset()
+    lazy = list(rt.generate([3, 4, 5], max_new_tokens=20, seed=5))
+    counted = dict(rt.tail_stats, tails=list(rt.tail_stats["tails"]))
+    assert counted["decisions"] >= 20
+    rt.reset()
+    rt.lazy = False
+    try:
+        assert list(rt.generate([3, 4, 5], max_new_tokens=20, seed=5)) == lazy
+        assert rt.tail_stats["decisions"] == counted["decisions"]  # the full path computes every tail: none counted
+    finally:
+        rt.lazy = True
+
+
+def test_load_takes_the_switch(tiny_onnx):
+    with TxlRuntime.load(tiny_onnx, lazy=False) as rt:
+        assert rt.lazy is False and rt.backend.clusters is not None
+
+
+def test_the_timed_sides_agree_and_count_the_tails_they_run(rt):
+    rt.reset()
+    rt.prefill(np.arange(rt.mem_len).reshape(1, -1) % rt.n_token)
+    state = rt.save_state()
+    sides = {side: (lambda r, lazy=(side == "lazy"): ld.time_generate(rt, state, 7, 12, 3 + r, {"temperature": 1.0},
+                                                                       lazy)) for side in ("lazy", "full")}
+    out = ld.interleaved(sides, rounds=3)
+    for a, b in zip(out["lazy"], out["full"]):
+        assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
+        assert b["tails"] == [0, 0] and all(0 <= t <= 12 for t in a["tails"])
+    s = ld.summarize(out["lazy"], out["full"], 12, 1)
+    assert s["tokens_identical"] and s["rounds"] == 3 and s["tokens_per_round"] == 12
+    want = np.sum([x["tails"] for x in out["lazy"]], axis=0) / 36
+    assert s["tail_fractions"] == pytest.approx(want.tolist())
+    ratios = [f["seconds"] / z["seconds"] for z, f in zip(out["lazy"], out["full"])]
+    assert s["speedup"] == pytest.approx(float(np.median(ratios)))
+
+
+def test_batched_sides_agree_row_by_row(rt):
+    rt.reset()
+    rt.prefill(np.arange(4 * rt.mem_len).reshape(4, -1) % rt.n_token)
+    arrays = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
+    sampled = {}
+    for name, controls in {"greedy": {"temperature": 0.0}, "T=1": {"temperature": 1.0},
+                           "top-k 5": {"temperature": 1.0, "top_k": 5}}.items():
+        lazy = ld.time_batched(rt.backend, arrays, np.array([1, 2, 3, 4]), 10, 11, controls, lazy=True)
+        full = ld.time_batched(rt.backend, arrays, np.array([1, 2, 3, 4]), 10, 11, controls, lazy=False)
+        assert lazy["tokens"].shape == (4, 10) and np.array_equal(lazy["tokens"], full["tokens"]), name
+        assert full["tail_rows"] == [0, 0] and all(0 <= t <= 40 for t in lazy["tail_rows"])
+        sampled[name] = lazy["tokens"]
+    assert len({tuple(row) for row in sampled["T=1"]}) > 1  # each row its own seed
+    # every call starts from the saved memory, which a call does not advance
+    again = ld.time_batched(rt.backend, arrays, np.array([1, 2, 3, 4]), 10, 11, {"temperature": 1.0}, lazy=True)
+    assert np.array_equal(again["tokens"], sampled["T=1"])
+
+
+def test_the_head_fit_reaches_greedy_and_sampled_rates():
+    """On random hidden states and weights shaped like a small adaptive softmax, the fitted (scale, bias) give the
+    targets: greedy exactly up to the sample's granularity, T=1 within a percent."""
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(400, 32))
+    fit = ld.HeadFit(hidden, rng.normal(size=(200, 32)) * 0.02, np.zeros(200), hidden @ rng.normal(size=(32, 3)) * 0.02)
+    greedy, sampled = [0.45, 0.35, 0.35], [0.08, 0.06, 0.03]
+    got = ld.calibrate_head(fit, greedy, sampled)
+    assert got["greedy"] == pytest.approx(greedy, abs=2 / 400)
+    assert got["sampled"] == pytest.approx(sampled, abs=0.01)
+    assert fit.rates(got["scale"], got["bias"])[1] == pytest.approx(got["sampled"])
+
+
+def test_report_lists_rates_speedups_and_the_token_check():
+    spec = importlib.util.spec_from_file_location("lazy_decode_bench", ROOT / "benchmarks" / "lazy_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.argparse.Namespace(rounds=2, tokens=4, batch_tokens=2, trained_tokens=16, seed=7)
+    trained = {m: {"fractions": [0.5, 0.25, 0.125]} for m in ld.MODES}
+    fit = {"greedy": [0.5, 0.25, 0.125], "sampled": [0.1, 0.05, 0.01]}
+
+    def side(seconds, tails, batch, n):
+        key = "tails" if batch == 1 else "tail_rows"
+        return [{"seconds": s, "tokens": np.full((batch, n), i), key: tails} for i, s in enumerate(seconds)]
+
+    results = {m: {"1": ld.summarize(side([1.0, 2.0], [2, 1, 0], 1, 4), side([3.0, 2.0], [0, 0, 0], 1, 4), 4, 1),
+                   "8": ld.summarize(side([1.0, 1.0], [8, 0, 0], 8, 2), side([1.5, 1.5], [0, 0, 0], 8, 2), 2, 8)}
+               for m in ld.MODES}
+    clusters = Clusters(20000, [(20000, 40000), (40000, 200000), (200000, 267735)])
+    text = bench.report(args, ["--rounds", "2"], trained, fit, results, (1.0, 1, 1), (2.0, 1, 1), clusters)
+    assert text.startswith("# Lazy adaptive-softmax generation against full")
+    assert "Generated by `python benchmarks/lazy_decode.py --rounds 2`" in text
+    assert "| greedy | 50.0% / 25.0% / 12.5% | 50.0% / 25.0% / 0.0% | 50.0% / 0.0% / 0.0% |" in text
+    # batch 1: rounds of 3 s / 1 s and 2 s / 2 s -> median ratio 2.00x, range 1.00 to 3.00, the target met
+    assert "| T=1 | 1 | 3.00 | 1.67 | 2.00x (1.00 to 3.00) | yes | yes |" in text
+    assert "| top-k 40 | 8 | 16.00 | 10.67 | 1.50x (1.50 to 1.50) | yes |  |" in text

@@ -1,0 +1,242 @@
+"""Lazy against full adaptive-softmax generation, on a stand-in whose tails are needed as often as a trained model's.
+
+Lazy decoding saves what the sampler does not ask for, so its speed-up depends on how often each tail cluster is
+needed, which depends on the model's distributions: a random-weight stand-in's are nearly flat (every shortlist
+word about 1/20,000, a cluster's head probability as small), so its tails would be needed at rates no trained model
+shows. This module measures the rates on a trained model (`trained_fractions`), then gives the stand-in a head that
+reproduces them (`calibrate_head`) before it is exported, and times generation both ways on the same runtime
+(`time_generate` at batch 1, `time_batched` for a batch of streams), interleaved round by round.
+
+The stand-in's head: cluster i's logit is `r_i * (w_i . h) + b_i` (its row of `cluster_weight` scaled, its
+`cluster_bias` set). Greedy needs tail i when its head log-prob reaches the best shortlist word's (the bound of
+docs/sampling.md), sampling at T = 1 about as often as the cluster is drawn (its head probability); `b_i` places the
+first and `r_i`, the spread of the logit over steps, sets the second, fitted on hidden states of the stand-in
+itself. A random model also predicts its input word (tied embeddings: the last hidden state still resembles the
+input's embedding), so greedy would repeat one word and need a tail always or never; the last layer's
+feed-forward output is scaled up (`DECORRELATE`) so that the hidden state is a random function of the context, as
+the fitted rates assume. None of this changes a byte the decode step reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from txl_deploy.bench.random_weights import char_vocab, random_model, shape_config
+from txl_deploy.checkpoints import save_checkpoint
+from txl_deploy.runtimes.lazy_decode import decide
+from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# The last layer's feed-forward output weight is multiplied by this: its output then outweighs the residual (the
+# input word's embedding, carried through the post-norm layers) about 50 to 1 after the layer norm.
+DECORRELATE = 50.0
+CALIBRATION_TOKENS = 512  # hidden states the head is fitted on (random words, the memory threaded)
+CALIBRATION_SEGMENT = 64
+
+# Sampling modes: name -> TxlRuntime.generate's keyword arguments (the seed is the benchmark's).
+MODES = {"greedy": {"temperature": 0.0}, "T=1": {"temperature": 1.0},
+         "top-k 40": {"temperature": 1.0, "top_k": 40}}
+CALIBRATED_MODES = ("greedy", "T=1")  # what the head is fitted to; the other modes' rates follow from it
+
+
+# -- the trained model's rates -------------------------------------------------------------------------------------
+def trained_fractions(rt, prompt_ids, modes: dict, n_tokens: int, seed: int) -> dict:
+    """Per mode, the fraction of decisions that needed each tail when `rt` (a lazy runtime on a trained word
+    model) generates n_tokens from prompt_ids: {mode: {"fractions": [...], "decisions": n}}."""
+    out = {}
+    for name, controls in modes.items():
+        rt.reset()
+        rt.tail_stats = {"decisions": 0, "tails": [0] * len(rt.tail_stats["tails"])}
+        tokens = list(rt.generate(np.asarray(prompt_ids), max_new_tokens=n_tokens, seed=seed, **controls))
+        stats = rt.tail_stats
+        out[name] = {"fractions": [t / max(stats["decisions"], 1) for t in stats["tails"]],
+                     "decisions": stats["decisions"], "distinct_tokens": len(set(tokens))}
+    return out
+
+
+# -- the stand-in's head -------------------------------------------------------------------------------------------
+def _log_sum_exp(x: np.ndarray, axis: int) -> np.ndarray:
+    top = np.max(x, axis=axis, keepdims=True)
+    return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
+
+
+class HeadFit:
+    """What the head's fit sees: per calibration step the shortlist's best logit and log-sum-exp, and each
+    cluster's unscaled logit `w_i . h` (column i - 1 for cluster i)."""
+
+    def __init__(self, hidden: np.ndarray, shortlist_weight: np.ndarray, shortlist_bias: np.ndarray,
+                 cluster_logits: np.ndarray):
+        logits = hidden.astype(np.float64) @ shortlist_weight.astype(np.float64).T + shortlist_bias
+        self.best = logits.max(axis=1)
+        self.shortlist_lse = _log_sum_exp(logits, axis=1)
+        self.u = np.asarray(cluster_logits, dtype=np.float64)
+
+    def logits(self, scale, bias) -> np.ndarray:
+        return self.u * np.asarray(scale)[None] + np.asarray(bias)[None]
+
+    def rates(self, scale, bias) -> tuple[np.ndarray, np.ndarray]:
+        """(greedy, T=1) per cluster: the fraction of steps whose cluster logit reaches the best shortlist logit,
+        and the mean head probability of the cluster."""
+        c = self.logits(scale, bias)
+        total = np.logaddexp(self.shortlist_lse, _log_sum_exp(c, axis=1))
+        greedy = (c >= self.best[:, None]).mean(axis=0)
+        sampled = np.exp(c - total[:, None]).mean(axis=0)
+        return greedy, sampled
+
+    def bias_for(self, i: int, scale: float, greedy: float) -> float:
+        """Cluster i's bias at which a `greedy` fraction of steps has its logit at or above the best shortlist one."""
+        return float(np.quantile(self.best - scale * self.u[:, i - 1], min(max(greedy, 0.0), 1.0)))
+
+
+def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], sweeps: int = 6) -> dict:
+    """Per cluster the (scale, bias) whose rates are the targets: the bias from the greedy target at each scale,
+    the scale by bisection (in log space) on the T=1 target, the clusters coupled through the normaliser and
+    swept until they settle. Returns {"scale", "bias", "greedy", "sampled"} (the rates the fit achieves)."""
+    n = fit.u.shape[1]
+    scale = np.ones(n)
+    bias = np.array([fit.bias_for(i, 1.0, greedy[i - 1]) for i in range(1, n + 1)])
+    for _ in range(sweeps):
+        for i in range(1, n + 1):
+            lo, hi = np.log(1e-3), np.log(1e4)
+            for _ in range(50):
+                mid = 0.5 * (lo + hi)
+                scale[i - 1] = np.exp(mid)
+                bias[i - 1] = fit.bias_for(i, scale[i - 1], greedy[i - 1])
+                if fit.rates(scale, bias)[1][i - 1] < sampled[i - 1]:
+                    lo = mid
+                else:
+                    hi = mid
+            scale[i - 1] = np.exp(0.5 * (lo + hi))
+            bias[i - 1] = fit.bias_for(i, scale[i - 1], greedy[i - 1])
+    got_greedy, got_sampled = fit.rates(scale, bias)
+    return {"scale": scale.tolist(), "bias": bias.tolist(), "greedy": got_greedy.tolist(),
+            "sampled": got_sampled.tolist()}
+
+
+def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[float], seed: int = 0,
+                       threads: int = 1) -> tuple[Path, dict]:
+    """Our checkpoint folder for shape `name` with random weights, the last feed-forward output decorrelated and
+    the head fitted to the target rates; built once per cache_dir and targets. Returns (folder, the fit)."""
+    import torch  # optional (the torch extra): the stand-in is built and its hidden states computed in PyTorch
+
+    config = shape_config(name)
+    targets = [round(float(x), 4) for x in [*greedy, *sampled]]
+    key = hashlib.sha256(json.dumps([config.to_dict(), seed, DECORRELATE, CALIBRATION_TOKENS, targets],
+                                    sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"{name}-lazy-{key}"
+    fit_file = Path(cache_dir) / f"{path.name}.fit.json"
+    if path.exists() and fit_file.exists():
+        return path, json.loads(fit_file.read_text(encoding="utf-8"))
+    torch.set_num_threads(threads)
+    logger.info(f"building a {name} stand-in with a head fitted to greedy {greedy}, T=1 {sampled}")
+    model = random_model(config, seed)
+    clusters = Clusters.of(config)
+    crit = model.crit
+    with torch.no_grad():
+        model.layers[-1].pos_ff.CoreNet[3].weight.mul_(DECORRELATE)
+        gen = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(0, config.n_token, (1, CALIBRATION_TOKENS), generator=gen)
+        mems, hidden = None, []
+        for start in range(0, CALIBRATION_TOKENS, CALIBRATION_SEGMENT):
+            h, mems = model.body(tokens[:, start:start + CALIBRATION_SEGMENT], mems)
+            hidden.append(h[0])
+        hidden = torch.cat(hidden).double()
+        weight, bias, proj = crit.cluster_params(0)
+        if proj is not None:
+            hidden = hidden @ proj.double()
+        rows = [clusters.head_column(i) - clusters.shortlist for i in range(1, clusters.n + 1)]
+        u = (hidden @ crit.cluster_weight.double().T)[:, rows]
+        fit = HeadFit(hidden.numpy(), weight.double().numpy(), bias.double().numpy(), u.numpy())
+        result = calibrate_head(fit, greedy, sampled)
+        for i, row in enumerate(rows, start=1):
+            crit.cluster_weight[row].mul_(result["scale"][i - 1])
+            crit.cluster_bias[row] = result["bias"][i - 1]  # the fit's logit is r_i * (w_i . h) + b_i
+    save_checkpoint(path, model, char_vocab(config.n_token))
+    fit_file.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return path, result
+
+
+# -- timing --------------------------------------------------------------------------------------------------------
+def time_generate(rt, state: dict, prompt: int, n_tokens: int, seed: int, controls: dict, lazy: bool) -> dict:
+    """One stream's `generate` of n_tokens after `prompt`, from the saved `state`, with the lazy path on or off:
+    {"seconds", "tokens", "tails"} (tails: per cluster, the decisions that computed it; zeros on the full path)."""
+    rt.load_state(state)
+    rt.lazy = lazy
+    before = list(rt.tail_stats["tails"])
+    start = time.perf_counter()
+    tokens = list(rt.generate([prompt], max_new_tokens=n_tokens, seed=seed, **controls))
+    seconds = time.perf_counter() - start
+    tails = [a - b for a, b in zip(rt.tail_stats["tails"], before)]
+    return {"seconds": seconds, "tokens": tokens, "tails": tails}
+
+
+def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed: int, controls: dict,
+                 lazy: bool) -> dict:
+    """A batch of streams (row r: its own Sampler seeded seed + r) decoded n_tokens steps from the saved state
+    `arrays` (backend.state_arrays' form), as a batched decoder does: each step feeds every row's last token, then
+    decides every row's next one. Lazy: the head graph, then `lazy_decode.decide` runs each tail a row asks for,
+    once per round on all rows that ask. Full: the main graph's full distributions, `Sampler.choose` per row.
+    {"seconds", "tokens" [B, n], "tail_rows" per cluster (rows that computed it; zeros on the full path)}."""
+    clusters = Clusters.of(backend.config)
+    batch = len(prompts)
+    samplers = [Sampler(SamplingParams(seed=seed + r, max_tokens=n_tokens, **controls), backend.config.n_token,
+                        clusters=clusters) for r in range(batch)]
+    state = backend.state_from_arrays(arrays)
+    fed = np.asarray(prompts, dtype=np.int64).reshape(batch, 1)
+    last = np.zeros((batch, 1), dtype=np.int64)
+    tail_rows = np.zeros(clusters.n, dtype=np.int64)
+    out = np.empty((batch, n_tokens), dtype=np.int64)
+    start = time.perf_counter()
+    for step in range(n_tokens):
+        if lazy:
+            hidden, head = backend.run_head(state, fed, last)
+            decision = decide(backend, samplers, hidden[:, -1], head[:, -1])
+            tail_rows += decision.tail_rows
+            tokens = decision.tokens
+        else:
+            log_probs = backend.run(state, fed, last)[:, -1]
+            tokens = np.array([s.choose(log_probs[r]) for r, s in enumerate(samplers)], dtype=np.int64)
+        out[:, step] = tokens
+        fed = tokens.reshape(batch, 1)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": out, "tail_rows": tail_rows.tolist()}
+
+
+def interleaved(sides: dict, rounds: int) -> dict:
+    """Run each side's callable(round) once per round, the order reversed every other round; {side: [results]}."""
+    names = list(sides)
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out[name].append(sides[name](r))
+    return out
+
+
+def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> dict:
+    """Medians over rounds: tokens/s of each side (generated tokens of every row per second), the median of the
+    rounds' full/lazy time ratios, whether every round's tokens agreed, and the tail fractions of the lazy side."""
+    lazy_s = np.array([x["seconds"] for x in lazy])
+    full_s = np.array([x["seconds"] for x in full])
+    same = all(np.array_equal(np.asarray(a["tokens"]), np.asarray(b["tokens"])) for a, b in zip(lazy, full))
+    key = "tails" if "tails" in lazy[0] else "tail_rows"
+    tails = np.sum([x[key] for x in lazy], axis=0)
+    decisions = len(lazy) * n_tokens * batch
+    return {"batch": batch, "rounds": len(lazy), "tokens_per_round": n_tokens * batch,
+            "lazy_tokens_per_s": float(np.median(n_tokens * batch / lazy_s)),
+            "full_tokens_per_s": float(np.median(n_tokens * batch / full_s)),
+            "speedup": float(np.median(full_s / lazy_s)),
+            "speedup_range": [float(np.min(full_s / lazy_s)), float(np.max(full_s / lazy_s))],
+            "lazy_seconds": lazy_s.tolist(), "full_seconds": full_s.tolist(),
+            "tokens_identical": bool(same), "tail_fractions": (tails / decisions).tolist(),
+            "distinct_tokens": int(len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy]))))}
+
+
+__all__ = ["CALIBRATED_MODES", "DECORRELATE", "HeadFit", "MODES", "calibrate_head", "calibrated_standin",
+           "interleaved", "summarize", "time_batched", "time_generate", "trained_fractions"]
