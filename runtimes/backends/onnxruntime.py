@@ -6,6 +6,12 @@ written into their ring slots here, so no step copies or reallocates the whole m
 On CUDA a `full`-state graph keeps the memory on the device: two sets of device buffers bound with IO binding and
 swapped by reference each step (the outputs of step t are the inputs of step t + 1), never copied to the host.
 
+On the CPU every weight is held once, by the backend: the model's graph and its adaptive-softmax parts (the head
+graph repeats the body and the tied embedding, each tail graph its cluster's rows) are read tensor by tensor into
+one pool of numpy arrays, equal tensors merged, and each session gets the pooled arrays as its initializers
+(`SharedWeights`) instead of a copy of its own. ONNX Runtime's prepacking is off for the same reason: a packed
+copy per MatMul would double the output layer that the tied embedding also reads, in every session.
+
 An `.ort` (the ONNX Runtime format, `txl-deploy export --ort-format`) runs here too. It is a flatbuffer that only
 ONNX Runtime reads: its metadata comes from the session (`custom_metadata_map`, which the converter keeps) and is
 validated as an .onnx's is.
@@ -13,10 +19,16 @@ validated as an .onnx's is.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import TensorProto
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract import parts as parts_contract
@@ -54,39 +66,20 @@ class OrtBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None):
-        import onnxruntime as ort  # optional (the cpu or gpu extra)
-
         self.path = str(path)
         ort_format = str(path).lower().endswith(ORT_SUFFIX)
         if not ort_format:
             self.info = read_onnx_info(path)
             external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        # No CPU arena: it keeps the high-water mark of every call (a 512-token prefill over a 267,735-word
-        # vocabulary needs 2.3 GB of temporaries) and grows in powers of two. Measured without it: the same decode
-        # speed (WikiText-103-large shape 47 vs 51 ms, demo 0.40 vs 0.40 ms) and 0.7 GB less after a prefill.
-        # Prepacked weights stay: turning them off slowed the large shape's decode by 25%.
-        opts.enable_cpu_mem_arena = False
+        self._providers = choose_providers(providers)
+        self._intra_op_threads, self._profile_prefix, self._ort_format = intra_op_threads, profile_prefix, ort_format
         if intra_op_threads:
             self.threads = int(intra_op_threads)
-            opts.intra_op_num_threads = self.threads
-            # The session runs its graph sequentially (ORT_SEQUENTIAL): an inter-op pool would only add idle
-            # threads competing for the same cores.
-            opts.inter_op_num_threads = 1
-        if profile_prefix:
-            opts.enable_profiling = True
-            opts.profile_file_prefix = str(profile_prefix)
-        if ort_format:
-            # Never guessed from the bytes: a file named .ort is read as the ONNX Runtime format only.
-            opts.add_session_config_entry("session.load_model_format", "ORT")
-        try:
-            self.session = ort.InferenceSession(self.path, opts, providers=choose_providers(providers))
-        except InputError:
-            raise
-        except Exception as e:
-            raise CheckpointError(path, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+        # Weights shared between the sessions: only where every session runs on the CPU and reads a .onnx (an .ort
+        # file's tensors live in its flatbuffer).
+        cpu_only = all((p if isinstance(p, str) else p[0]) == "CPUExecutionProvider" for p in self._providers)
+        self.weights = SharedWeights() if cpu_only and not ort_format and sys.byteorder == "little" else None
+        self.session = self._open(self.path, self.path)
         if ort_format:
             try:
                 props = dict(self.session.get_modelmeta().custom_metadata_map)
@@ -120,14 +113,60 @@ class OrtBackend(Backend):
         self.parts_error = None  # why the model's softmax parts were refused (a CheckpointError), if they were
         self._head, self._tails = None, []
         if not ort_format and not self.on_device:
-            self._open_parts(opts, providers)
+            self._open_parts()
 
-    def _open_parts(self, opts, providers):
+    def _options(self):
+        import onnxruntime as ort  # optional (the cpu or gpu extra)
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        # No CPU arena: it keeps the high-water mark of every call (a 512-token prefill over a 267,735-word
+        # vocabulary needs 2.3 GB of temporaries) and grows in powers of two. Measured without it: the same decode
+        # speed (WikiText-103-large shape 47 vs 51 ms, demo 0.40 vs 0.40 ms) and 0.7 GB less after a prefill.
+        opts.enable_cpu_mem_arena = False
+        # No prepacking: a MatMul's packed copy of its weight is a second copy of it (the tied output weight is also
+        # read by the embedding's Gather), and packed copies cannot be shared between sessions. Measured on the
+        # WikiText-103 base stand-in, one thread: decode 40.7 vs 44.4 ms of CPU a step without it, RSS added by the
+        # main session 628 vs 1,080 MB for 608 MB of weights (benchmarks/results_efficiency.md).
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+        if self._intra_op_threads:
+            opts.intra_op_num_threads = int(self._intra_op_threads)
+            # The session runs its graph sequentially (ORT_SEQUENTIAL): an inter-op pool would only add idle
+            # threads competing for the same cores.
+            opts.inter_op_num_threads = 1
+        if self._profile_prefix:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(self._profile_prefix)
+        if self._ort_format:
+            # Never guessed from the bytes: a file named .ort is read as the ONNX Runtime format only.
+            opts.add_session_config_entry("session.load_model_format", "ORT")
+        return opts
+
+    def _open(self, path, shown):
+        """A session of the graph at `path`, its weights from the pool where there is one (`shown`: the file named
+        in a refusal)."""
+        import onnxruntime as ort  # optional (the cpu or gpu extra)
+
+        opts = self._options()
+        try:
+            if self.weights is None:
+                return ort.InferenceSession(str(path), opts, providers=self._providers)
+            session = ort.InferenceSession(self.weights.attach(path, opts), opts, providers=self._providers)
+            # The graph optimisers read the weights through copies that they free; the heap keeps what it freed
+            # below glibc's mmap threshold (the body's weights): 184 of the 797 MB a WikiText-103 base session
+            # held otherwise.
+            _return_free_memory()
+            return session
+        except InputError:
+            raise
+        except Exception as e:
+            raise CheckpointError(shown, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+
+    def _open_parts(self):
         """Open the adaptive softmax's head and tail graphs the metadata lists, each checked to be the file the
         model names (folder, sha256, external data). A refused part is logged and leaves the full path: `clusters`
         stays None and run_head raises the refusal."""
-        import onnxruntime as ort  # optional (the cpu or gpu extra)
-
         try:
             parts = parts_contract.Parts.from_export(self.info.export, self.config, self.path)
             if parts is None:
@@ -140,10 +179,7 @@ class OrtBackend(Backend):
             sessions = []
             for f in files:
                 external_data(f)
-                try:
-                    sessions.append(ort.InferenceSession(str(f), opts, providers=choose_providers(providers)))
-                except Exception as e:
-                    raise CheckpointError(f, f"ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+                sessions.append(self._open(f, f))
             head_outputs = [o.name for o in sessions[0].get_outputs()]
             if head_outputs[:2] != [parts_contract.HIDDEN, parts_contract.HEAD_LOG_PROBS]:
                 raise CheckpointError(files[0], "not a head graph (its outputs are not hidden, head_log_probs)")
@@ -250,6 +286,235 @@ class OrtBackend(Backend):
                 empty[io_spec.mem_v(i)] = np.zeros(spec.v_shape(batch, slots=1), dtype=self.float_dtype)
             self._one_slot[batch] = empty
         return self._one_slot[batch]
+
+
+# Tensors under this many bytes stay in their graph: the pool is for weights, and a graph's small constants (shapes,
+# indices, scalars) are read by ONNX Runtime's optimisers as they are.
+SHARED_MIN_BYTES = 1 << 16
+_IN_MEMORY = "txl-deploy: held by the backend"  # the location a pooled initializer names in the graph given to ORT
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 1, 5, 9
+
+
+class SharedWeights:
+    """The weights of a model and of its part graphs, each distinct tensor held once (numpy arrays).
+
+    `attach(path, opts)` reads the graph at `path` tensor by tensor (protobuf's wire format: the weights go straight
+    from the file, or from its external data file, into arrays, never through a whole ModelProto), merges every
+    tensor equal to one already held (same dtype, shape and bytes), and returns the graph without its weights,
+    for ONNX Runtime, with `opts` giving the session the held arrays in their place. Two calls of SessionOptions do
+    that: `add_external_initializers` lets the graph optimisers read the values (the graph refers to the arrays'
+    memory), `add_initializer` makes the session use the arrays as they are (without it the session copies
+    them). A tail graph's `Gemm(hidden, W, transB=1)` whose W [rows, d] is the transpose of a held [d, rows] (the
+    main graph's output weight, as its MatMul reads it) is given that array with transB=0.
+    The arrays must outlive every session given them: the backend keeps this pool as long as its sessions."""
+
+    def __init__(self, min_bytes: int = SHARED_MIN_BYTES):
+        import onnxruntime as ort  # optional (the cpu or gpu extra)
+
+        self.ort, self.min_bytes = ort, min_bytes
+        self._held = {}  # fingerprint -> [(array, OrtValue)]
+        self.read_bytes = 0  # bytes of the tensors read from files
+        self.held_bytes = 0  # bytes held once merged
+
+    def attach(self, path, opts) -> bytes:
+        model, arrays = _read_weights_apart(Path(path), self.min_bytes)
+        gemm_b = _only_gemm_b(model.graph)
+        given = {}
+        for name in list(arrays):
+            array = arrays.pop(name)
+            self.read_bytes += array.nbytes
+            held = self._find(array)
+            if held is None and name in gemm_b:
+                held = self._find(array.T)
+                if held is not None:  # the same weight, stored as the other operand layout: flip the Gemms
+                    _transpose_gemm_b(model.graph, name, held[0].shape)
+            given[name] = held if held is not None else self._hold(array)
+        names = list(given)
+        values = [given[n][1] for n in names]
+        opts.add_external_initializers(names, values)
+        for name, value in zip(names, values):
+            opts.add_initializer(name, value)
+        return model.SerializeToString()
+
+    def _find(self, array):
+        """The held (array, OrtValue) equal to `array` (a view is compared as its values), or None."""
+        return next((held for held in self._held.get(_fingerprint(array), ()) if np.array_equal(held[0], array)),
+                    None)
+
+    def _hold(self, array):
+        entry = (array, self.ort.OrtValue.ortvalue_from_numpy(array))
+        self._held.setdefault(_fingerprint(array), []).append(entry)
+        self.held_bytes += array.nbytes
+        return entry
+
+
+def _only_gemm_b(graph) -> set:
+    """Names of the graph's 2-D initializers used only as a Gemm's B (input 1)."""
+    uses = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append(node.op_type == "Gemm" and i == 1)
+    return {t.name for t in graph.initializer if len(t.dims) == 2 and uses.get(t.name) and all(uses[t.name])}
+
+
+def _transpose_gemm_b(graph, name: str, shape) -> None:
+    """Make `name` the transpose of what it was: its dims become `shape`, every Gemm reading it flips transB."""
+    for node in graph.node:
+        if node.op_type == "Gemm" and node.input[1] == name:
+            trans_b = next((a for a in node.attribute if a.name == "transB"), None)
+            if trans_b is None:
+                node.attribute.append(onnx.helper.make_attribute("transB", 1))
+            else:
+                trans_b.i = 1 - trans_b.i
+    tensor = next(t for t in graph.initializer if t.name == name)
+    del tensor.dims[:]
+    tensor.dims.extend(shape)
+
+
+def _return_free_memory() -> None:
+    """Hand the memory the heap has freed back to the system (glibc's malloc_trim; elsewhere nothing to do)."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def _fingerprint(array) -> tuple:
+    """A cheap key of an array's content: its dtype, shape and corner elements (equal arrays have equal keys)."""
+    head = array[(slice(0, 8),) * array.ndim]
+    tail = array[(slice(-8, None),) * array.ndim]
+    return array.dtype.str, array.shape, np.ascontiguousarray(head).tobytes(), np.ascontiguousarray(tail).tobytes()
+
+
+def _read_varint(f) -> int:
+    shift = value = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            raise ValueError("truncated varint")
+        value |= (b[0] & 0x7F) << shift
+        if not b[0] & 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _wire_fields(f, start: int, end: int) -> list:
+    """(field, wire type, field start, payload start, payload end) of each field of the message in f[start:end]."""
+    fields = []
+    f.seek(start)
+    while f.tell() < end:
+        at = f.tell()
+        tag = _read_varint(f)
+        field, wire = tag >> 3, tag & 7
+        if wire == _WIRE_VARINT:
+            _read_varint(f)
+            fields.append((field, wire, at, f.tell(), f.tell()))
+            continue
+        size = {_WIRE_I64: 8, _WIRE_I32: 4}.get(wire)
+        if size is None:
+            if wire != _WIRE_LEN:
+                raise ValueError(f"wire type {wire}")
+            size = _read_varint(f)
+        payload = f.tell()
+        if payload + size > end:
+            raise ValueError("field runs past the end of its message")
+        fields.append((field, wire, at, payload, payload + size))
+        f.seek(payload + size)
+    return fields
+
+
+def _read_weights_apart(path: Path, min_bytes: int):
+    """(the ModelProto at `path` with its initializers of `min_bytes` or more left without data, {name: array} of
+    those initializers' values). The file is read once, each weight straight into its array; external data is
+    read from the data file the tensor names (already checked to lie in the model's folder, `external_data`)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        out, arrays = bytearray(), {}
+        for field, wire, at, start, end in _wire_fields(f, 0, size):
+            f.seek(at)
+            if field != _MODEL_GRAPH or wire != _WIRE_LEN:
+                out += f.read(end - at)
+                continue
+            graph = bytearray()
+            for g_field, g_wire, g_at, g_start, g_end in _wire_fields(f, start, end):
+                tensor = None
+                if g_field == _GRAPH_INITIALIZER and g_wire == _WIRE_LEN and (
+                        g_end - g_start >= min_bytes or _is_external(f, g_start, g_end)):
+                    # Every tensor of external data is read here: the graph ONNX Runtime gets is bytes, with no
+                    # folder to find a data file in.
+                    tensor = _tensor_apart(f, path, g_start, g_end, arrays)
+                if tensor is None:
+                    f.seek(g_at)
+                    graph += f.read(g_end - g_at)
+                else:
+                    graph += _varint(_GRAPH_INITIALIZER << 3 | _WIRE_LEN) + _varint(len(tensor)) + tensor
+            out += _varint(_MODEL_GRAPH << 3 | _WIRE_LEN) + _varint(len(graph)) + bytes(graph)
+    return onnx.ModelProto.FromString(bytes(out)), arrays
+
+
+def _is_external(f, start: int, end: int) -> bool:
+    f.seek(start)
+    return TensorProto.FromString(f.read(end - start)).data_location == TensorProto.EXTERNAL
+
+
+def _tensor_apart(f, path: Path, start: int, end: int, arrays: dict):
+    """The TensorProto in f[start:end] without its data (None if it is not a plain numeric tensor of raw or
+    external data), its value read into `arrays`."""
+    fields = _wire_fields(f, start, end)
+    header, raw = bytearray(), None
+    for field, wire, at, p_start, p_end in fields:
+        if field == _TENSOR_RAW_DATA and wire == _WIRE_LEN:
+            raw = (p_start, p_end)
+            continue
+        f.seek(at)
+        header += f.read(p_end - at)
+    tensor = TensorProto.FromString(bytes(header))
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if dtype.kind not in "biuf" or dtype.itemsize not in (1, 2, 4, 8) or tensor.data_type in (
+            TensorProto.BFLOAT16, TensorProto.INT4, TensorProto.UINT4):
+        return None
+    n_bytes = int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
+    if tensor.data_location == TensorProto.EXTERNAL:
+        entries = {e.key: e.value for e in tensor.external_data}
+        if "location" not in entries or int(entries.get("length", n_bytes)) != n_bytes:
+            return None
+        source, offset = path.parent / entries["location"], int(entries.get("offset", 0))
+    elif raw is not None and raw[1] - raw[0] == n_bytes:
+        source, offset = None, raw[0]
+    else:
+        return None
+    array = np.empty(tuple(tensor.dims), dtype=dtype.newbyteorder("<"))
+    if source is None:
+        f.seek(offset)
+        got = f.readinto(memoryview(array.reshape(-1).view(np.uint8)))
+    else:
+        with open(source, "rb") as data:
+            data.seek(offset)
+            got = data.readinto(memoryview(array.reshape(-1).view(np.uint8)))
+    if got != n_bytes:
+        raise ValueError(f"{tensor.name}: {got} of its {n_bytes} bytes")
+    arrays[tensor.name] = array
+    tensor.ClearField("external_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", _IN_MEMORY
+    return tensor.SerializeToString()
 
 
 def _input_for(output_name: str) -> str:
