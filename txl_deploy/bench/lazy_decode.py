@@ -43,7 +43,6 @@ CALIBRATION_SEGMENT = 64
 # Sampling modes: name -> TxlRuntime.generate's keyword arguments (the seed is the benchmark's).
 MODES = {"greedy": {"temperature": 0.0}, "T=1": {"temperature": 1.0},
          "top-k 40": {"temperature": 1.0, "top_k": 40}}
-CALIBRATED_MODES = ("greedy", "T=1")  # what the head is fitted to; the other modes' rates follow from it
 
 
 # -- the trained model's rates -------------------------------------------------------------------------------------
@@ -209,6 +208,43 @@ def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed
     return {"seconds": seconds, "tokens": out, "tail_rows": tail_rows.tolist()}
 
 
+def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
+    """Median milliseconds, at batch 1 from the saved state `arrays`, of one step through the head graph, of each
+    tail graph on that step's hidden state, and of one step through the main graph, taking turns rep by rep:
+    {"head_ms", "tail_ms": [...], "full_ms"}."""
+    clusters = backend.clusters
+    tok, last = np.array([[prompt]], dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    head_ms, full_ms, tail_ms = [], [], [[] for _ in range(clusters.n_clusters)]
+    for _ in range(reps):
+        state = backend.state_from_arrays(arrays)
+        start = time.perf_counter()
+        hidden, head = backend.run_head(state, tok, last)
+        head_ms.append(1e3 * (time.perf_counter() - start))
+        for i in range(1, clusters.n_clusters + 1):
+            h = np.ascontiguousarray(hidden[:, -1], dtype=np.float32)
+            col = np.ascontiguousarray(head[:, -1, clusters.head_column(i)], dtype=np.float32)
+            start = time.perf_counter()
+            backend.run_tail(i, h, col)
+            tail_ms[i - 1].append(1e3 * (time.perf_counter() - start))
+        state = backend.state_from_arrays(arrays)
+        start = time.perf_counter()
+        backend.run(state, tok, last)
+        full_ms.append(1e3 * (time.perf_counter() - start))
+    return {"head_ms": float(np.median(head_ms)), "tail_ms": [float(np.median(t)) for t in tail_ms],
+            "full_ms": float(np.median(full_ms))}
+
+
+def at_rates(summary: dict, parts: dict, fractions) -> dict:
+    """Batch 1's lazy time moved to other tail rates: each round's lazy seconds per token plus, per tail, the
+    difference between `fractions` and the rate the lazy side showed over all rounds, times that tail's time alone
+    (`time_parts`). {"lazy_tokens_per_s", "speedup"} at those rates (medians over rounds)."""
+    extra = sum((f - g) * t / 1e3 for f, g, t in zip(fractions, summary["tail_fractions"], parts["tail_ms"]))
+    n = summary["tokens_per_round"]
+    lazy = np.array(summary["lazy_seconds"]) / n + extra
+    full = np.array(summary["full_seconds"]) / n
+    return {"lazy_tokens_per_s": float(np.median(1 / lazy)), "speedup": float(np.median(full / lazy))}
+
+
 def interleaved(sides: dict, rounds: int) -> dict:
     """Run each side's callable(round) once per round, the order reversed every other round; {side: [results]}."""
     names = list(sides)
@@ -235,8 +271,8 @@ def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> 
             "speedup_range": [float(np.min(full_s / lazy_s)), float(np.max(full_s / lazy_s))],
             "lazy_seconds": lazy_s.tolist(), "full_seconds": full_s.tolist(),
             "tokens_identical": bool(same), "tail_fractions": (tails / decisions).tolist(),
-            "distinct_tokens": int(len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy]))))}
+            "distinct_tokens": len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy])))}
 
 
-__all__ = ["CALIBRATED_MODES", "DECORRELATE", "HeadFit", "MODES", "calibrate_head", "calibrated_standin",
-           "interleaved", "summarize", "time_batched", "time_generate", "trained_fractions"]
+__all__ = ["DECORRELATE", "MODES", "HeadFit", "at_rates", "calibrate_head", "calibrated_standin",
+           "interleaved", "summarize", "time_batched", "time_generate", "time_parts", "trained_fractions"]
