@@ -78,7 +78,7 @@ class OrtBackend(Backend):
         # Weights shared between the sessions: only where every session runs on the CPU and reads a .onnx (an .ort
         # file's tensors live in its flatbuffer).
         cpu_only = all((p if isinstance(p, str) else p[0]) == "CPUExecutionProvider" for p in self._providers)
-        self.weights = SharedWeights() if cpu_only and not ort_format and sys.byteorder == "little" else None
+        self.weights = SharedWeights(SHARED_MIN_BYTES) if cpu_only and not ort_format and sys.byteorder == "little" else None
         self.session = self._open(self.path, self.path)
         if ort_format:
             try:

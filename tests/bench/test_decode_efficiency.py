@@ -4,7 +4,13 @@ MatMuls run alone (no timing is asserted)."""
 import numpy as np
 import onnx
 
-from txl_deploy.bench.bandwidth_floor import Bandwidth, efficiency, graph_step_bytes, interleaved_efficiency
+from txl_deploy.bench.bandwidth_floor import (
+    Bandwidth,
+    BandwidthProbe,
+    efficiency,
+    graph_step_bytes,
+    interleaved_efficiency,
+)
 from txl_deploy.bench.op_profile import constant_input_bytes, input_bytes, matmul_alone, profile_nodes
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
@@ -20,6 +26,22 @@ def test_efficiency_sets_each_round_against_its_own_bandwidth():
     assert r["step_ms"] == 3.0
 
 
+def test_cpu_time_ratios_set_each_rounds_cpu_step_against_its_cpu_read_and_copy():
+    # Round 1 waited for a core: its wall step and wall read are slow, its CPU times are those of round 0.
+    rounds = [Bandwidth(copy=2e9, read=1e9, read_cpu=1e9, copy_cpu=2e9),
+              Bandwidth(copy=0.5e9, read=0.25e9, read_cpu=1e9, copy_cpu=2e9)]
+    r = efficiency(1_000_000, [2.0, 9.0], rounds, step_cpu_ms_rounds=[2.0, 2.0])
+    assert r["over_read_cpu"] == 2.0 and r["over_copy_cpu"] == 4.0 and r["step_cpu_ms"] == 2.0
+    assert np.isclose(r["read_cpu_ms"], 1.0) and np.isclose(r["copy_cpu_ms"], 0.5)
+    assert "over_read_cpu" not in efficiency(1_000_000, [2.0], rounds[:1])  # no CPU times, no CPU ratios
+
+
+def test_the_probe_times_its_read_and_copy_in_cpu_time_too():
+    bw = BandwidthProbe(nbytes=16 * 2**20, repeats=1)()
+    # CPU time never exceeds wall time on one thread: the CPU-time rates are at least the wall-time ones
+    assert bw.read_cpu >= 0.9 * bw.read and bw.copy_cpu >= 0.9 * bw.copy  # (the two clocks differ by a little)
+
+
 def test_interleaved_efficiency_alternates_sides_and_probes_every_round():
     calls = []
     sides = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
@@ -31,6 +53,7 @@ def test_interleaved_efficiency_alternates_sides_and_probes_every_round():
     out = interleaved_efficiency(sides, {"a": 10, "b": 20}, probe, rounds=2, steps_per_round=2)
     assert calls == ["a", "a", "b", "b", "probe", "b", "b", "a", "a", "probe"]
     assert set(out) == {"a", "b"} and out["b"]["bytes"] == 20 and len(out["a"]["step_ms_rounds"]) == 2
+    assert len(out["a"]["step_cpu_ms_rounds"]) == 2  # every step is timed on the thread's CPU clock too
 
 
 def test_step_bytes_count_every_weight_product_and_the_memory(tiny_onnx):

@@ -32,12 +32,16 @@ from txl_deploy.contract.metadata import read_onnx_info
 class Bandwidth(NamedTuple):
     copy: float  # bytes per second, read + write
     read: float  # bytes per second of a pure read
+    read_cpu: float | None = None  # bytes per second of the read's CPU time on its thread (None: not measured)
+    copy_cpu: float | None = None  # bytes read + written per second of the copy's CPU time on its thread
 
 
 class BandwidthProbe:
     """The copy and the read bandwidth, measured again at every call on buffers allocated (and faulted in) once:
     the best of `repeats` copies of `nbytes` (far larger than any cache) and the best of `repeats` reads of the
-    same buffer, so a call takes about a tenth of a second."""
+    same buffer, so a call takes about a tenth of a second. The read is also timed in CPU time of the calling
+    thread (`read_cpu`): on a machine with more runnable threads than cores, wall time includes the time a thread
+    waits for a core, and the CPU time does not."""
 
     def __init__(self, nbytes: int = 256 * 2**20, repeats: int = 3):
         self.src = np.ones(max(1, nbytes // 8), dtype=np.float64)
@@ -46,17 +50,18 @@ class BandwidthProbe:
         self.repeats = repeats
 
     def __call__(self) -> Bandwidth:
-        copy = read = float("inf")
+        copy = read = read_cpu = copy_cpu = float("inf")
         for _ in range(self.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             np.copyto(self.dst, self.src)
-            copy = min(copy, time.perf_counter() - t0)
+            copy, copy_cpu = min(copy, time.perf_counter() - t0), min(copy_cpu, time.thread_time() - c0)
             for values in (self.src, self.src.view(np.float32)):  # OpenBLAS's ddot and sdot: the faster one counts
                 half = values.size // 2
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 np.dot(values[:half], values[half:2 * half])  # reads both halves once, writes nothing
-                read = min(read, time.perf_counter() - t0)
-        return Bandwidth(copy=2 * self.src.nbytes / copy, read=self.src.nbytes / read)
+                read, read_cpu = min(read, time.perf_counter() - t0), min(read_cpu, time.thread_time() - c0)
+        return Bandwidth(copy=2 * self.src.nbytes / copy, read=self.src.nbytes / read,
+                         read_cpu=self.src.nbytes / max(read_cpu, 1e-9), copy_cpu=2 * self.src.nbytes / max(copy_cpu, 1e-9))
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
@@ -179,32 +184,52 @@ def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, ro
 
     steps: {side: a callable running one decode step}; n_bytes: {side: bytes that step reads}. A round times
     `steps_per_round` steps of every side (the order alternating from round to round), then the probe's copy and
-    read; each round's step median is set against that round's bandwidth (`efficiency`)."""
+    read; each round's step median is set against that round's bandwidth (`efficiency`). Every step is timed in
+    wall time and in CPU time of the calling thread (one intra-op thread runs the graph on it)."""
     step_rounds = {side: [] for side in steps}
+    cpu_rounds = {side: [] for side in steps}
     bandwidths = []
     for k in range(rounds):
         order = list(steps.items()) if k % 2 == 0 else list(steps.items())[::-1]
         for side, step in order:
-            times = []
+            times, cpu = [], []
             for _ in range(steps_per_round):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 step()
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
             step_rounds[side].append(1e3 * float(np.median(times)))
+            cpu_rounds[side].append(1e3 * float(np.median(cpu)))
         bandwidths.append(probe())
-    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths) for side in steps}
+    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths, cpu_rounds[side]) for side in steps}
 
 
-def efficiency(n_bytes: int, step_ms_rounds, bandwidths) -> dict:
+def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None) -> dict:
     """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` (the
     bytes over the median plain-read rate), `copy_ms` (the copy floor: the bytes over the median copy rate, which
     counts a byte read and a byte written), and the medians of each round's own ratios (`over_read`,
-    `over_copy`), so a round slowed by another job compares its step with its own bandwidth."""
+    `over_copy`), so a round slowed by another job compares its step with its own bandwidth.
+
+    step_cpu_ms_rounds: the same rounds' step medians in CPU time; adds `step_cpu_ms`, `read_cpu_ms` (the bytes over
+    the read's CPU-time rate), `copy_cpu_ms` and `over_read_cpu`, `over_copy_cpu`: the step against the read and
+    the copy floor with the time either side waited for a core left out."""
     step_ms_rounds = [float(ms) for ms in step_ms_rounds]
     read = [float(bw.read) for bw in bandwidths]
     copy = [float(bw.copy) for bw in bandwidths]
-    return {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
-            "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
-            "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
-            "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
-            "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}
+    out = {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
+           "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
+           "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
+           "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
+           "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}
+    read_cpu, copy_cpu = [bw.read_cpu for bw in bandwidths], [bw.copy_cpu for bw in bandwidths]
+    if step_cpu_ms_rounds is None:
+        return out
+    cpu = [float(ms) for ms in step_cpu_ms_rounds]
+    out.update(step_cpu_ms=float(np.median(cpu)), step_cpu_ms_rounds=cpu)
+    if all(r is not None for r in read_cpu + copy_cpu):
+        out.update(read_cpu_bytes_per_s=float(np.median(read_cpu)), copy_cpu_bytes_per_s=float(np.median(copy_cpu)),
+                   read_cpu_ms=n_bytes / float(np.median(read_cpu)) * 1e3,
+                   copy_cpu_ms=n_bytes / float(np.median(copy_cpu)) * 1e3,
+                   over_read_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, read_cpu)])),
+                   over_copy_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, copy_cpu)])))
+    return out

@@ -2,6 +2,11 @@
 
 A separate session with `SessionOptions.enable_profiling` runs `steps` decode steps from the given state (a full
 memory); the trace's node events are summed per op type and step, and the median step is reported.
+
+A step's time in the session (the trace's model_run) can exceed the sum of its kernels' by far on a shared machine:
+the kernels are summed as per-node medians over the steps, which leave out a stall wherever it landed, and the
+thread also waits for a core between kernels. Each step's CPU time on its thread (`step_cpu_ms`, one intra-op
+thread runs the graph on the caller's thread) tells the two apart: wall minus CPU is time spent waiting for a core.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def profile_decode(onnx_path, state: dict, tokens: np.ndarray, threads: int | No
     """state: the runtime's saved memory arrays (a full memory); tokens [B, >= steps + 1] fed one per step.
 
     Returns {"step_ms", "ops": [{op_type, ms_per_step, share, calls_per_step}] slowest first}."""
-    runs, events = _trace(onnx_path, state, tokens, threads, steps, providers)
+    runs, events, cpu = _trace(onnx_path, state, tokens, threads, steps, providers)
     per_step = [defaultdict(float) for _ in runs]
     calls = defaultdict(int)
     for k, e in _node_events(runs, events):
@@ -38,19 +43,23 @@ def profile_decode(onnx_path, state: dict, tokens: np.ndarray, threads: int | No
     step_ms = float(np.median([(b - a) / 1e3 for a, b in runs])) if runs else 0.0
     ops = [{"op_type": op, "ms_per_step": ms, "share": ms / node_total, "calls_per_step": calls[op] / max(len(runs), 1)}
            for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])]
-    return {"step_ms": step_ms, "kernel_ms": node_total, "ops": ops}
+    return {"step_ms": step_ms, "step_cpu_ms": float(np.median(cpu)), "kernel_ms": node_total, "ops": ops}
 
 
-def _trace(onnx_path, state, tokens, threads, steps, providers) -> tuple[list, list]:
-    """The steady-state runs [(start, end) us] and all events of a profiled session's decode steps."""
+def _trace(onnx_path, state, tokens, threads, steps, providers) -> tuple[list, list, list]:
+    """The steady-state runs [(start, end) us], all events of a profiled session's decode steps, and each step's
+    CPU time on the calling thread (ms)."""
     with tempfile.TemporaryDirectory(prefix="txl-profile-") as tmp:
         backend = OrtBackend(onnx_path, providers=list(providers), intra_op_threads=threads,
                              profile_prefix=os.path.join(tmp, "ort"))
         rt = TxlRuntime(backend)
         rt.load_state({**state, "__fingerprint__": np.array(backend.fingerprint())})
         rt.step(tokens[:, :1])  # the first run of a session allocates: dropped from the summary below
+        cpu = []
         for t in range(1, steps + 1):
+            c0 = time.thread_time()
             rt.step(tokens[:, t:t + 1])
+            cpu.append(1e3 * (time.thread_time() - c0))
         trace_path = backend.session.end_profiling()
         with open(trace_path) as f:
             events = json.load(f)
@@ -59,7 +68,7 @@ def _trace(onnx_path, state, tokens, threads, steps, providers) -> tuple[list, l
     # whichever op was running and would otherwise be charged to it.
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                   if e.get("cat") == "Session" and e.get("name") == "model_run")[1:]
-    return runs, events
+    return runs, events, cpu
 
 
 def _node_events(runs, events):
@@ -102,7 +111,7 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
     """Like `profile_decode`, per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first,
     "ops": [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being what the node reads per step (its
     inputs, the initializers among them) and GB/s those bytes over its time."""
-    runs, events = _trace(onnx_path, state, tokens, threads, steps, providers)
+    runs, events, cpu = _trace(onnx_path, state, tokens, threads, steps, providers)
     constants = constant_input_bytes(onnx_path)
     per_step = [defaultdict(float) for _ in runs]
     info = {}
@@ -122,11 +131,13 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
     op_rows = [{"op_type": op, **o, "gb_per_s": o["bytes"] / max(o["ms_per_step"], 1e-9) / 1e6}
                for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_step"])]
     step_ms = float(np.median([(b - a) / 1e3 for a, b in runs])) if runs else 0.0
-    return {"step_ms": step_ms, "kernel_ms": sum(n["ms_per_step"] for n in nodes), "nodes": nodes, "ops": op_rows}
+    return {"step_ms": step_ms, "step_cpu_ms": float(np.median(cpu)), "kernel_ms": sum(n["ms_per_step"] for n in nodes),
+            "nodes": nodes, "ops": op_rows}
 
 
 def profile_table(prof: dict, top: int = 12) -> str:
-    lines = [f"one decode step: {prof['step_ms']:.2f} ms in the session ({prof['kernel_ms']:.2f} ms in kernels)",
+    lines = [f"one decode step: {prof['step_ms']:.2f} ms in the session, {prof['step_cpu_ms']:.2f} ms of CPU time on its "
+             f"thread ({prof['kernel_ms']:.2f} ms in kernels)",
              f"{'op type':<24}{'ms/step':>10}{'share':>8}{'calls':>7}"]
     for op in prof["ops"][:top]:
         lines.append(f"{op['op_type']:<24}{op['ms_per_step']:>10.3f}{op['share']:>8.1%}{op['calls_per_step']:>7.0f}")
