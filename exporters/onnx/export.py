@@ -27,7 +27,7 @@ from txl_deploy.contract.parts import KEY as PARTS_KEY
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.graph_checks import check_strict
 from txl_deploy.exporters.onnx.parts import move_parts, write_parts
-from txl_deploy.exporters.onnx.ram import return_free_memory
+from txl_deploy.exporters.onnx.ram import drop_file_pages, return_free_memory
 from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_export
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
@@ -133,14 +133,18 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     if consume:
         loaded.state_dict = {}  # the model holds the tensors now; nothing else should keep them alive
     config = model.cfg
+    # Hashed before the cached step copies the output weights into its layout: the hash holds a copy of each tensor
+    # in turn, the largest of them is the output weight, and the two copies at once would set the export's peak.
+    weights_hash = weights_sha256(model.state_dict())
     cached = CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval()
+    _drop_checkpoint_pages(model)  # read once by the hash and the copies: the trace needs none of them resident
     export_meta = {
         "mem_len": mem_len, "clamp_len": config.clamp_len, "same_length": config.same_length,
         "checkpoint_settings": checkpoint_settings,
         "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
         "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
         "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
-        "weights_sha256": weights_sha256(model.state_dict()),
+        "weights_sha256": weights_hash,
         "txl_deploy_version": __version__, "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "io": {"inputs": [s.name for s in cached.spec.inputs()], "outputs": [s.name for s in cached.spec.outputs()]},
@@ -167,16 +171,23 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         # below reads the graph without the weights; graphs under protobuf's limit become one file at the end.
         program.save(str(tmp), external_data=True)
         del program
-        for buf in cached.buffers(recurse=False):  # its own folded copies (qkv, positional tables), not the model's
-            buf.data = torch.empty(0, dtype=buf.dtype)
-        del cached
         _forget_matched_graphs()
         gc.collect()
+        return_free_memory()
+        _drop_checkpoint_pages(model)
         if config.n_clusters > 0:  # the adaptive softmax's head and tails as graphs of their own, beside the model
-            info.export[PARTS_KEY] = write_parts(model, tmp, mem_len=mem_len, state=state,
-                                                 max_segment=max_segment, opset=opset, force=force, verify=verify,
+            # Traced from the same cached step once the main graph's protos are gone: its output layer's tensors,
+            # not copies of them (a second cached step would add its own copy of every output weight).
+            info.export[PARTS_KEY] = write_parts(model, cached, tmp, opset=opset, force=force, verify=verify,
                                                  threads=threads)
             _write_verification(tmp, info)
+            _forget_matched_graphs()
+        # Its own copies (folded qkv, positional tables, the output layer's weights in their layout), not the model's
+        for buf in list(cached.buffers(recurse=False)) + list(cached.output_layer.buffers()):
+            buf.data = torch.empty(0, dtype=buf.dtype)
+        del cached
+        gc.collect()
+        return_free_memory()
         # Every export must stay inside what TensorRT 10.x/11.x parse (no control flow, no zero-size tensors, ...):
         # the same graph serves ONNX Runtime, TensorRT and Triton.
 
@@ -223,6 +234,15 @@ def _release(module) -> None:
         t.data = torch.empty(0, dtype=t.dtype)
     gc.collect()  # the exported program's graph modules hold reference cycles
     return_free_memory()
+
+
+def _drop_checkpoint_pages(model) -> None:
+    """Take the memory-mapped checkpoint pages under `model`'s tensors out of the resident set (ram.drop_file_pages):
+    the next phase reads what it needs of them again from the page cache."""
+    ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in model.state_dict().values()]
+    dropped = drop_file_pages(ranges)
+    if dropped:
+        logger.debug(f"  {dropped / 1e6:.0f} MB of memory-mapped checkpoint pages dropped from the resident set")
 
 
 def _forget_matched_graphs() -> None:

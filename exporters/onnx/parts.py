@@ -31,51 +31,48 @@ logger = logging.getLogger(__name__)
 ATOL, RTOL = 1e-4, 1e-5
 
 
-def _modules(model, cached):
-    """(body + head module, [tail module of cluster i for i = 1..n]) built from `model.crit`'s cluster parameters
-    with the formulas of `ProjectedAdaptiveLogSoftmax.forward`."""
-    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-    import torch.nn.functional as F  # optional (the torch extra), as above
+def _modules(cached):
+    """(body + head module, [tail module of cluster i for i = 1..n]) over the tensors of `cached.output_layer`
+    (`OutputLayer.head` and `OutputLayer.tail`'s formulas), sharing them: no copy of an output weight is made.
+    The body + head module is `cached` itself with its last module replaced (write_parts puts it back)."""
+    import torch.nn.functional as F  # optional (the torch extra): only code that runs a PyTorch model gets here
     from torch import nn  # optional (the torch extra), as above
 
-    crit = model.crit
-    n = model.cfg.n_clusters
+    from txl_deploy.model.output_layer import logit  # imports torch
 
-    def logit(hidden, weight, bias, proj):
-        return F.linear(hidden @ proj if proj is not None else hidden, weight, bias)
+    layer = cached.output_layer
 
-    class HiddenAndHead(nn.Module):
+    class ClusterTensors(nn.Module):
+        """Registers cluster i's weight, bias and projection of the output layer as its own buffers: the same
+        tensor objects, so a traced part holds its own cluster's tensors and nothing else of the output layer
+        (with div_val 1 the clusters are separate tensors already; nothing is sliced)."""
+
+        def __init__(self, i):
+            super().__init__()
+            weight, bias, proj = layer.cluster_tensors(i)
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("bias", bias, persistent=False)
+            self.register_buffer("proj", proj, persistent=False)  # None registers nothing to trace
+
+        def logit(self, hidden):
+            return logit(hidden, self.weight, self.bias, self.proj)
+
+    class HiddenAndHead(ClusterTensors):
         """Stands in for CachedTxl's output layer: returns the hidden states and the head's log-probs, so the
         cached step's body is traced unchanged and its outputs become (hidden, head_log_probs, *state)."""
 
         def __init__(self):
-            super().__init__()
-            # Copies of the head's rows only: with div_val 1 cluster_params slices the whole output matrix, and a
-            # traced Slice would keep all of it in the graph (every tail's rows in the head file).
-            weight, bias, proj = crit.cluster_params(0)
-            with torch.no_grad():
-                self.register_buffer("weight", torch.cat([weight, crit.cluster_weight], dim=0).contiguous())
-                self.register_buffer("bias", torch.cat([bias, crit.cluster_bias], dim=0).contiguous())
-            self.proj = proj
+            super().__init__(0)
 
         def forward(self, hidden):
-            return hidden, F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
+            return hidden, F.log_softmax(self.logit(hidden), dim=-1)
 
-    class Tail(nn.Module):
-        def __init__(self, i):
-            super().__init__()
-            weight, bias, proj = crit.cluster_params(i)
-            with torch.no_grad():  # this cluster's rows only (see HiddenAndHead)
-                self.register_buffer("weight", weight.detach().clone().contiguous())
-                self.register_buffer("bias", bias.detach().clone().contiguous())
-            self.proj = proj
-
+    class Tail(ClusterTensors):
         def forward(self, hidden, head_log_prob):
-            tail = F.log_softmax(logit(hidden, self.weight, self.bias, self.proj), dim=-1)
-            return tail + head_log_prob[:, None]
+            return F.log_softmax(self.logit(hidden), dim=-1) + head_log_prob[:, None]
 
     cached.crit = HiddenAndHead()
-    return cached, [Tail(i).eval() for i in range(1, n + 1)]
+    return cached, [Tail(i).eval() for i in range(1, cached.cfg.n_clusters + 1)]
 
 
 def head_output_names(spec) -> list[str]:
@@ -105,29 +102,42 @@ def _save(program, path: Path, force: bool, what: str) -> None:
     """Write a part: its weights inline (one file, as the main graph under 2 GB), checked as the main graph is."""
     with atomic_path(path, force=force) as tmp:
         program.save(str(tmp), external_data=True)
+        del program  # the caller's reference is the last one: its tensors can go once the file has them
+        # Both checks read the graph while its weights are still in the data file: onnx.checker on a one-file
+        # model parses the weights, and full_check copies them again (three times the head's weights, which
+        # hold the tied embedding). The inlined file holds the same protobuf, the data moved into it.
         check_tensorrt_compat(str(tmp)).raise_if_failed()
+        check_strict(tmp, what)
         one = tmp.with_name(tmp.name + ".inline")
         write_inline(tmp, one)
         os.replace(one, tmp)
         Path(str(tmp) + ".data").unlink()
-        check_strict(tmp, what)
 
 
-def write_parts(model, out_path, *, mem_len: int, state: str, max_segment: int, opset: int, force: bool,
-                verify: bool = True, threads: int | None = None) -> dict:
+def write_parts(model, cached, out_path, *, opset: int, force: bool, verify: bool = True,
+                threads: int | None = None) -> dict:
     """Export the head and every tail of `model`'s adaptive softmax beside `out_path` (`contract.parts` names),
     verify them against PyTorch and return the `export.parts` entry (file names and sha256) for the model's
-    metadata."""
-    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    metadata.
 
-    from txl_deploy.model.cached_step import CachedTxl  # imports torch
-
+    `cached` is the main graph's `CachedTxl` of `model` (the same mem_len, state and segments): the parts are
+    traced from its body and its output layer's tensors, so the export holds no second copy of the weights."""
     cfg = model.cfg
     if cfg.n_clusters <= 0:
         raise ExportError("the model has no adaptive softmax clusters: there are no parts to export")
     out_path = Path(out_path)
-    head_module, tails = _modules(model, CachedTxl(model, mem_len, state=state, max_segment=max_segment).eval())
-    spec = head_module.spec
+    head_module, tails = _modules(cached)
+    try:
+        return _write_parts(model, head_module, tails, out_path, opset=opset, force=force, verify=verify,
+                            threads=threads)
+    finally:
+        cached.crit = cached.output_layer
+
+
+def _write_parts(model, head_module, tails, out_path: Path, *, opset, force, verify, threads) -> dict:
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    cfg, spec = model.cfg, head_module.spec
     p = next(model.parameters())
 
     # The head: the main graph's inputs and dynamic axes (see export._torch_export).
@@ -145,6 +155,7 @@ def write_parts(model, out_path, *, mem_len: int, state: str, max_segment: int, 
     dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
     head_path = out_path.with_name(contract.head_name(out_path))
     logger.info(f"exporting the adaptive softmax's head and {cfg.n_clusters} tails beside {out_path.name}")
+    # Each program is handed to _save without a name here, so that it is freed as soon as its file is written.
     _save(_export(head_module, args, spec.input_names(), head_output_names(spec), dynamic, opset), head_path,
           force, "the body + head graph")
 
@@ -153,9 +164,8 @@ def write_parts(model, out_path, *, mem_len: int, state: str, max_segment: int, 
     for i, tail in enumerate(tails, start=1):
         path = out_path.with_name(contract.tail_name(out_path, i))
         example = (torch.zeros(2, cfg.d_model, dtype=p.dtype), torch.zeros(2, dtype=p.dtype))
-        program = _export(tail, example, [contract.HIDDEN, contract.HEAD_LOG_PROB], [contract.TAIL_LOG_PROBS],
-                          ({0: n}, {0: n}), opset)
-        _save(program, path, force, f"the tail {i} graph")
+        _save(_export(tail, example, [contract.HIDDEN, contract.HEAD_LOG_PROB], [contract.TAIL_LOG_PROBS],
+                      ({0: n}, {0: n}), opset), path, force, f"the tail {i} graph")
         tail_paths.append(path)
 
     entry = {"head": {"file": head_path.name, "sha256": contract.sha256(head_path)},

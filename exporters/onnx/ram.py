@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass, field
 
 from txl_deploy.contract.io_spec import r_table_size
@@ -164,6 +165,62 @@ def return_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+MADV_DONTNEED = 4  # Linux's value on every architecture it runs on (asm-generic/mman-common.h)
+
+
+def drop_file_pages(ranges) -> int:
+    """Take the pages of the file mappings holding `ranges` ((address, bytes) pairs: the weights of a memory-mapped
+    checkpoint) out of this process's resident set; returns the bytes of the mappings advised.
+
+    A checkpoint read through a memory map stays resident once read: hashing it and copying its output weights into
+    the cached step's layout touch every page, and one map serves every tensor, so freeing a tensor returns nothing.
+    madvise(MADV_DONTNEED) on a file mapping whose pages are all still the file's (no page of a private mapping
+    written, which /proc/self/smaps counts as Anonymous) only unmaps clean pages: a later read faults them in again
+    from the page cache, with the same bytes. A mapping with a written page, or an anonymous one (a checkpoint read
+    into memory), is left alone, since the advice would discard its contents. Linux only; elsewhere nothing is done."""
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    try:
+        with open("/proc/self/smaps") as f:
+            smaps = f.read().splitlines()
+    except OSError:
+        return 0
+    clean = []  # (lo, hi) of file mappings whose every page is the file's
+    current = None
+    for line in smaps:
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:  # a mapping's header line
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            current = [lo, hi, len(fields) >= 6 and fields[4] != "0", None]
+            clean.append(current)
+        elif current is not None and fields[:1] == ["Anonymous:"]:
+            current[3] = int(fields[1])
+    clean = [(lo, hi) for lo, hi, has_file, anonymous in clean if has_file and anonymous == 0]
+    advised = set()
+    for address, size in ranges:
+        if size <= 0:
+            continue
+        for lo, hi in clean:
+            if lo <= address and address + size <= hi:
+                advised.add((lo, hi))
+                break
+    for lo, hi in advised:
+        madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(MADV_DONTNEED))
+    return sum(hi - lo for lo, hi in advised)
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    try:
+        fn = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn if os.path.exists("/proc/self/smaps") else None
 
 
 @functools.lru_cache(maxsize=None)

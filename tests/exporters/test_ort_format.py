@@ -30,7 +30,10 @@ def test_cli_writes_the_ort_and_its_config(exported):
     ort_path, config = ort_format_paths(exported)
     assert ort_path.name == "tiny.ort" and config.name == "tiny.required_operators.config"
     assert ort_path.is_file() and config.is_file()
-    assert sorted(p.name for p in exported.parent.iterdir()) == ["tiny.onnx", "tiny.ort", config.name]  # no temps
+    # The .ort is the main graph only; the adaptive softmax's head and tail graphs the export wrote stay beside the
+    # .onnx (the .onnx's lazy decoding reads them). No temporary file is left.
+    parts = ["tiny.head.onnx", "tiny.tail1.onnx", "tiny.tail2.onnx"]
+    assert sorted(p.name for p in exported.parent.iterdir()) == sorted(["tiny.onnx", "tiny.ort", config.name, *parts])
     # The config a custom build takes (--include_ops_by_config): domain;opset;operators, one line per opset.
     rows = [line.split(";") for line in config.read_text().splitlines() if not line.startswith("#")]
     ops = {op for domain, _, names in rows for op in names.split(",")}
@@ -47,6 +50,21 @@ def test_ort_gives_the_onnx_log_probs_exactly(exported):
         assert ort_rt.config == onnx_rt.config and ort_rt.vocab.to_json() == onnx_rt.vocab.to_json()
         assert ort_rt.mem_len == onnx_rt.mem_len == 12 and ort_rt.backend.max_segment == 16
         assert np.array_equal(split_pass(onnx_rt, tokens, cuts), split_pass(ort_rt, tokens, cuts))
+        # The .onnx decodes lazily from its parts; the .ort computes the full distribution and never opens them.
+        assert onnx_rt.backend.clusters is not None
+        assert ort_rt.backend.clusters is None and ort_rt.backend.parts_error is None
+
+
+def test_the_ort_runs_without_the_parts(exported, tmp_path):
+    """A .ort shipped alone (what a minimal build's app carries) needs none of the .onnx's head and tail graphs."""
+    ort_path, _ = ort_format_paths(exported)
+    alone = tmp_path / ort_path.name
+    alone.write_bytes(ort_path.read_bytes())
+    tokens = np.random.default_rng(6).integers(0, 58, size=(1, 9))
+    with TxlRuntime.load(alone) as lone, TxlRuntime.load(ort_path) as beside:
+        assert lone.backend.clusters is None and lone.backend.parts_error is None
+        assert np.array_equal(split_pass(lone, tokens, [4, 5, 6]), split_pass(beside, tokens, [4, 5, 6]))
+        assert len(list(lone.generate([1, 2, 3], max_new_tokens=4, temperature=0))) == 4
 
 
 def test_nothing_overwritten_without_force(exported, tiny_ckpt, tmp_path):

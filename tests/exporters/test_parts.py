@@ -103,3 +103,22 @@ def test_part_names_outside_the_folder_are_refused(tiny_onnx, name):
     export["parts"]["tails"][0]["file"] = name
     with pytest.raises(CheckpointError, match="model's folder"):
         contract.Parts.from_export(export, info.config, tiny_onnx)
+
+
+def test_each_tail_holds_only_its_own_clusters_weights(tiny_onnx):
+    """A tail graph stores its cluster's output weight, bias and projection and nothing else of the output layer
+    (the parts are traced from the main graph's tensors, not from a slice of a larger one)."""
+    from onnx import numpy_helper
+
+    info = read_onnx_info(tiny_onnx)
+    cfg = info.config
+    parts = contract.Parts.from_export(info.export, cfg, tiny_onnx)
+    main = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tiny_onnx)).graph.initializer}
+    for i, (path, (lo, hi)) in enumerate(zip(parts.files(tiny_onnx)[1:], parts.bounds), start=1):
+        d_emb = cfg.d_embed // cfg.div_val**i
+        weights = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer if len(t.dims) >= 1]
+        big = sorted(w.shape for w in weights if w.size > 1)
+        assert big == sorted([(d_emb, hi - lo), (cfg.d_model, d_emb), (hi - lo,)]), (path.name, big)
+        # the very values of the main graph's cluster weight
+        weight = next(w for w in weights if w.shape == (d_emb, hi - lo))
+        assert any(v.shape == weight.shape and np.array_equal(v, weight) for v in main.values())

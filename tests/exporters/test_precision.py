@@ -121,11 +121,41 @@ def test_int8_is_symmetric_qdq_for_tensorrt(reduced):
     per_channel = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits
                    and numpy_helper.to_array(inits[n.input[1]]).size > 1]
     assert per_channel
-    # only the weight MatMuls are quantized: every quantized MatMul's second input is a dequantized weight
+    # Only the weight MatMuls are quantized: an activation is quantized (QuantizeLinear -> DequantizeLinear) only as
+    # the A of a MatMul whose B is a dequantized int8 weight, so TensorRT fuses each pair into one int8 MatMul.
     producers = {o: n for n in model.graph.node for o in n.output}
-    for mm in (n for n in model.graph.node if n.op_type == "MatMul" and n.input[0] in producers
-               and producers[n.input[0]].op_type == "DequantizeLinear"):
-        assert producers[mm.input[1]].op_type == "DequantizeLinear" and producers[mm.input[1]].input[0] in inits
+    consumers = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def dequantized_weight(name):
+        node = producers.get(name)
+        return node is not None and node.op_type == "DequantizeLinear" and node.input[0] in inits
+
+    activation_dq = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in producers
+                     and producers[n.input[0]].op_type == "QuantizeLinear"]
+    assert activation_dq
+    for dq in activation_dq:
+        for mm in consumers[dq.output[0]]:
+            assert mm.op_type == "MatMul" and mm.input[0] == dq.output[0] and dequantized_weight(mm.input[1]), mm.name
+    for q in (n for n in qdq if n.op_type == "QuantizeLinear"):
+        assert all(c.op_type == "DequantizeLinear" for c in consumers[q.output[0]])
+    # The tied embedding reads the int8 output weight it shares (stored once) through that weight's DequantizeLinear:
+    # a Gather of columns [d_emb, rows] on the axis that holds the per-column scales, so each gathered column keeps
+    # its own scale and the scales stay constants (TensorRT wants constant Q/DQ scales; a Gather of the int8 tensor
+    # before the DequantizeLinear would need a gathered, non-constant scale). Anything that reads a dequantized weight
+    # and is not a MatMul by it quantized as above computes in float (the embedding's projections, say).
+    tied = [g for g in model.graph.node if g.op_type == "Gather" and dequantized_weight(g.input[0])]
+    assert tied
+    for g in tied:
+        dq = producers[g.input[0]]
+        dq_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        gather_axis = next((a.i for a in g.attribute if a.name == "axis"), 0)
+        assert gather_axis == dq_axis == 1 and numpy_helper.to_array(inits[dq.input[1]]).size > 1
+        assert inits[dq.input[0]].data_type == onnx.TensorProto.INT8
+        assert not any(producers.get(i) is not None and producers[i].op_type == "QuantizeLinear"
+                       for c in consumers[g.output[0]] for i in c.input)
     report = check_tensorrt_compat(reduced["int8"])
     assert report.ok, str(report)
     assert read_onnx_info(reduced["int8"]).export["precision_report"]["tensorrt_ready"] is True

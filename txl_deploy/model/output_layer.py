@@ -125,11 +125,15 @@ class OutputLayer(nn.Module):
         return emb.t().reshape(B, Q, -1) * self.emb_scale
 
     # -- output ------------------------------------------------------------------------------------------------
-    def _logit(self, i, hidden):
+    def cluster_tensors(self, i):
+        """(weight [d_emb_i, columns], bias, projection [d_model, d_emb_i] or None) of cluster i, 0 the head: the
+        tensors themselves, not copies, so a module that registers them as its own buffers shares them."""
         proj_name = self.out_proj_names[i]
-        if proj_name is not None:
-            hidden = hidden @ getattr(self, proj_name)
-        return hidden @ getattr(self, f"out_weight_{i}") + getattr(self, f"out_bias_{i}")
+        return (getattr(self, f"out_weight_{i}"), getattr(self, f"out_bias_{i}"),
+                getattr(self, proj_name) if proj_name is not None else None)
+
+    def _logit(self, i, hidden):
+        return logit(hidden, *self.cluster_tensors(i))
 
     def head(self, hidden):
         """hidden [..., d_model] -> the head's log-probs [..., shortlist + n_clusters] (the vocabulary if none)."""
@@ -148,3 +152,10 @@ class OutputLayer(nn.Module):
         out = [head_log_prob[..., : self.shortlist]]
         out += [self.tail(i, hidden, head_log_prob) for i in range(1, self.n_clusters + 1)]
         return torch.cat(out, dim=-1)
+
+
+def logit(hidden, weight, bias, proj):
+    """Cluster logits from `OutputLayer.cluster_tensors`: the one formula the full graph and its parts trace."""
+    if proj is not None:
+        hidden = hidden @ proj
+    return hidden @ weight + bias
