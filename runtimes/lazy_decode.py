@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from txl_deploy.errors import InputError
+
 
 @dataclass
 class Decision:
-    """What `decide` returns: `choices[r]` (None for a row without a sampler), `tokens[r]` (-1 there), and
-    `tail_rows[i - 1]`, how many rows tail cluster i was computed for, in `tail_calls[i - 1]` batched calls."""
+    """What `decide` returns: `choices[r]` (None for a row without a sampler, or one dropped by `failed`),
+    `tokens[r]` (-1 there), and `tail_rows[i - 1]`, how many rows tail cluster i was computed for, in
+    `tail_calls[i - 1]` batched calls."""
 
     choices: list
     tokens: np.ndarray
@@ -29,15 +32,32 @@ class Decision:
     tail_calls: np.ndarray
 
 
-def decide(backend, samplers, hidden: np.ndarray, head: np.ndarray) -> Decision:
+def decide(backend, samplers, hidden: np.ndarray, head: np.ndarray, failed=None) -> Decision:
     """Decide one token per row whose sampler is not None.
 
     hidden [B, d_model] and head [B, shortlist + n] are `backend.run_head`'s outputs at the position decided
     (e.g. `[:, -1]`); samplers[r] is row r's Sampler (built with the model's clusters) or None to skip the row.
-    Each round runs every needed cluster once, on the rows that need it, in cluster order."""
+    Each round runs every needed cluster once, on the rows that need it, in cluster order.
+
+    failed(r, error): where rows are independent requests (a server's batch), a row whose sampler raises
+    InputError (its parameters leave no token) is told there and dropped (choice None, token -1) while the others
+    go on; without it the error propagates. A tail graph's failure always propagates: it concerns every row."""
     clusters = backend.clusters
     n = clusters.n_clusters
-    choices = [None if s is None else s.start(head[r]) for r, s in enumerate(samplers)]
+    choices = [None] * len(samplers)
+
+    def drop(r, error):
+        if failed is None:
+            raise error
+        failed(r, error)
+        choices[r] = None
+
+    for r, s in enumerate(samplers):
+        if s is not None:
+            try:
+                choices[r] = s.start(head[r])
+            except InputError as e:
+                drop(r, e)
     tail_rows = np.zeros(n, dtype=np.int64)
     tail_calls = np.zeros(n, dtype=np.int64)
     while True:
@@ -56,7 +76,12 @@ def decide(backend, samplers, hidden: np.ndarray, head: np.ndarray) -> Decision:
             tail_rows[i - 1] += rows.size
             tail_calls[i - 1] += 1
             for k, r in enumerate(rows):
-                choices[r].reveal(i, log_probs[k])
+                if choices[r] is None:  # dropped (failed) after this round's requests were gathered
+                    continue
+                try:
+                    choices[r].reveal(i, log_probs[k])
+                except InputError as e:
+                    drop(r, e)
     tokens = np.array([-1 if c is None else int(c.token) for c in choices], dtype=np.int64)
     return Decision(choices, tokens, tail_rows, tail_calls)
 

@@ -18,14 +18,14 @@ class EngineGate:
         self._run = engine.rows.run
         engine.rows.run = self._gated
 
-    def _gated(self, *args):
+    def _gated(self, *args, **kwargs):
         tokens = args[1]
         if not self.decode_only or tokens.shape[1] == 1:
             self.calls += 1
             if self.calls == self.which:
                 self.held.set()
                 self._opened.wait(self.timeout)
-        return self._run(*args)
+        return self._run(*args, **kwargs)
 
     def open(self):
         self._opened.set()

@@ -47,6 +47,10 @@ API_KEY_ENV = "TXL_API_KEY"
               help="Largest request body (larger: 413); restoring a session takes its state's size.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
               help="Prompt tokens fed per step between decode steps. [default: the model's max_segment]")
+@click.option("--lazy", is_flag=True,
+              help="Adaptive-softmax models exported with their head and tail graphs: each step computes the head, "
+                   "and a tail only for the rows whose sampler needs it (TxlRuntime.generate's path and tokens; "
+                   "log-probs from the parts, which may differ from the full graph's in the last bit).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running streams get to finish.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
@@ -62,7 +66,7 @@ API_KEY_ENV = "TXL_API_KEY"
 @tokenizer_option("For this server only: prompts are read and completions written with it; the model file is "
                   "unchanged.")
 def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_key, model_name, max_queue,
-          max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, drain_timeout, backend, providers,
+          max_prompt_tokens, max_tokens, max_body_bytes, prefill_chunk, lazy, drain_timeout, backend, providers,
           triton_urls, triton_model, vocab, tokenizer):
     """Serve MODEL (an .onnx, an .engine, an ExecuTorch .pte, a checkpoint or a hub reference
     hf://OWNER/NAME[@REVISION], fetched into the HuggingFace hub cache first) over HTTP with OpenAI's completions
@@ -102,6 +106,9 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
     if triton_urls:
         if model is not None:
             raise InputError("give either MODEL or --triton, not both")
+        if lazy:
+            raise InputError("--lazy applies to a local MODEL: through Triton each step's full distribution is "
+                             "asked for")
         urls = [u.strip() for u in triton_urls.split(",") if u.strip()]
         def load():
             engine = FleetEngine.connect(urls, model=triton_model, vocab=vocab, **options)
@@ -118,7 +125,7 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
         def load():  # Scheduler.load, with the runtime's tokenizer set before the engine takes its vocabulary
             runtime = TxlRuntime.load(model, backend=backend, threads=threads,
                                       providers=providers.split(",") if providers else None)
-            engine = Scheduler(use_tokenizer(runtime, tokenizer), prefill_chunk=prefill_chunk, **options)
+            engine = Scheduler(use_tokenizer(runtime, tokenizer), prefill_chunk=prefill_chunk, lazy=lazy, **options)
             engine.describe()
             return engine
     settings = http_app.ServeSettings(model_name=name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,

@@ -116,24 +116,25 @@ class RowPool:
             spans.append([row, row + 1, [i]])
         return spans
 
-    def run(self, rows, tokens, positions):
+    def run(self, rows, tokens, positions, head: bool = False):
         """One batched call per span of rows (see spans); rows must be sorted. Rows inside a span that are not in
-        `rows` (holes) are computed with token 0 and then put back exactly as they were."""
+        `rows` (holes) are computed with token 0 and then put back exactly as they were. head=True: the backend's
+        `run_head` (same memory update), returning (hidden, head log-probs) instead of the log-probs."""
         rows = np.asarray(rows, dtype=np.int64)
         out = [None] * rows.size
         committed = []
         for lo, hi, members in self.spans(rows):
             try:
-                self._run_span(rows, tokens, positions, lo, hi, members, out)
+                self._run_span(rows, tokens, positions, lo, hi, members, out, head)
             except Exception as e:
                 if not committed:
                     raise  # the backend commits nothing on failure: every row is as it was
                 raise PartialRun(committed) from e
             committed += members
-        return np.stack(out)
+        return _stacked(out, head)
 
-    def _run_span(self, rows, tokens, positions, lo, hi, members, out):
-        """One span's call; its members' log-probs go into `out`."""
+    def _run_span(self, rows, tokens, positions, lo, hi, members, out, head=False):
+        """One span's call; its members' log-probs (or (hidden, head) pairs) go into `out`."""
         mine = rows[members]
         n = hi - lo
         if n == len(members):
@@ -149,14 +150,14 @@ class RowPool:
         sub = {name: value[lo:hi] for name, value in self.state.items()}  # views: no copy
         before = dict(sub)
         undo = self._keep(holes, tokens.shape[1]) if len(holes) and self.incremental else None
-        log_probs = self.backend.run(sub, tok, pos)
+        result = self.backend.run_head(sub, tok, pos) if head else self.backend.run(sub, tok, pos)
         for name, value in sub.items():
             if value is not before[name]:  # a full-state graph returns new arrays: take the members' rows
                 self.state[name][mine] = value[mine - lo]
         if undo is not None:
             self._restore(undo)
         for j, m in enumerate(members):
-            out[m] = log_probs[mine[j] - lo]
+            out[m] = tuple(r[mine[j] - lo] for r in result) if head else result[mine[j] - lo]
 
     def _keep(self, holes, q):
         """What the ring write of a q-token segment will overwrite in the hole rows (the backend writes rows in
@@ -214,13 +215,22 @@ class SeparateStates:
     def save(self, handle):
         return {k: np.array(v) for k, v in self.backend.state_arrays(handle[0]).items()}
 
-    def run(self, handles, tokens, positions):
+    def run(self, handles, tokens, positions, head: bool = False):
         out = []
+        call = self.backend.run_head if head else self.backend.run
         for j, h in enumerate(handles):
             try:
-                out.append(self.backend.run(h[0], tokens[j:j + 1], positions[j:j + 1]))
+                result = call(h[0], tokens[j:j + 1], positions[j:j + 1])
             except Exception as e:
                 if not out:
                     raise
                 raise PartialRun(list(range(len(out)))) from e
-        return np.concatenate(out)
+            out.append(tuple(r[0] for r in result) if head else result[0])
+        return _stacked(out, head)
+
+
+def _stacked(out: list, head: bool):
+    """The rows' results as one batch: log-probs [B, P, V], or with head, (hidden [B, P, d], head [B, P, H])."""
+    if head:
+        return tuple(np.stack(parts) for parts in zip(*out))
+    return np.stack(out)

@@ -135,8 +135,14 @@ def test_non_finite_logprobs_are_sent_as_json_strict_parsers_accept(server):
     run = engine.rows.run
     allowed = 8  # tokens 0..7 keep their log-probs
 
-    def ruling_out(*args):
-        out = np.array(run(*args), copy=True)
+    def ruling_out(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if isinstance(out, tuple):  # lazy decoding's (hidden, head): -inf for the shortlist's tokens from 8 and every
+            hidden, head = out  # cluster, so the tails computed from the head hold -inf too
+            head = np.array(head, copy=True)
+            head[..., allowed:] = -np.inf
+            return hidden, head
+        out = np.array(out, copy=True)
         out[..., allowed:] = -np.inf
         return out
 

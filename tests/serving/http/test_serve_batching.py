@@ -39,12 +39,12 @@ def _hold_first_step(engine, ready):
     Returns the engine's own call, to put back."""
     run = engine.rows.run
 
-    def first_step_waits(*args):
+    def first_step_waits(*args, **kwargs):
         end = time.monotonic() + 60
         while not ready() and time.monotonic() < end:
             time.sleep(0.005)
         engine.rows.run = run
-        return run(*args)
+        return run(*args, **kwargs)
 
     engine.rows.run = first_step_waits
     return run
@@ -89,10 +89,10 @@ def engine(tiny_onnx):
     calls = []
     run = eng.rows.run
 
-    def spy(handles, tokens, positions):
+    def spy(handles, tokens, positions, **kwargs):
         calls.append((tokens.shape[1], tuple(int(h) for h in handles)))
         time.sleep(0.002)  # slow enough that a cancellation lands between steps
-        return run(handles, tokens, positions)
+        return run(handles, tokens, positions, **kwargs)
 
     eng.rows.run = spy
     eng.calls = calls

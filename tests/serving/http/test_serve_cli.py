@@ -56,7 +56,7 @@ def test_help_lists_serve_and_its_options():
     r = CliRunner().invoke(main, ["serve", "--help"])
     assert r.exit_code == 0
     for option in ("--host", "--port", "--threads", "--max-batch", "--max-sessions", "--session-ttl", "--api-key",
-                   "--model-name", "--triton", "--max-queue", "--max-prompt-tokens", "--max-body-bytes"):
+                   "--model-name", "--triton", "--max-queue", "--max-prompt-tokens", "--max-body-bytes", "--lazy"):
         assert option in r.output, option
     assert "127.0.0.1" in r.output
 
@@ -123,3 +123,6 @@ def test_refuses_a_model_and_triton_together_or_neither(tiny_onnx):
     assert r.exit_code == 2 and "give a MODEL" in r.output
     r = CliRunner().invoke(main, ["serve", str(tiny_onnx), "--triton", "grpc://127.0.0.1:1"])
     assert r.exit_code == 2 and "not both" in r.output
+    # lazy decoding is the local engine's: through Triton it would be a flag silently ignored
+    r = CliRunner().invoke(main, ["serve", "--triton", "grpc://127.0.0.1:1", "--lazy"])
+    assert r.exit_code == 2 and "--lazy applies to a local MODEL" in r.output

@@ -135,9 +135,9 @@ def test_latencies_are_when_the_engine_made_the_tokens(server):
     engine = server.engine
     run, submit = engine.rows.run, engine.submit
 
-    def slow_call(*args):
+    def slow_call(*args, **kwargs):
         time.sleep(step)
-        return run(*args)
+        return run(*args, **kwargs)
 
     def submit_told_at_the_end(job):
         emit, held = job.emit, []

@@ -535,13 +535,13 @@ def test_a_broken_engine_stops_answers_every_request_and_refuses_new_ones(make_s
     inside, corrupt = threading.Event(), threading.Event()
     calls = []
 
-    def staged(rows, tokens, positions):
+    def staged(rows, tokens, positions, **kwargs):
         calls.append(len(calls) + 1)
         end = time.monotonic() + BOUND_S
         if len(calls) == 1:  # the first request's prompt: goes through once the second request is queued
             while eng.queue_depth < 1 and time.monotonic() < end:
                 time.sleep(0.002)
-            return run(rows, tokens, positions)
+            return run(rows, tokens, positions, **kwargs)
         inside.set()  # its first decode step: waits for two more requests to arrive meanwhile (in the inbox)
         assert corrupt.wait(BOUND_S)
         eng.rows.free.append(int(rows[0]))  # its row is now both used and free: the rows no longer add up
@@ -603,7 +603,7 @@ import sys
 from txl_deploy.cli import main
 from txl_deploy.serving.rows import RowPool
 
-def broken(self, rows, tokens, positions):
+def broken(self, rows, tokens, positions, head=False):
     self.free.append(int(rows[0]))  # a row both free and used: the engine's state no longer adds up
     raise RuntimeError("injected fault")
 

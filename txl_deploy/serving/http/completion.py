@@ -99,7 +99,9 @@ class TokenOut:
 
 class Completion:
     """Sampling, text and stopping for one request. `next(log_probs)` -> TokenOut; `finish` is then set once the
-    request is done ("stop": a stop string or stop token id, "length": max_tokens)."""
+    request is done ("stop": a stop string or stop token id, "length": max_tokens). On an adaptive softmax's head
+    and tails (lazy decoding): `sampler.start(head)` gives a Choice, driven to its token by
+    `runtimes.lazy_decode.decide` with the other rows', then `decided(choice)` -> TokenOut."""
 
     def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=(), clusters=None):
         self.params, self.vocab = params, vocab
@@ -120,8 +122,19 @@ class Completion:
         return len(self.tokens)
 
     def next(self, log_probs: np.ndarray) -> TokenOut:
-        p = self.params
+        """The next token chosen on the whole distribution [V]."""
         tok = self.sampler.choose(log_probs)
+        top = None if self.params.logprobs is None else top_logprobs(log_probs, self.params.logprobs)
+        return self._out(tok, log_probs[tok], top)
+
+    def decided(self, choice) -> TokenOut:
+        """The next token, as the sampler's Choice (`sampler.start(head)`, its tails revealed) decided it: its
+        log-prob and alternatives are the model's, from the parts the decision computed."""
+        top = None if self.params.logprobs is None else choice.top_logprobs
+        return self._out(int(choice.token), choice.logprob, top)
+
+    def _out(self, tok: int, logprob: float, top: list | None) -> TokenOut:
+        p = self.params
         self.tokens.append(tok)
         piece = token_text(self.vocab, tok)
         decoded = ""  # the text this token releases from the decoder
@@ -134,10 +147,9 @@ class Completion:
                 self.finish = "stop"
             elif self.generated >= p.max_tokens:
                 text, self.finish = text + self._rest(), "length"
-        top = None
-        if p.logprobs is not None:
-            top = {token_text(self.vocab, t): wire_logprob(lp) for t, lp in top_logprobs(log_probs, p.logprobs)}
-        out = TokenOut(tok, text, piece, wire_logprob(log_probs[tok]), top, self.offset, time.monotonic())
+        if top is not None:
+            top = {token_text(self.vocab, t): wire_logprob(lp) for t, lp in top}
+        out = TokenOut(tok, text, piece, wire_logprob(logprob), top, self.offset, time.monotonic())
         self.offset += len(decoded)
         return out
 

@@ -14,6 +14,16 @@ mixes lengths in a call. Each turn of the engine loop:
    those whose chunks have the same length together (usually every full chunk), the oldest request's group first.
    So a long prompt goes in between decode steps and the running streams wait at most one chunk per token.
 
+Lazy decoding (`lazy=True`, `txl-deploy serve --lazy`), on a backend that computes an adaptive softmax's head and
+tails apart (`backend.clusters`): a decode call, and a prompt's last chunk, compute the head only; the rows'
+samplers decide on it together and each tail cluster some of them need is computed once, for those rows
+(`runtimes/lazy_decode.decide`). That is TxlRuntime.generate's path, with its numbers: a request gets generate's
+tokens. A prompt's other chunks run the full graph at their last position, as generate's earlier segments do, so
+a prompt call holds either last chunks or others. A session's next-token distribution (to continue it without a
+prompt, or to park it) is composed from the head and every tail once its request ends. The log-probs sent are then
+the parts' numbers, which can differ from the full graph's in the last bit: without `lazy` every step computes the
+full distribution, whose numbers a session's log-probs match bit for bit (docs/serving.md).
+
 Rows join and leave between calls; the rows of a call that are not contiguous are run as RowPool spans (views, no
 copy). A request ends when the sampler says so (stop string, stop token, max_tokens); a session request then feeds
 its last token too, so the session's memory holds everything generated, exactly as `TxlRuntime.generate` leaves
@@ -48,6 +58,7 @@ import numpy as np
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.runtimes.sampling import Clusters
 from txl_deploy.serving.http.completion import Completion, TokenOut
 from txl_deploy.serving.http.protocol import ApiError
@@ -72,6 +83,7 @@ class Job:
         self.fed = 0  # prompt tokens fed
         self.pending: int | None = None  # a sampled token not fed yet
         self.log_probs = None  # next-token log-probs after the last call
+        self.parts = None  # lazy decoding: (hidden [d_model], head [H]) after the last call, in place of log_probs
         self.finishing = False  # only the last token is left to feed (sessions), nothing more to send
         self.completion: Completion | None = None
         self.admitted = 0.0
@@ -87,13 +99,20 @@ class Scheduler:
 
     def __init__(self, runtime: TxlRuntime, max_batch: int = 16, max_sessions: int = 64,
                  session_ttl: float | None = 3600.0, max_queue: int = 64, prefill_chunk: int | None = None,
-                 on_batch: Callable[[int], None] | None = None):
+                 on_batch: Callable[[int], None] | None = None, lazy: bool = False):
         if runtime.vocab is None:
             raise InputError("this model has no vocabulary: the server needs one to read and write text")
         self.rt = runtime
         self.backend = runtime.backend
         self.vocab, self.n_token, self.mem_len = runtime.vocab, runtime.n_token, runtime.mem_len
         self.clusters = Clusters.of(runtime.config)  # the adaptive softmax's, as TxlRuntime.generate samples
+        # head first, tails as the decisions ask, where the backend has the parts (see the module's docstring)
+        self.lazy = bool(lazy) and self.backend.clusters is not None
+        if lazy and not self.lazy:
+            logger.info("lazy decoding needs an adaptive softmax's head and tail graphs (an ONNX export beside its "
+                        "parts); this model has none, so every step computes the full distribution")
+        # lazy decisions made, and per tail cluster how many rows it was computed for (TxlRuntime.tail_stats's form)
+        self.tail_stats = {"decisions": 0, "tails": [0] * (self.clusters.n if self.lazy else 0)}
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_chunk = int(prefill_chunk or self.backend.max_segment)
         if not 1 <= self.prefill_chunk <= self.backend.max_segment:
@@ -137,6 +156,9 @@ class Scheduler:
                     "and %d running requests at most: %s", _mib(per), self.mem_len, cap, self.max_batch,
                     _mib(per * (cap + self.max_batch)))
         logger.info("streams: %s; prompts fed in chunks of %d tokens", how, self.prefill_chunk)
+        if self.lazy:
+            logger.info("decoding lazily: each step computes the adaptive softmax's head, and a tail only for the "
+                        "rows whose decision needs it")
 
     # -- what other threads call ---------------------------------------------------------------------------------
     @property
@@ -426,11 +448,12 @@ class Scheduler:
                 job.log_probs = job.session.last_log_probs
                 self._after_log_probs(job)
 
-    def _run(self, jobs: list[Job], tokens: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+    def _run(self, jobs: list[Job], tokens: np.ndarray, positions: np.ndarray, head: bool = False):
+        """One batched call: log-probs [B, P, V], or with head (hidden, head log-probs); None if it failed."""
         order = sorted(range(len(jobs)), key=lambda i: jobs[i].handle if self.batched else 0)
         jobs[:] = [jobs[i] for i in order]
         try:
-            log_probs = self.rows.run([j.handle for j in jobs], tokens[order], positions[order])
+            log_probs = self.rows.run([j.handle for j in jobs], tokens[order], positions[order], head=head)
         except Exception as e:  # noqa: BLE001 - the call's requests fail; the engine checks it can go on
             # the backend commits nothing on failure, but a call over several spans may have run some of them
             committed = e.committed if isinstance(e, PartialRun) else []
@@ -454,49 +477,115 @@ class Scheduler:
         if not jobs:
             return
         tokens = np.array([[j.pending] for j in jobs], dtype=np.int64)
-        log_probs = self._run(jobs, tokens, np.zeros((len(jobs), 1), dtype=np.int64))
-        if log_probs is None:
+        out = self._run(jobs, tokens, np.zeros((len(jobs), 1), dtype=np.int64), head=self.lazy)
+        if out is None:
             return
         self.on_batch(len(jobs))
+        deciding = []
         for i, job in enumerate(jobs):
-            job.pending, job.log_probs = None, log_probs[i, 0]
+            job.pending = None
+            self._took(job, out, i)
             if job.session is not None:
                 job.session.tokens += 1
             if job.finishing:
                 self._end(job, job.completion.finish)
             else:
-                self._after_log_probs(job)
+                deciding.append(job)
+        self._next_tokens(deciding)
 
     def _prefill(self):
         feeding = [j for j in self._running if j.prefilling and j.pending is None and not j.finishing]
         if not feeding:
             return
         length = lambda j: min(self.prefill_chunk, j.prompt.size - j.fed)  # noqa: E731
-        q = length(min(feeding, key=lambda j: j.admitted))
-        jobs = [j for j in feeding if length(j) == q]
+        last = lambda j: j.fed + length(j) == j.prompt.size  # noqa: E731 (the prompt's last chunk)
+        oldest = min(feeding, key=lambda j: j.admitted)
+        q, head = length(oldest), self.lazy and last(oldest)
+        # lazy: last chunks compute the head (the first decision's), the others the full graph, never in one call
+        jobs = [j for j in feeding if length(j) == q and (not self.lazy or last(j) == last(oldest))]
         tokens = np.stack([j.prompt[j.fed:j.fed + q] for j in jobs])
-        log_probs = self._run(jobs, tokens, np.full((len(jobs), 1), q - 1, dtype=np.int64))
-        if log_probs is None:
+        out = self._run(jobs, tokens, np.full((len(jobs), 1), q - 1, dtype=np.int64), head=head)
+        if out is None:
             return
+        deciding = []
         for i, job in enumerate(jobs):
             job.fed += q
             if job.session is not None:
                 job.session.tokens += q
             if not job.prefilling:
-                job.log_probs = log_probs[i, 0]
-                self._after_log_probs(job)
+                self._took(job, out, i)
+                deciding.append(job)
+        self._next_tokens(deciding)
+
+    @staticmethod
+    def _took(job: Job, out, i: int):
+        """Keep row i of a call's result at its last position: log-probs, or lazily the (hidden, head) pair."""
+        if isinstance(out, tuple):
+            job.parts, job.log_probs = (out[0][i, -1], out[1][i, -1]), None
+        else:
+            job.parts, job.log_probs = None, out[i, -1]
+
+    def _next_tokens(self, jobs: list[Job]):
+        """Sample each job's next token (or finish it): on its log-probs, or for the jobs holding the head, one
+        lazy decision over all of them."""
+        lazy = []
+        for job in jobs:
+            if self._over(job):
+                continue
+            if job.parts is None:
+                self._sampled(job, job.completion.next, job.log_probs)
+            else:
+                lazy.append(job)
+        if lazy:
+            self._decide(lazy)
+
+    def _decide(self, jobs: list[Job]):
+        """The jobs' next tokens from their heads, each tail computed once for the rows whose decision needs it.
+        A request whose sampling parameters leave no token fails alone; a failed tail fails the rows it was for."""
+        refused = {}
+        try:
+            decision = decide(self.backend, [j.completion.sampler for j in jobs],
+                              np.stack([j.parts[0] for j in jobs]), np.stack([j.parts[1] for j in jobs]),
+                              failed=refused.__setitem__)
+        except Exception as e:  # noqa: BLE001 - a tail graph failed: these requests fail, the engine goes on
+            logger.error("a tail computation failed", exc_info=e)
+            for job in jobs:
+                self._fail(job, ApiError(500, f"the model failed on this batch: {type(e).__name__}: {e}",
+                                         type="server_error", code="model_error"))
+            self._check()
+            return
+        self.tail_stats["decisions"] += len(jobs) - len(refused)
+        for i, rows in enumerate(decision.tail_rows):
+            self.tail_stats["tails"][i] += int(rows)
+        for r, job in enumerate(jobs):
+            if r in refused:
+                self._fail(job, refused[r])
+                self._check()
+            else:
+                self._sampled(job, job.completion.decided, decision.choices[r])
 
     def _after_log_probs(self, job: Job):
         """Sample the next token (or finish) from job.log_probs."""
+        if not self._over(job):
+            self._sampled(job, job.completion.next, job.log_probs)
+
+    def _over(self, job: Job) -> bool:
+        """End the job instead of sampling if it was cancelled or is complete (max_tokens 0: only the prompt was
+        fed)."""
         if job.cancelled:
             self._end(job, None)
-            return
+            return True
+        if job.completion.finish is not None:
+            self._end(job, job.completion.finish)
+            return True
+        return False
+
+    def _sampled(self, job: Job, choose, *args):
+        """Send the token `choose(*args)` gives the job (or fail the job if it raises), and finish it if it was the
+        last."""
         completion = job.completion
-        if completion.finish is not None:  # max_tokens 0: only the prompt was fed
-            self._end(job, completion.finish)
-            return
         try:
-            out: TokenOut = completion.next(job.log_probs)
+            out: TokenOut = choose(*args)
         except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
             self._fail(job, e)
             self._check()
@@ -531,13 +620,25 @@ class Scheduler:
             self._running.remove(job)
         if job.session is not None:
             if job.touched:  # a request that never ran (cancelled or refused in the queue) leaves the session as it was
-                complete = job.pending is None and not job.prefilling and job.log_probs is not None
+                complete = job.pending is None and not job.prefilling and (job.log_probs is not None or
+                                                                           job.parts is not None)
                 # the next-token log-probs of what the memory holds; a request cut short mid-prompt has none
-                job.session.last_log_probs = np.array(job.log_probs, dtype=np.float32) if complete else None
+                job.session.last_log_probs = self._next_log_probs(job) if complete else None
             self.sessions.release(job.session)
         elif job.handle is not None:
             self.rows.release(job.handle)
         job.handle = None
+
+    def _next_log_probs(self, job: Job) -> np.ndarray | None:
+        """The job's next-token log-probs [V] (float32): kept, or composed from the head and every tail."""
+        if job.parts is None:
+            return np.array(job.log_probs, dtype=np.float32)
+        hidden, head = job.parts
+        try:
+            return full_log_probs(self.backend, hidden[None], head[None])[0]
+        except Exception:  # noqa: BLE001 - the session keeps its memory; it then needs a prompt to go on
+            logger.exception("a session's next-token distribution could not be computed")
+            return None
 
     def _expire(self):
         now = time.monotonic()
