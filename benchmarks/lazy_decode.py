@@ -107,11 +107,26 @@ def report(args, argv, trained, fit, results, parts, load_start, load_end, clust
                          f"{r['speedup']:.2f}x ({lo:.2f} to {hi:.2f}) | "
                          f"{'yes' if r['tokens_identical'] else 'NO'} | {target} |")
     tails = " / ".join(f"{t:.1f}" for t in parts["tail_ms"])
+    lines += ["", "tokens identical: in every round the lazy side generated exactly the full side's tokens (same "
+              "seed, same memory)."]
+    differ = [(mode, batch, d) for mode in ld.MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
+    if differ:
+        pairs = {(m, b) for m, b, _ in differ}
+        decisions = sum(results[m][b]["rounds"] * results[m][b]["tokens_per_round"] for m, b in pairs)
+        lines += ["", f"Streams that differ ({len(differ)}, in modes and batches that made {decisions} decisions in "
+                  "all), at their first differing token: " + "; ".join(
+                      f"{m}, batch {b}, round {d['round']} row {d['row']} step {d['step']}: lazy {d['lazy']}, full "
+                      f"{d['full']}" for m, b, d in differ) + ". "
+                  + ("Adjacent ids are a draw that fell within rounding of the boundary between two tokens' "
+                     "cumulative weights: the lazy side decides on the head graph's cluster log-probs, the full "
+                     "side on those `Clusters.head_from_full` derives from the main graph's float32 distribution, "
+                     "and the two differ in their last bits." if all(abs(d["lazy"] - d["full"]) == 1
+                                                                      for _, _, d in differ) else "")]
     lines += [
         "",
-        "tokens identical: in every round the lazy side generated exactly the full side's tokens (same seed, same "
-        "memory). What lazy saves is the tails' share of a step times the fraction of decisions that do not "
-        "need them.",
+        f"What lazy saves is the tails' share of a step times the fraction of decisions that do not need them; with "
+        f"no tail ever computed, a batch-1 step would take the head graph's time, so the most lazy can gain here is "
+        f"full / head = {parts['full_ms'] / parts['head_ms']:.2f}x (times below).",
         "",
         "## Batch 1 at the trained model's tail rates",
         "",

@@ -45,7 +45,7 @@ class TxlRuntime:
     def __init__(self, backend: Backend, lazy: bool = True):
         self.backend = backend
         # generate() through the adaptive softmax's parts where the backend has them; False: every step computes
-        # the full distribution through the main graph (the same tokens, for comparing the two).
+        # the full distribution through the main graph (the same decisions, for comparing the two).
         self.lazy = bool(lazy)
         self._state = None
         self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
@@ -81,8 +81,9 @@ class TxlRuntime:
         see `set_tokenizer`) [default: the vocabulary's own, stored with the model].
 
         lazy: on a backend with the adaptive softmax's parts, `generate` computes each step's head and only the
-        tails its sampler asks for [default]; False computes every step's full distribution (the same tokens).
-        Also the `lazy` attribute, which may be changed between calls."""
+        tails its sampler asks for [default]; False computes every step's full distribution and makes the same
+        decisions from it (docs/runtime.md says where float rounding lets a sampled token differ). Also the `lazy`
+        attribute, which may be changed between calls."""
         rt = cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
                               max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
                               threads=threads), lazy=lazy)

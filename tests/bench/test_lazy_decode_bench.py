@@ -105,6 +105,10 @@ def test_report_lists_rates_speedups_and_the_token_check():
     results = {m: {"1": ld.summarize(side([1.0, 2.0], [2, 1, 0], 1, 4), side([3.0, 2.0], [0, 0, 0], 1, 4), 4, 1),
                    "8": ld.summarize(side([1.0, 1.0], [8, 0, 0], 8, 2), side([1.5, 1.5], [0, 0, 0], 8, 2), 2, 8)}
                for m in ld.MODES}
+    off = side([1.0, 1.0], [8, 0, 0], 8, 2)
+    off[1]["tokens"] = off[1]["tokens"].copy()
+    off[1]["tokens"][3, 1] = 2  # row 3 of round 1 draws the next id at its second step
+    results["T=1"]["8"] = ld.summarize(off, side([1.5, 1.5], [0, 0, 0], 8, 2), 2, 8)
     parts = {"head_ms": 40.0, "tail_ms": [10.0, 50.0, 20.0], "full_ms": 110.0}
     for m in ld.MODES:
         results[m]["1"]["at_trained_rates"] = ld.at_rates(results[m]["1"], parts, trained[m]["fractions"])
@@ -116,6 +120,10 @@ def test_report_lists_rates_speedups_and_the_token_check():
     # batch 1: rounds of 3 s / 1 s and 2 s / 2 s -> median ratio 2.00x, range 1.00 to 3.00, the target met
     assert "| T=1 | 1 | 3.00 | 1.67 | 2.00x (1.00 to 3.00) | yes | yes |" in text
     assert "| top-k 40 | 8 | 16.00 | 10.67 | 1.50x (1.50 to 1.50) | yes |  |" in text
+    assert "| T=1 | 8 | 16.00 | 10.67 | 1.50x (1.50 to 1.50) | NO |  |" in text
+    assert ("Streams that differ (1, in modes and batches that made 32 decisions in all), at their first differing "
+            "token: T=1, batch 8, round 1 row 3 step 1: lazy 2, full 1. Adjacent ids") in text
+    assert "full / head = 2.75x" in text
     # at the trained rates (50% / 25% / 12.5% against the stand-in's 50% / 25% / 0%): + 0.125 x 20 ms a token,
     # rounds of 0.25 + 0.0025 s and 0.5 + 0.0025 s a token against 0.75 s and 0.5 s
     est = results["greedy"]["1"]["at_trained_rates"]
@@ -130,3 +138,12 @@ def test_parts_are_timed_on_the_saved_state(rt):
     arrays = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
     parts = ld.time_parts(rt.backend, arrays, 5, reps=2)
     assert len(parts["tail_ms"]) == 2 and parts["head_ms"] > 0 and parts["full_ms"] > 0
+
+
+def test_summary_says_where_streams_differ():
+    lazy = [{"seconds": 1.0, "tokens": np.array([[1, 2, 3], [4, 5, 6]]), "tail_rows": [1, 0]}]
+    full = [{"seconds": 2.0, "tokens": np.array([[1, 2, 3], [4, 7, 8]]), "tail_rows": [0, 0]}]
+    s = ld.summarize(lazy, full, 3, 2)
+    assert not s["tokens_identical"]
+    assert s["differ"] == [{"round": 0, "row": 1, "step": 1, "lazy": 5, "full": 7}]
+    assert s["tail_fractions"] == pytest.approx([1 / 6, 0.0]) and s["speedup"] == 2.0

@@ -257,10 +257,17 @@ def interleaved(sides: dict, rounds: int) -> dict:
 
 def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> dict:
     """Medians over rounds: tokens/s of each side (generated tokens of every row per second), the median of the
-    rounds' full/lazy time ratios, whether every round's tokens agreed, and the tail fractions of the lazy side."""
+    rounds' full/lazy time ratios, whether every round's tokens agreed (and, for each stream that did not, its
+    first differing token), and the tail fractions of the lazy side."""
     lazy_s = np.array([x["seconds"] for x in lazy])
     full_s = np.array([x["seconds"] for x in full])
-    same = all(np.array_equal(np.asarray(a["tokens"]), np.asarray(b["tokens"])) for a, b in zip(lazy, full))
+    differ = []  # per stream that differs: where its first differing token is, and the two tokens there
+    for r, (a, b) in enumerate(zip(lazy, full)):
+        a, b = np.asarray(a["tokens"]).reshape(batch, -1), np.asarray(b["tokens"]).reshape(batch, -1)
+        for row in np.flatnonzero((a != b).any(axis=1)):
+            step = int(np.flatnonzero(a[row] != b[row])[0])
+            differ.append({"round": r, "row": int(row), "step": step, "lazy": int(a[row, step]),
+                           "full": int(b[row, step])})
     key = "tails" if "tails" in lazy[0] else "tail_rows"
     tails = np.sum([x[key] for x in lazy], axis=0)
     decisions = len(lazy) * n_tokens * batch
@@ -270,7 +277,7 @@ def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> 
             "speedup": float(np.median(full_s / lazy_s)),
             "speedup_range": [float(np.min(full_s / lazy_s)), float(np.max(full_s / lazy_s))],
             "lazy_seconds": lazy_s.tolist(), "full_seconds": full_s.tolist(),
-            "tokens_identical": bool(same), "tail_fractions": (tails / decisions).tolist(),
+            "tokens_identical": not differ, "differ": differ, "tail_fractions": (tails / decisions).tolist(),
             "distinct_tokens": len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy])))}
 
 
