@@ -110,33 +110,12 @@ def option_sides(path, rt) -> dict:
             session.run(outputs, feeds)
         return step
 
-    def bound_step(session):
-        """Inputs bound once (the memory as it is, the token in a buffer rewritten in place), outputs bound to
-        preallocated buffers: nothing allocated or copied per call on the Python side."""
-        binding, token = session.io_binding(), np.zeros((1, 1), np.int64)
-        for name, value in state.items():
-            binding.bind_cpu_input(name, value)
-        binding.bind_cpu_input(io_spec.TOKENS, token)
-        binding.bind_cpu_input(io_spec.OUT_POSITIONS, np.zeros((1, 1), np.int64))
-        for o in session.get_outputs():  # batch 1, one position, one token: every named axis is 1 here
-            buf = np.empty([1 if isinstance(d, str) else d for d in o.shape], np.float32)
-            binding.bind_output(o.name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
-            bound_step.keep.append(buf)
-
-        def step():
-            token[0, 0] = rng.integers(0, rt.n_token)
-            session.run_with_iobinding(binding)
-        return step
-    bound_step.keep = []
-
     ours, ours_state = rt.backend, rt.backend.state_from_arrays(state, copy=True)
-    no_prepack = plain({"session.disable_prepacking": "1"})
     return {
         "defaults": ("a plain session: ONNX Runtime's defaults (prepacked weights), no CPU arena, run()",
                      run_step(plain({}))),
-        "no prepacking": ("the same with session.disable_prepacking = 1, run()", run_step(no_prepack)),
-        "no prepacking, bound": ("the same session through IOBinding: inputs bound once, outputs into preallocated "
-                                 "buffers", bound_step(no_prepack)),
+        "no prepacking": ("the same with session.disable_prepacking = 1, run()",
+                          run_step(plain({"session.disable_prepacking": "1"}))),
         "basic optimisations": ("no prepacking, graph optimisation level BASIC instead of ALL, run()",
                                 run_step(plain({"session.disable_prepacking": "1"},
                                                ort.GraphOptimizationLevel.ORT_ENABLE_BASIC))),

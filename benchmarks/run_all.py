@@ -64,6 +64,8 @@ SCRIPTS = {
     "chaos": ["benchmarks/serve_chaos.py", "--md", "benchmarks/results_chaos.md", "--json",
               "benchmarks/results_chaos.json", "--force"],
     "peak-ram": ["benchmarks/peak_ram.py"],
+    "peak-ram-runtime": ["benchmarks/peak_ram.py", "--runtime-only", "--shape", "wt103-base", "--cache",
+                         "benchmarks/.cache"],
     "executorch": ["benchmarks/executorch_vs_ort.py"],
     "mobile": ["benchmarks/mobile_usability.py"],
 }
