@@ -136,8 +136,8 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
 
 
 def profile_table(prof: dict, top: int = 12) -> str:
-    lines = [f"one decode step: {prof['step_ms']:.2f} ms in the session, {prof['step_cpu_ms']:.2f} ms of CPU time on its "
-             f"thread ({prof['kernel_ms']:.2f} ms in kernels)",
+    cpu = f", {prof['step_cpu_ms']:.2f} ms of CPU time on its thread" if "step_cpu_ms" in prof else ""  # (older runs)
+    lines = [f"one decode step: {prof['step_ms']:.2f} ms in the session{cpu} ({prof['kernel_ms']:.2f} ms in kernels)",
              f"{'op type':<24}{'ms/step':>10}{'share':>8}{'calls':>7}"]
     for op in prof["ops"][:top]:
         lines.append(f"{op['op_type']:<24}{op['ms_per_step']:>10.3f}{op['share']:>8.1%}{op['calls_per_step']:>7.0f}")
