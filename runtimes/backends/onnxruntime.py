@@ -65,7 +65,13 @@ def choose_providers(requested=None) -> list:
 class OrtBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None):
+    def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None,
+                 prepack: bool = False):
+        """prepack: let ONNX Runtime prepack the MatMul weights, each session its own copies (no shared pool): a
+        prefill's segments run faster (a 64-token WikiText-103 base segment took 232 against 299 ms of CPU time on
+        one thread), a decode step slower (44.4 against 40.7 ms), and the sessions of a model with its
+        adaptive-softmax parts hold 2.10 GiB instead of 645 MiB (benchmarks/results_peak_ram_runtime.md)."""
+        self.prepack = bool(prepack)
         self.path = str(path)
         ort_format = str(path).lower().endswith(ORT_SUFFIX)
         if not ort_format:
@@ -78,7 +84,8 @@ class OrtBackend(Backend):
         # Weights shared between the sessions: only where every session runs on the CPU and reads a .onnx (an .ort
         # file's tensors live in its flatbuffer).
         cpu_only = all((p if isinstance(p, str) else p[0]) == "CPUExecutionProvider" for p in self._providers)
-        self.weights = SharedWeights(SHARED_MIN_BYTES) if cpu_only and not ort_format and sys.byteorder == "little" else None
+        shared = cpu_only and not ort_format and not self.prepack and sys.byteorder == "little"
+        self.weights = SharedWeights(SHARED_MIN_BYTES) if shared else None
         self.session = self._open(self.path, self.path)
         if ort_format:
             try:
@@ -128,8 +135,10 @@ class OrtBackend(Backend):
         # No prepacking: a MatMul's packed copy of its weight is a second copy of it (the tied output weight is also
         # read by the embedding's Gather), and packed copies cannot be shared between sessions. Measured on the
         # WikiText-103 base stand-in, one thread: decode 40.7 vs 44.4 ms of CPU a step without it, RSS added by the
-        # main session 628 vs 1,080 MB for 608 MB of weights (benchmarks/results_efficiency.md).
-        opts.add_session_config_entry("session.disable_prepacking", "1")
+        # main session 628 vs 1,080 MB for 608 MB of weights (benchmarks/results_efficiency.md). A prefill pays for
+        # it (see `prepack`).
+        if not self.prepack:
+            opts.add_session_config_entry("session.disable_prepacking", "1")
         if self._intra_op_threads:
             opts.intra_op_num_threads = int(self._intra_op_threads)
             # The session runs its graph sequentially (ORT_SEQUENTIAL): an inter-op pool would only add idle

@@ -101,3 +101,13 @@ def test_weights_in_an_external_data_file_are_read_into_the_pool(tmp_path):
     x = np.ones((2, 32), np.float32)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)
     assert pool.held_bytes == w.nbytes
+
+
+def test_prepack_gives_each_session_its_own_weights_and_the_same_log_probs(tiny_onnx, shared):
+    prepacked = OrtBackend(tiny_onnx, providers=["cpu"], intra_op_threads=1, prepack=True)
+    assert prepacked.weights is None and prepacked.clusters is not None
+    tokens = np.random.default_rng(4).integers(0, shared.config.n_token, size=(1, 6))
+    positions = np.arange(6)[None]
+    got = prepacked.run(prepacked.new_state(1), tokens, positions)
+    want = shared.run(shared.new_state(1), tokens, positions)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # other kernels, the same model
