@@ -201,57 +201,69 @@ def assemble(head: np.ndarray, tails: list[np.ndarray], shortlist: int) -> np.nd
 
 def run_tails(sessions, hidden: np.ndarray, head: np.ndarray, shortlist: int) -> list[np.ndarray]:
     """Every tail session on `hidden` [..., d_model] with its head column: [..., hi - lo] each."""
-    lead, n = hidden.shape[:-1], len(sessions)
+    return [run_tail(sess, i, hidden, head, shortlist, len(sessions)) for i, sess in enumerate(sessions, start=1)]
+
+
+def run_tail(session, i: int, hidden: np.ndarray, head: np.ndarray, shortlist: int, n_clusters: int) -> np.ndarray:
+    """Tail cluster i's session on `hidden` [..., d_model] with its head column: [..., hi - lo]."""
+    lead = hidden.shape[:-1]
     flat, flat_head = hidden.reshape(-1, hidden.shape[-1]), head.reshape(-1, head.shape[-1])
-    out = []
-    for i, sess in enumerate(sessions, start=1):
-        col = np.ascontiguousarray(flat_head[:, contract.head_column(shortlist, n, i)])
-        (lp,) = sess.run(None, {contract.HIDDEN: flat, contract.HEAD_LOG_PROB: col})
-        out.append(lp.reshape(*lead, lp.shape[-1]))
-    return out
+    col = np.ascontiguousarray(flat_head[:, contract.head_column(shortlist, n_clusters, i)])
+    (lp,) = session.run(None, {contract.HIDDEN: flat, contract.HEAD_LOG_PROB: col})
+    return lp.reshape(*lead, lp.shape[-1])
 
 
 def verify_parts(model, cached, head_path, tail_paths, threads: int | None = None, batch: int = 2,
                  seed: int = 0) -> dict:
     """Run the parts with ONNX Runtime beside the PyTorch cached step over a stream of segments that fills and
     wraps the memory (prefill, decode steps, a segment longer than the memory where the graph allows) and refuse
-    a mismatch of the assembled log-probs or of the state outputs."""
+    a mismatch of the assembled log-probs or of the state outputs.
+
+    One part's session is open at a time: the head over the whole stream first (keeping its hidden states and head
+    log-probs, and PyTorch's log-probs), then each tail on those. Every session of a word model at once, beside the
+    PyTorch model, set the verified export's peak (the head graph holds the tied embedding, so all the output
+    weights, and the tails hold them again). The comparison is the same: each piece of the assembled distribution
+    against PyTorch's, element by element."""
     import onnxruntime as ort  # optional (the cpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    # A few calls each: MatMul's prepacked copies of the weights would cost memory and save no time.
+    opts.add_session_config_entry("session.disable_prepacking", "1")
     if threads:
         opts.intra_op_num_threads = int(threads)
-    head = ort.InferenceSession(str(head_path), opts, providers=["CPUExecutionProvider"])
-    tails = [ort.InferenceSession(str(t), opts, providers=["CPUExecutionProvider"]) for t in tail_paths]
     cfg, spec, M = model.cfg, cached.spec, cached.mem_len
     shortlist = cfg.cutoffs[0]
     gen = torch.Generator().manual_seed(seed)
     lengths = [min(5, cached.max_segment), 1, 1, min(M + 3, cached.max_segment), 1]
     state = cached.empty_state(batch, dtype=next(model.parameters()).dtype)
-    worst, segments = 0.0, 0
+    worst = 0.0
     names = spec.input_names()
+    streamed = []  # per segment: (hidden [B, P, d_model], head log-probs, PyTorch's log-probs [B, P, V])
+
+    def check(got, want):
+        nonlocal worst
+        diff = np.abs(got - want)
+        worst = max(worst, float(diff.max()))
+        if got.shape != want.shape or (diff > ATOL + RTOL * np.abs(want)).any():
+            raise ExportError(f"the softmax parts differ from PyTorch: max abs difference {diff.max():.3g} "
+                              f"outside |diff| <= {ATOL:g} + {RTOL:g} x |log-prob|; nothing was written")
+
+    head = ort.InferenceSession(str(head_path), opts, providers=["CPUExecutionProvider"])
     with torch.no_grad():
         for q in lengths:
             tokens = torch.randint(0, cfg.n_token, (batch, q), generator=gen)
             positions = torch.arange(q).expand(batch, q).contiguous()
             (ref_hidden, _), *outs = cached(tokens, positions, *state)
-            ref = model.crit(ref_hidden)  # the full output layer on PyTorch's hidden states
+            want = model.crit(ref_hidden).numpy()  # the full output layer on PyTorch's hidden states
             feeds = {k: v.numpy() for k, v in zip(names, [tokens, positions, *state])}
             hidden, head_lp, *parts_outs = head.run(None, feeds)
-            got = assemble(head_lp, run_tails(tails, hidden, head_lp, shortlist), shortlist)
-            want = ref.numpy()
-            diff = np.abs(got - want)
-            worst = max(worst, float(diff.max()))
-            bad = diff > ATOL + RTOL * np.abs(want)
-            if bad.any() or got.shape != want.shape:
-                raise ExportError(f"the softmax parts differ from PyTorch: max abs difference {diff.max():.3g} "
-                                  f"outside |diff| <= {ATOL:g} + {RTOL:g} x |log-prob|; nothing was written")
+            check(head_lp[..., :shortlist], want[..., :shortlist])
             for name, a, b in zip(head_output_names(spec)[2:], parts_outs, outs):
                 if not np.allclose(a, b.numpy(), atol=ATOL, rtol=RTOL):
                     raise ExportError(f"the head graph's {name} differs from PyTorch; nothing was written")
+            streamed.append((hidden, head_lp, want))
             # Advance the reference state as a runtime does: the ring buffer takes this segment's entries.
             if spec.state == "incremental":
                 nxt = []
@@ -261,8 +273,14 @@ def verify_parts(model, cached, head_path, tail_paths, threads: int | None = Non
                 state = nxt + [state[-1] + q]
             else:
                 state = list(outs)
-            segments += 1
-    return {"passed": True, "max_abs_diff": worst, "segments": segments,
+    del head
+    for i, (path, (lo, hi)) in enumerate(zip(tail_paths, contract.bounds(cfg.cutoffs, cfg.n_token)[1:]), start=1):
+        tail = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        for hidden, head_lp, want in streamed:
+            got = run_tail(tail, i, hidden, head_lp, shortlist, cfg.n_clusters)
+            check(got, want[..., lo:hi])
+        del tail
+    return {"passed": True, "max_abs_diff": worst, "segments": len(streamed),
             "criterion": f"|diff| <= {ATOL:g} + {RTOL:g} x |log-prob|", "state_outputs": "allclose",
             "io": {"head": {"outputs": head_output_names(spec)[:2]}, "tail": {"inputs": [contract.HIDDEN,
                                                                                            contract.HEAD_LOG_PROB]}}}

@@ -121,8 +121,9 @@ def test_int8_is_symmetric_qdq_for_tensorrt(reduced):
     per_channel = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in inits
                    and numpy_helper.to_array(inits[n.input[1]]).size > 1]
     assert per_channel
-    # Only the weight MatMuls are quantized: an activation is quantized (QuantizeLinear -> DequantizeLinear) only as
-    # the A of a MatMul whose B is a dequantized int8 weight, so TensorRT fuses each pair into one int8 MatMul.
+    # Only the weight MatMuls are quantized: a MatMul that reads a quantized activation (QuantizeLinear ->
+    # DequantizeLinear) reads it as its A, with a dequantized int8 weight as its B (TensorRT fuses the pair into one
+    # int8 MatMul), and an activation is quantized only as the input or the output of such a MatMul.
     producers = {o: n for n in model.graph.node for o in n.output}
     consumers = {}
     for n in model.graph.node:
@@ -133,12 +134,18 @@ def test_int8_is_symmetric_qdq_for_tensorrt(reduced):
         node = producers.get(name)
         return node is not None and node.op_type == "DequantizeLinear" and node.input[0] in inits
 
+    def quantized_matmul(node):
+        return node is not None and node.op_type == "MatMul" and dequantized_weight(node.input[1])
+
     activation_dq = [n for n in qdq if n.op_type == "DequantizeLinear" and n.input[0] in producers
                      and producers[n.input[0]].op_type == "QuantizeLinear"]
     assert activation_dq
     for dq in activation_dq:
-        for mm in consumers[dq.output[0]]:
-            assert mm.op_type == "MatMul" and mm.input[0] == dq.output[0] and dequantized_weight(mm.input[1]), mm.name
+        readers = consumers.get(dq.output[0], [])
+        for mm in (c for c in readers if c.op_type in ("MatMul", "Gemm")):
+            assert mm.input[0] == dq.output[0] and quantized_matmul(mm), mm.name
+        source = producers.get(producers[dq.input[0]].input[0])
+        assert any(c.op_type == "MatMul" for c in readers) or quantized_matmul(source), dq.name
     for q in (n for n in qdq if n.op_type == "QuantizeLinear"):
         assert all(c.op_type == "DequantizeLinear" for c in consumers[q.output[0]])
     # The tied embedding reads the int8 output weight it shares (stored once) through that weight's DequantizeLinear:

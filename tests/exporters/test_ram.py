@@ -183,6 +183,9 @@ GUARD_SHAPE = dict(n_token=60000, n_layer=4, n_head=8, d_model=512, d_head=64, d
 # What the process holds beyond its imports, over the checkpoint's bytes. Measured 4.7x verified and 2.3x with
 # --no-verify on this shape (its log-probs and tracing weigh more against 178 MB of weights than on the large
 # shapes: see benchmarks/results_peak_ram.md); the guard allows 25% more. The copies this replaced cost 20x and 8.7x.
+# With the adaptive softmax's head and tail graphs also written (they share the cached step's tensors, and their
+# verification opens one part at a time): 4.9x verified and 2.7x with --no-verify; 6.3x and 6.9x when each part
+# held copies of the output weights.
 GUARD_RATIO = {True: 6.0, False: 3.0}
 
 
