@@ -19,6 +19,8 @@ decode median is set against that round's bandwidth, and a floor ratio compares 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import NamedTuple
 
@@ -27,6 +29,8 @@ import onnx
 from onnx import numpy_helper
 
 from txl_deploy.contract.metadata import read_onnx_info
+
+logger = logging.getLogger(__name__)
 
 
 class Bandwidth(NamedTuple):
@@ -50,6 +54,10 @@ class BandwidthProbe:
         self.repeats = repeats
 
     def __call__(self) -> Bandwidth:
+        with _one_blas_thread():
+            return self._measure()
+
+    def _measure(self) -> Bandwidth:
         copy = read = read_cpu = copy_cpu = float("inf")
         for _ in range(self.repeats):
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -62,6 +70,17 @@ class BandwidthProbe:
                 read, read_cpu = min(read, time.perf_counter() - t0), min(read_cpu, time.thread_time() - c0)
         return Bandwidth(copy=2 * self.src.nbytes / copy, read=self.src.nbytes / read,
                          read_cpu=self.src.nbytes / max(read_cpu, 1e-9), copy_cpu=2 * self.src.nbytes / max(copy_cpu, 1e-9))
+
+
+def _one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread: OpenBLAS splits a long dot product over every core, which
+    makes the read a several-thread read (and hides its other threads' work from the caller's CPU clock)."""
+    try:
+        from threadpoolctl import threadpool_limits  # optional (scikit-learn's; not in the base install)
+    except ImportError:
+        logger.warning("threadpoolctl is not installed: the plain read may run on several BLAS threads")
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
