@@ -19,7 +19,7 @@ LIBRARY = ("txl_deploy", "exporters", "runtimes")
 # sacremoses: the `text` extra (word vocabularies read with the Moses tokenizers); huggingface_hub: the `hub` extra.
 # executorch, torchao: the `executorch` extra (ExecuTorch programs and their quantization).
 OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
-            "matplotlib", "openvino", "sacremoses", "huggingface_hub", "executorch", "torchao"}
+            "matplotlib", "threadpoolctl", "openvino", "sacremoses", "huggingface_hub", "executorch", "torchao"}
 TORCH_MODULES = "txl_deploy.model"
 # The HTTP server imports its extra (FastAPI, uvicorn, sse-starlette, prometheus-client) at the top of its modules;
 # the `serve` command imports it when it runs, so the command line works on a base install.

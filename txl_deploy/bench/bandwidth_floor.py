@@ -76,7 +76,7 @@ def _one_blas_thread():
     """A context in which numpy's BLAS runs on one thread: OpenBLAS splits a long dot product over every core, which
     makes the read a several-thread read (and hides its other threads' work from the caller's CPU clock)."""
     try:
-        from threadpoolctl import threadpool_limits  # optional (scikit-learn's; not in the base install)
+        from threadpoolctl import threadpool_limits  # optional (the bench extra)
     except ImportError:
         logger.warning("threadpoolctl is not installed: the plain read may run on several BLAS threads")
         return contextlib.nullcontext()
