@@ -195,7 +195,13 @@ def test_generate_feeds_its_tokens_and_continues(ort_rt):
         want.append(int(np.argmax(lp)))
         lp = ort_rt.step([[want[-1]]])[0, -1]
     assert toks == want
-    assert_state_equal(after, _state(ort_rt))  # every generated token was fed
+    # Every generated token was fed: the memory is step()'s bit for bit. On an adaptive softmax the lazy path
+    # composes its last distribution from the head and tail graphs, whose numbers can differ from the full graph's
+    # in the last bit (float32 rounding), so that one array is compared within it.
+    want_state = _state(ort_rt)
+    last = "__last_log_probs__"
+    np.testing.assert_allclose(after.pop(last), want_state.pop(last), rtol=0, atol=1e-5)
+    assert_state_equal(after, want_state)
     more = list(ort_rt.generate(max_new_tokens=2, temperature=0))  # no prompt: continues the memory
     assert more[0] == int(np.argmax(lp))
     ort_rt.reset()
