@@ -33,7 +33,15 @@ from onnx import TensorProto
 from txl_deploy.contract import io_spec
 from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
-from txl_deploy.contract.onnx_file import external_data
+from txl_deploy.contract.onnx_file import (
+    GRAPH_INITIALIZER,
+    MODEL_GRAPH,
+    TENSOR_RAW_DATA,
+    WIRE_LEN,
+    external_data,
+    varint,
+    wire_fields,
+)
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.backend import Backend, contract_layout
@@ -301,8 +309,6 @@ class OrtBackend(Backend):
 # indices, scalars) are read by ONNX Runtime's optimisers as they are.
 SHARED_MIN_BYTES = 1 << 16
 _IN_MEMORY = "txl-deploy: held by the backend"  # the location a pooled initializer names in the graph given to ORT
-_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 1, 5, 9
 
 
 class SharedWeights:
@@ -397,54 +403,6 @@ def _fingerprint(array) -> tuple:
     return array.dtype.str, array.shape, np.ascontiguousarray(head).tobytes(), np.ascontiguousarray(tail).tobytes()
 
 
-def _read_varint(f) -> int:
-    shift = value = 0
-    while True:
-        b = f.read(1)
-        if not b:
-            raise ValueError("truncated varint")
-        value |= (b[0] & 0x7F) << shift
-        if not b[0] & 0x80:
-            return value
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _wire_fields(f, start: int, end: int) -> list:
-    """(field, wire type, field start, payload start, payload end) of each field of the message in f[start:end]."""
-    fields = []
-    f.seek(start)
-    while f.tell() < end:
-        at = f.tell()
-        tag = _read_varint(f)
-        field, wire = tag >> 3, tag & 7
-        if wire == _WIRE_VARINT:
-            _read_varint(f)
-            fields.append((field, wire, at, f.tell(), f.tell()))
-            continue
-        size = {_WIRE_I64: 8, _WIRE_I32: 4}.get(wire)
-        if size is None:
-            if wire != _WIRE_LEN:
-                raise ValueError(f"wire type {wire}")
-            size = _read_varint(f)
-        payload = f.tell()
-        if payload + size > end:
-            raise ValueError("field runs past the end of its message")
-        fields.append((field, wire, at, payload, payload + size))
-        f.seek(payload + size)
-    return fields
-
-
 def _read_weights_apart(path: Path, min_bytes: int):
     """(the ModelProto at `path` with its initializers of `min_bytes` or more left without data, {name: array} of
     those initializers' values). The file is read once, each weight straight into its array; external data is
@@ -452,15 +410,15 @@ def _read_weights_apart(path: Path, min_bytes: int):
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         out, arrays = bytearray(), {}
-        for field, wire, at, start, end in _wire_fields(f, 0, size):
+        for field, wire, at, start, end in wire_fields(f, 0, size):
             f.seek(at)
-            if field != _MODEL_GRAPH or wire != _WIRE_LEN:
+            if field != MODEL_GRAPH or wire != WIRE_LEN:
                 out += f.read(end - at)
                 continue
             graph = bytearray()
-            for g_field, g_wire, g_at, g_start, g_end in _wire_fields(f, start, end):
+            for g_field, g_wire, g_at, g_start, g_end in wire_fields(f, start, end):
                 tensor = None
-                if g_field == _GRAPH_INITIALIZER and g_wire == _WIRE_LEN and (
+                if g_field == GRAPH_INITIALIZER and g_wire == WIRE_LEN and (
                         g_end - g_start >= min_bytes or _is_external(f, g_start, g_end)):
                     # Every tensor of external data is read here: the graph ONNX Runtime gets is bytes, with no
                     # folder to find a data file in.
@@ -469,8 +427,8 @@ def _read_weights_apart(path: Path, min_bytes: int):
                     f.seek(g_at)
                     graph += f.read(g_end - g_at)
                 else:
-                    graph += _varint(_GRAPH_INITIALIZER << 3 | _WIRE_LEN) + _varint(len(tensor)) + tensor
-            out += _varint(_MODEL_GRAPH << 3 | _WIRE_LEN) + _varint(len(graph)) + bytes(graph)
+                    graph += varint(GRAPH_INITIALIZER << 3 | WIRE_LEN) + varint(len(tensor)) + tensor
+            out += varint(MODEL_GRAPH << 3 | WIRE_LEN) + varint(len(graph)) + bytes(graph)
     return onnx.ModelProto.FromString(bytes(out)), arrays
 
 
@@ -482,10 +440,10 @@ def _is_external(f, start: int, end: int) -> bool:
 def _tensor_apart(f, path: Path, start: int, end: int, arrays: dict):
     """The TensorProto in f[start:end] without its data (None if it is not a plain numeric tensor of raw or
     external data), its value read into `arrays`."""
-    fields = _wire_fields(f, start, end)
+    fields = wire_fields(f, start, end)
     header, raw = bytearray(), None
     for field, wire, at, p_start, p_end in fields:
-        if field == _TENSOR_RAW_DATA and wire == _WIRE_LEN:
+        if field == TENSOR_RAW_DATA and wire == WIRE_LEN:
             raw = (p_start, p_end)
             continue
         f.seek(at)
@@ -527,7 +485,7 @@ def _tensor_apart(f, path: Path, start: int, end: int, arrays: dict):
 
 
 def _input_for(output_name: str) -> str:
-    return output_name[len("next_"):] if output_name.startswith("next_") else output_name
+    return output_name.removeprefix("next_")
 
 
 class _DeviceState:

@@ -34,11 +34,12 @@ from txl_deploy.errors import CheckpointError
 MODEL_GRAPH, MODEL_METADATA = 7, 14
 GRAPH_NODE, GRAPH_INITIALIZER = 1, 5
 TENSOR_RAW_DATA = 9
-_LEN = 2  # wire type of length-delimited fields
+WIRE_LEN = 2  # wire type of length-delimited fields
 _COPY_BYTES = 64 << 20
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """`n` as a protobuf varint."""
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -47,8 +48,8 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _key(field: int, wire_type: int = _LEN) -> bytes:
-    return _varint(field << 3 | wire_type)
+def _key(field: int, wire_type: int = WIRE_LEN) -> bytes:
+    return varint(field << 3 | wire_type)
 
 
 def _read_varint(f) -> int | None:
@@ -67,9 +68,13 @@ def _read_varint(f) -> int | None:
             raise ValueError("varint longer than 10 bytes")
 
 
-def _fields(f, end: int):
-    """(field number, wire type, payload offset, payload length) of each field of the message in f[tell():end]."""
-    while f.tell() < end:
+def wire_fields(f, start: int, end: int):
+    """(field number, wire type, field offset, payload offset, payload end) of each field of the message in
+    f[start:end], read lazily; a varint field's payload is empty (its value is not needed). The caller may seek
+    between fields. Raises ValueError on a damaged message."""
+    pos = start
+    while pos < end:
+        f.seek(pos)
         tag = _read_varint(f)
         if tag is None:
             raise ValueError("truncated message")
@@ -77,24 +82,32 @@ def _fields(f, end: int):
         if field == 0:
             raise ValueError("field number 0")
         if wire == 0:
-            _read_varint(f)
-            continue
-        if wire == 1:
+            if _read_varint(f) is None:
+                raise ValueError("truncated varint")
+            size = 0
+        elif wire == 1:
             size = 8
         elif wire == 5:
             size = 4
-        elif wire == _LEN:
+        elif wire == WIRE_LEN:
             size = _read_varint(f)
             if size is None:
                 raise ValueError("truncated length")
         else:  # groups (3, 4) are not in onnx.proto; 6 and 7 do not exist
             raise ValueError(f"wire type {wire}")
-        start = f.tell()
-        if start + size > end:
+        payload = f.tell()
+        if payload + size > end:
             raise ValueError("field runs past the end of its message")
-        if wire == _LEN:
-            yield field, wire, start, size
-        f.seek(start + size)
+        at, pos = pos, payload + size
+        yield field, wire, at, payload, pos
+
+
+def _fields(f, end: int):
+    """(field number, wire type, payload offset, payload length) of each length-delimited field of the message in
+    f[tell():end]."""
+    for field, wire, _, start, stop in wire_fields(f, f.tell(), end):
+        if wire == WIRE_LEN:
+            yield field, wire, start, stop - start
 
 
 def _entry(f, start: int, size: int) -> StringStringEntryProto:
@@ -148,18 +161,18 @@ def write_inline(src, dst) -> None:
             head.CopyFrom(t)
             head.ClearField("external_data")
             head.ClearField("data_location")
-            pieces.append((head.SerializeToString() + _key(TENSOR_RAW_DATA) + _varint(length), location, offset,
+            pieces.append((head.SerializeToString() + _key(TENSOR_RAW_DATA) + varint(length), location, offset,
                            length))
         else:
             pieces.append((t.SerializeToString(), None, 0, 0))
     del graph.initializer[:]
     rest_of_graph = graph.SerializeToString()
-    fields = [_key(GRAPH_INITIALIZER) + _varint(len(head) + length) for head, _, _, length in pieces]
+    fields = [_key(GRAPH_INITIALIZER) + varint(len(head) + length) for head, _, _, length in pieces]
     graph_size = len(rest_of_graph) + sum(len(k) + len(h) + n for k, (h, _, _, n) in zip(fields, pieces))
     model.ClearField("graph")
     with open(dst, "wb") as out:
         out.write(model.SerializeToString())
-        out.write(_key(MODEL_GRAPH) + _varint(graph_size))
+        out.write(_key(MODEL_GRAPH) + varint(graph_size))
         out.write(rest_of_graph)
         for key, (head, location, offset, length) in zip(fields, pieces):
             out.write(key)
@@ -336,4 +349,5 @@ def _checked(model_path: Path, entries: dict) -> ExternalData:
     return ExternalData(location, target, offset, length, size)
 
 
-__all__ = ["read_metadata", "write_inline", "external_data", "weight_file_bytes", "ExternalData"]
+__all__ = ["read_metadata", "write_inline", "external_data", "weight_file_bytes", "ExternalData", "varint",
+           "wire_fields"]
