@@ -80,6 +80,59 @@ def lr_at(step: int, steps: int, warmup: int, lr: float, lr_min: float) -> float
     return lr_min + 0.5 * (lr - lr_min) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+# How the training log reports the loss: (name, from the mean nll in nats, digits kept in training.json, print format)
+BPC = ("bpc", lambda loss: loss / LN2, 4, ".4f")
+PPL = ("ppl", math.exp, 1, "7.1f")
+
+
+def train(model, train_ids, args, metric, unit: str, stop_after: int | None = None):
+    """The training loop both example trainers share: Adam over `args.batch_size` parallel streams of
+    `args.tgt_len` segments, the memory carried from one segment to the next (dropped at a new pass over the
+    text), the learning rate of `lr_at`, gradients clipped at `args.clip`; a log line and a history entry every 50
+    steps, in `metric` (BPC or PPL) and `unit`s a second. Stops after `args.steps`, after `stop_after` steps, or
+    once `args.minutes` of training have passed. Returns (steps, epoch, history, stopped early, seconds)."""
+    name, convert, digits, fmt = metric
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    t0 = time.perf_counter()
+    step, epoch, mems = 0, 0, None
+    batches = stream_batches(train_ids, args.batch_size, args.tgt_len)
+    log_loss, log_n, history, stopped_early = 0.0, 0, [], False
+    model.train()
+    while step < args.steps:
+        try:
+            inp, tgt = next(batches)
+        except StopIteration:  # a new pass over the text: the memory of the last segment is not its context
+            epoch += 1
+            batches, mems = stream_batches(train_ids, args.batch_size, args.tgt_len), None
+            continue
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr, args.lr_min)
+        log_probs, mems = model(inp, mems)
+        loss = F.nll_loss(log_probs.reshape(-1, log_probs.shape[-1]), tgt.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        step += 1
+        log_loss, log_n = log_loss + loss.item(), log_n + 1
+        elapsed = time.perf_counter() - t0
+        if step % 50 == 0 or step in (10, args.steps):
+            avg = log_loss / log_n
+            history.append({"step": step, "loss": round(avg, 4), name: round(convert(avg), digits),
+                            "seconds": round(elapsed)})
+            print(f"step {step:5d} | epoch {epoch} | lr {opt.param_groups[0]['lr']:.2e} | loss {avg:.4f} | "
+                  f"{name} {convert(avg):{fmt}} | {elapsed / 60:5.1f} min | "
+                  f"{step * inp.numel() / elapsed:,.0f} {unit}/s", flush=True)
+            log_loss, log_n = 0.0, 0
+        if stop_after is not None and step >= stop_after:
+            break
+        if elapsed > args.minutes * 60:
+            stopped_early = True
+            print(f"time budget of {args.minutes} minutes reached at step {step}", flush=True)
+            break
+    return step, epoch, history, stopped_early, time.perf_counter() - t0
+
+
 def sample(model, vocab, prompt: str, n: int, greedy: bool = True, generator=None) -> str:
     step = torch_step(model)
     log_probs = step(vocab.encode(prompt)[None])
@@ -139,45 +192,8 @@ def main(argv=None):
     init_weights(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(vocab)} chars, {len(train_ids):,} training characters, {n_params:,} parameters", flush=True)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-    t0 = time.perf_counter()
-    step, epoch, mems = 0, 0, None
-    batches = stream_batches(train_ids, args.batch_size, args.tgt_len)
-    log_loss, log_n, history, stopped_early = 0.0, 0, [], False
-    model.train()
-    while step < args.steps:
-        try:
-            inp, tgt = next(batches)
-        except StopIteration:  # a new pass over the text: the memory of the last segment is not its context
-            epoch += 1
-            batches, mems = stream_batches(train_ids, args.batch_size, args.tgt_len), None
-            continue
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr, args.lr_min)
-        log_probs, mems = model(inp, mems)
-        loss = F.nll_loss(log_probs.reshape(-1, log_probs.shape[-1]), tgt.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        step += 1
-        log_loss, log_n = log_loss + loss.item(), log_n + 1
-        elapsed = time.perf_counter() - t0
-        if step % 50 == 0 or step in (10, args.steps):
-            avg = log_loss / log_n
-            history.append({"step": step, "loss": round(avg, 4), "bpc": round(avg / LN2, 4), "seconds": round(elapsed)})
-            print(f"step {step:5d} | epoch {epoch} | lr {opt.param_groups[0]['lr']:.2e} | loss {avg:.4f} | "
-                  f"bpc {avg / LN2:.4f} | {elapsed / 60:5.1f} min | {step * inp.numel() / elapsed:,.0f} chars/s",
-                  flush=True)
-            log_loss, log_n = 0.0, 0
-        if args.stop_after is not None and step >= args.stop_after:
-            break
-        if elapsed > args.minutes * 60:
-            stopped_early = True
-            print(f"time budget of {args.minutes} minutes reached at step {step}", flush=True)
-            break
-    train_seconds = time.perf_counter() - t0
+    step, epoch, history, stopped_early, train_seconds = train(model, train_ids, args, BPC, "chars",
+                                                               stop_after=args.stop_after)
 
     model.eval()
     held_ids = vocab.encode(held_text)

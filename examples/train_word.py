@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import shlex
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from train_demo import init_weights, lr_at, stream_batches, torch_step  # the char demo's trainer, same folder
+from train_demo import PPL, init_weights, torch_step, train  # the char demo's trainer, same folder
 
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.config import TxlConfig
@@ -106,44 +103,7 @@ def main(argv=None):
     init_weights(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(vocab)} words, {len(train_ids):,} training tokens, {n_params:,} parameters", flush=True)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-    t0 = time.perf_counter()
-    step, epoch, mems = 0, 0, None
-    batches = stream_batches(train_ids, args.batch_size, args.tgt_len)
-    log_loss, log_n, history, stopped_early = 0.0, 0, [], False
-    model.train()
-    while step < args.steps:
-        try:
-            inp, tgt = next(batches)
-        except StopIteration:  # a new pass over the text: the memory of the last segment is not its context
-            epoch += 1
-            batches, mems = stream_batches(train_ids, args.batch_size, args.tgt_len), None
-            continue
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr, args.lr_min)
-        log_probs, mems = model(inp, mems)
-        loss = F.nll_loss(log_probs.reshape(-1, log_probs.shape[-1]), tgt.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        step += 1
-        log_loss, log_n = log_loss + loss.item(), log_n + 1
-        elapsed = time.perf_counter() - t0
-        if step % 50 == 0 or step in (10, args.steps):
-            avg = log_loss / log_n
-            history.append({"step": step, "loss": round(avg, 4), "ppl": round(math.exp(avg), 1),
-                            "seconds": round(elapsed)})
-            print(f"step {step:5d} | epoch {epoch} | lr {opt.param_groups[0]['lr']:.2e} | loss {avg:.4f} | "
-                  f"ppl {math.exp(avg):7.1f} | {elapsed / 60:5.1f} min | {step * inp.numel() / elapsed:,.0f} tok/s",
-                  flush=True)
-            log_loss, log_n = 0.0, 0
-        if elapsed > args.minutes * 60:
-            stopped_early = True
-            print(f"time budget of {args.minutes} minutes reached at step {step}", flush=True)
-            break
-    train_seconds = time.perf_counter() - t0
+    step, epoch, history, stopped_early, train_seconds = train(model, train_ids, args, PPL, "tok")
 
     model.eval()
     held_ids = vocab.encode(held_text)
