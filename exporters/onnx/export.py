@@ -12,7 +12,6 @@ import datetime
 import gc
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.graph_checks import check_strict
 from txl_deploy.exporters.onnx.parts import move_parts, write_parts
 from txl_deploy.exporters.onnx.ram import drop_file_pages, return_free_memory
+from txl_deploy.exporters.onnx.trace import onnx_program, step_example
 from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_export
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
@@ -50,38 +50,9 @@ class ExportResult:
 
 
 def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
-    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-    spec = cached.spec
-    p = next(cached.parameters())
-    state = cached.empty_state(batch, dtype=p.dtype)
-    args = (torch.zeros(batch, segment, dtype=torch.long), torch.zeros(batch, positions, dtype=torch.long), *state)
-    # torch.export specialises any dimension whose example size is 0 or 1, so every example size is >= 2.
-    b = torch.export.Dim("batch", min=1, max=65536)
-    q = torch.export.Dim("segment", min=1, max=65536)
-    pos = torch.export.Dim("positions", min=1, max=65536)
-    state_dims = [{0: b} for _ in state]
-    if spec.state == "incremental" and spec.mem_len >= 2:
-        # The slot axis of an incremental graph is dynamic too: the runtimes feed a 1-slot memory to a prompt
-        # into an empty memory (see CachedTxl.forward). Full-state graphs keep every state shape static.
-        slots = torch.export.Dim("slots", min=1, max=spec.mem_len)
-        for i in range(spec.n_layer):
-            state_dims[2 * i][3] = slots  # mem_k.i [B, H, d_head, slots]
-            state_dims[2 * i + 1][2] = slots  # mem_v.i [B, H, slots, d_head]
-    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
-    # torch.onnx logs registry warnings (torchvision ops absent, ...) that say nothing about this model.
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.onnx.export(
-                cached, args, input_names=spec.input_names(), output_names=spec.output_names(),
-                dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False, report=False,
-            )
-    finally:
-        quiet.setLevel(level)
+    args, dynamic = step_example(cached, next(cached.parameters()).dtype, batch=batch, segment=segment,
+                                 positions=positions)
+    return onnx_program(cached, args, cached.spec.input_names(), cached.spec.output_names(), dynamic, opset)
 
 
 def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from txl_deploy.contract.onnx_file import write_inline
 from txl_deploy.contract.ring import write_ring
 from txl_deploy.errors import ExportError
 from txl_deploy.exporters.graph_checks import check_strict
+from txl_deploy.exporters.onnx.trace import onnx_program, step_example
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
 
@@ -82,20 +82,12 @@ def head_output_names(spec) -> list[str]:
 def _export(module, args, input_names, output_names, dynamic, opset):
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-    quiet = logging.getLogger("torch.onnx")  # registry warnings that say nothing about this model
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            return torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
-                                     dynamic_shapes=dynamic, opset_version=opset, dynamo=True, verbose=False,
-                                     report=False)
+        with torch.no_grad():
+            return onnx_program(module, args, input_names, output_names, dynamic, opset)
     except Exception as e:
         raise ExportError(f"torch.onnx.export of a softmax part failed: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    finally:
-        quiet.setLevel(level)
 
 
 def _save(program, path: Path, force: bool, what: str) -> None:
@@ -140,19 +132,8 @@ def _write_parts(model, head_module, tails, out_path: Path, *, opset, force, ver
     cfg, spec = model.cfg, head_module.spec
     p = next(model.parameters())
 
-    # The head: the main graph's inputs and dynamic axes (see export._torch_export).
-    st = head_module.empty_state(2, dtype=p.dtype)
-    args = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), *st)
-    b = torch.export.Dim("batch", min=1, max=65536)
-    q = torch.export.Dim("segment", min=1, max=65536)
-    pos = torch.export.Dim("positions", min=1, max=65536)
-    state_dims = [{0: b} for _ in st]
-    if spec.state == "incremental" and spec.mem_len >= 2:
-        slots = torch.export.Dim("slots", min=1, max=spec.mem_len)
-        for i in range(spec.n_layer):
-            state_dims[2 * i][3] = slots
-            state_dims[2 * i + 1][2] = slots
-    dynamic = ({0: b, 1: q}, {0: b, 1: pos}, tuple(state_dims))
+    # The head: the main graph's inputs and dynamic axes.
+    args, dynamic = step_example(head_module, p.dtype, batch=2, segment=3, positions=2)
     head_path = out_path.with_name(contract.head_name(out_path))
     logger.info(f"exporting the adaptive softmax's head and {cfg.n_clusters} tails beside {out_path.name}")
     # Each program is handed to _save without a name here, so that it is freed as soon as its file is written.
