@@ -1,6 +1,8 @@
 """The Python-backend model's lazy adaptive-softmax requests, without a server (the stand-in stub): the head of a step
 instead of the full log-probs, and tails of the latest distribution on request without moving the memory; every
-value is the full distribution's own, and bad tail requests are refused without touching any conversation.
+value is the full distribution's (within float32 rounding: the head and tail graphs compute them), the model runs
+the head graph for a head-only step and only the tail graphs asked for, and bad tail requests are refused without
+touching any conversation.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
         np.testing.assert_allclose(full["log_probs"][0], want, rtol=0, atol=1e-5)
         lp = full["log_probs"][0]
         assert head[HEAD_OUTPUT].shape == (1, 2, 10 + 2)
-        np.testing.assert_array_equal(head[HEAD_OUTPUT][0, :, :10], lp[:, :10])
+        np.testing.assert_allclose(head[HEAD_OUTPUT][0, :, :10], lp[:, :10], rtol=0, atol=1e-5)
         for i, (lo, hi) in enumerate(clusters, start=1):
             mass = np.log(np.exp(lp[:, lo:hi].astype(np.float64)).sum(-1))
             col = head[HEAD_OUTPUT][0, :, head_column([10, 30], i)]
@@ -65,12 +67,13 @@ def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
         # tails of the latest distribution, in the order asked, without feeding anything
         for order in ([2], [1], [2, 1]):
             tails, = ask(model, tail_request(2, order))
-            np.testing.assert_array_equal(tails[TAIL_OUTPUT][0],
-                                          np.concatenate([lp[1, slice(*clusters[i - 1])] for i in order]))
+            np.testing.assert_allclose(tails[TAIL_OUTPUT][0],
+                                       np.concatenate([lp[1, slice(*clusters[i - 1])] for i in order]),
+                                       rtol=0, atol=1e-5)
         # the memory did not move: the next step of both conversations is the stream's next step
         a, b = ask(model, Request(1, [9], [0]), Request(2, [9], [0], outputs=HEAD + ["log_probs"]))
         np.testing.assert_allclose(a["log_probs"][0, 0], alone.step([[9]])[0, 0], rtol=0, atol=1e-5)
-        np.testing.assert_array_equal(a["log_probs"], b["log_probs"])
+        np.testing.assert_allclose(a["log_probs"], b["log_probs"], rtol=0, atol=1e-5)
         # tails asked for in the same request as the tokens are those of the distribution after them
         c, = ask(model, Request(1, [4], [0], raw={TAIL_INPUT: Tensor(TAIL_INPUT, np.array([[1]]))},
                                 outputs=HEAD + TAILS + ["log_probs"]))
@@ -126,3 +129,102 @@ def test_the_repository_declares_the_lazy_tensors(model, repo_dir):
     assert f'name: "{HEAD_OUTPUT}" data_type: TYPE_FP32 dims: [ -1, 12 ]' in config
     assert f'name: "{TAIL_OUTPUT}" data_type: TYPE_FP32 dims: [ -1 ]' in config
     assert CUTOFFS_PARAM in config
+
+
+def counts(model):
+    return {"head": model.counts["head"], "full": model.counts["full"], "tails": list(model.counts["tails"])}
+
+
+def test_a_head_only_step_runs_the_head_graph_and_tails_run_only_when_asked(model, tiny_onnx):
+    from txl_deploy.runtimes import TxlRuntime
+
+    assert model.lazy and model.backend.clusters is not None  # the repository carries the parts
+    prompt = [5, 17, 42, 3]
+    before = counts(model)
+    head, = ask(model, Request(11, prompt, [3], start=True, outputs=HEAD))
+    assert counts(model) == {**before, "head": before["head"] + 1}  # no full graph, no tail
+    tail, = ask(model, tail_request(11, [2]))
+    assert counts(model)["tails"] == [before["tails"][0], before["tails"][1] + 1] and \
+        counts(model)["full"] == before["full"]
+    with TxlRuntime.load(tiny_onnx) as alone:
+        lp = alone.step([prompt])[0, -1]
+        np.testing.assert_allclose(head[HEAD_OUTPUT][0, 0, :10], lp[:10], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(tail[TAIL_OUTPUT][0], lp[30:60], rtol=0, atol=1e-5)
+        # a full step after head-only ones: the memory the head graph left is the full graph's
+        full, = ask(model, Request(11, [7, 8], [0, 1]))
+        np.testing.assert_allclose(full["log_probs"][0], alone.step([[7, 8]])[0], rtol=0, atol=1e-5)
+    assert counts(model)["full"] == before["full"] + 1
+    ask(model, Request(11, [], [], end=True, want_state=True))
+
+
+def test_a_batch_mixing_full_and_head_requests_gets_each_its_own(model, tiny_onnx):
+    from txl_deploy.runtimes import TxlRuntime
+
+    prompt = [4, 33, 12]
+    before = counts(model)
+    full, head = ask(model, Request(12, prompt, [2], start=True), Request(13, prompt, [2], start=True, outputs=HEAD))
+    assert set(full) == {"log_probs"} and set(head) == {HEAD_OUTPUT}
+    assert counts(model)["full"] == before["full"] + 1 and counts(model)["head"] == before["head"] + 1
+    with TxlRuntime.load(tiny_onnx) as alone:
+        lp = alone.step([prompt])[0, -1]
+    np.testing.assert_allclose(full["log_probs"][0, 0], lp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(head[HEAD_OUTPUT][0, 0, :10], lp[:10], rtol=0, atol=1e-5)
+    ask(model, Request(12, [], [], end=True, want_state=True), Request(13, [], [], end=True, want_state=True))
+
+
+def test_a_park_after_a_head_only_step_carries_the_full_distribution(model, tiny_onnx):
+    from txl_deploy.runtimes import TxlRuntime
+
+    prompt = [9, 21, 50, 2, 6]
+    ask(model, Request(14, prompt, [4], start=True, outputs=HEAD))
+    before = counts(model)
+    parked, = ask(model, Request(14, [], [], end=True, want_state=True))  # log_probs: composed from the parts
+    assert counts(model)["tails"] == [t + 1 for t in before["tails"]] and counts(model)["full"] == before["full"]
+    with TxlRuntime.load(tiny_onnx) as alone:
+        lp = alone.step([prompt])[0, -1]
+        np.testing.assert_allclose(parked["log_probs"][0, 0], lp, rtol=0, atol=1e-5)
+        # the parked state is the usual one: resumed here it answers tails from its distribution, and continues
+        resumed, = ask(model, Request(15, [], [], start=True, resume=parked["saved_state"].tobytes(),
+                                      outputs=["log_probs"]))
+        np.testing.assert_array_equal(resumed["log_probs"], parked["log_probs"])
+        tails, = ask(model, tail_request(15, [1]))
+        np.testing.assert_array_equal(tails[TAIL_OUTPUT][0], parked["log_probs"][0, 0, 10:30])
+        nxt, = ask(model, Request(15, [3], [0], outputs=HEAD))
+        np.testing.assert_allclose(nxt[HEAD_OUTPUT][0, 0, :10], alone.step([[3]])[0, 0, :10], rtol=0, atol=1e-5)
+    ask(model, Request(15, [], [], end=True, want_state=True))
+
+
+def test_a_tail_request_before_any_step_is_refused_and_starts_nothing_wrong(model):
+    answer = model.execute([Request(16, [], [], start=True, raw={TAIL_INPUT: Tensor(TAIL_INPUT, np.array([[1]]))},
+                                    outputs=TAILS)])[0]
+    assert answer.error is not None and "no next-token distribution" in answer.error
+    ask(model, Request(16, [5], [0]))  # the conversation's memory is empty, as a start's
+    ok, = ask(model, tail_request(16, [1]))
+    assert ok[TAIL_OUTPUT].shape == (1, 20) and np.isfinite(ok[TAIL_OUTPUT]).all()
+    ask(model, Request(16, [], [], end=True, want_state=True))
+
+
+def test_without_its_parts_the_model_answers_lazy_requests_from_full_distributions(tiny_onnx, tmp_path):
+    from txl_deploy.serving.triton.repository import write_repository
+
+    module = load_model_module()  # a stub of its own, whose log this test reads
+    logged = []
+    module.pb_utils.Logger = type("Logger", (), {"log_info": staticmethod(logged.append),
+                                                 "log_warn": staticmethod(logged.append)})
+    repo = write_repository(tiny_onnx, tmp_path / "repo", backend="python", max_batch=2, max_sequences=2)
+    for part in (repo / "txl" / "1").glob("tiny.tail*.onnx"):
+        part.unlink()  # the runtime refuses the parts: a tail is missing
+    model = start_model(module, repo / "txl" / "1" / "tiny.onnx", tmp_path / "repo2", max_batch=2, max_sequences=2)
+    assert not model.lazy and any("softmax parts are not at hand" in m and "not found" in m for m in logged)
+    head, = ask(model, Request(1, [5, 6], [1], start=True, outputs=HEAD))
+    tail, = ask(model, tail_request(1, [1, 2]))
+    full, = ask(model, Request(1, [], [], end=True, want_state=True))
+    assert model.counts == {"head": 0, "full": 1, "tails": [0, 0]}
+    np.testing.assert_array_equal(tail[TAIL_OUTPUT][0], full["log_probs"][0, 0, 10:])
+    np.testing.assert_array_equal(head[HEAD_OUTPUT][0, 0, :10], full["log_probs"][0, 0, :10])
+
+
+def test_the_repository_carries_the_softmax_parts_beside_the_model(model, repo_dir, tiny_onnx):
+    version = repo_dir / "txl" / "1"
+    for name in ("tiny.head.onnx", "tiny.tail1.onnx", "tiny.tail2.onnx"):
+        assert (version / name).read_bytes() == (tiny_onnx.parent / name).read_bytes()

@@ -528,14 +528,16 @@ class Conversation:
 
     def close(self):
         """End the sequence on the server (frees its slot and memory). Triton ends a sequence only with a request,
-        so the last generated token (or token 0 if there is none) travels with the END flag."""
+        so the last generated token (or token 0 if there is none) travels with the END flag; a lazy client asks
+        for the head of that step, which the server computes without the tails."""
         with self._lock:
             if self.started and not self.ended:
                 tok = self.pending if self.pending is not None else 0
                 self.pending = None
                 self.ended = True
                 self._unregister()
-                self.client._request(self.server, self.id, [tok], [0], end=True, conversation=self)
+                self.client._request(self.server, self.id, [tok], [0], end=True, conversation=self,
+                                     output=HEAD_OUTPUT if self.client.lazy else io_spec.LOG_PROBS)
             self.ended = True
 
     def __enter__(self):

@@ -35,9 +35,22 @@ conversation's latest next-token log-probs as `log_probs` [1, 1, V] (NaN if none
 Lazy adaptive-softmax decoding (models with cutoffs; names and shapes in protocol.py): a request may ask for
 `head_log_probs` instead of `log_probs` (the shortlist's log-probs and one per tail cluster), and a request that
 feeds no tokens may name `tail_clusters` to get `tail_log_probs`, those clusters' tokens' log-probs in the
-conversation's latest distribution, leaving the memory as it was. The head is summed here from the distribution the
-graph computed, so what this saves is the transfer (1 MB a token for WikiText-103's 267,735 words, against 80 KB for
-its head), not the model's work.
+conversation's latest distribution, leaving the memory as it was. Where the model's softmax parts are at hand (the
+head and tail graphs `txl-deploy export` writes beside the model, which `triton-repo` copies into the repository;
+the backend's `clusters`), a step that asks for the head and not `log_probs` runs the head graph only (the same
+memory update), and the conversation keeps that position's hidden vector and head instead of a distribution; a tail
+request then runs just the tail graphs it names on that hidden vector. That saves the model's work as well as the
+transfer: WikiText-103's 267,735 words are 1 MB of log-probs a token against 80 KB for its head, and its tails 62% of
+the bytes a decode step reads. Requests in one batch that ask for `log_probs` run the full graph, those that ask only
+for the head the head graph: one call for each kind. A request that asks for `log_probs` after a head-only step
+without feeding tokens (a park's answer) gets the full distribution composed from the head and every
+tail, the full graph's composition (runtimes.lazy_decode.full_log_probs), and a parked state carries it, so the
+saved state's format is the same either way. Without the parts (a model exported without them, a part missing or
+refused, a backend without head and tail graphs, e.g. TensorRT or ONNX Runtime with the memory on the GPU) the head
+is summed from the full distribution the graph computed and tails are sliced from it: only the transfer is saved;
+`initialize` logs which of the two the instance does. How often each graph and each tail ran is counted (`counts`)
+and published as Triton custom metrics where the server allows them (`txl_deploy_graph_runs` by graph,
+`txl_deploy_tail_runs` by cluster, on the metrics port), and logged at unload.
 A bad request gets an error response and changes no memory. Inputs are refused by their shape before the model
 allocates anything from them: tokens and out_positions beyond max_request_tokens, a resume_state larger than one
 conversation's state; a resume_state is then read as untrusted (runtimes.saved_state: names, headers, sizes and
@@ -76,6 +89,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 # txl_deploy is found through PYTHONPATH, applied just above.
 from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
+from txl_deploy.runtimes.lazy_decode import full_log_probs  # noqa: E402
 from txl_deploy.runtimes.saved_state import max_archive_bytes, read_saved_state  # noqa: E402
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
@@ -117,24 +131,42 @@ def _output(name, array):
 
 
 class Conversation:
-    __slots__ = ("corrid", "handle", "used", "last_log_probs")
+    """A live conversation: its memory's handle and its latest next-token distribution, kept as the full log-probs
+    (`last_log_probs` [V]) or, after a head-only step, as the head graph's outputs at that position (`last_hidden`
+    [d_model], `last_head` [shortlist + n]); at most one of the two, none when it is not known."""
+
+    __slots__ = ("corrid", "handle", "used", "last_log_probs", "last_hidden", "last_head")
 
     def __init__(self, corrid, handle, used):
-        self.corrid, self.handle, self.used, self.last_log_probs = corrid, handle, used, None
+        self.corrid, self.handle, self.used = corrid, handle, used
+        self.last_log_probs = self.last_hidden = self.last_head = None
+
+    def latest(self, log_probs=None, hidden=None, head=None):
+        self.last_log_probs, self.last_hidden, self.last_head = log_probs, hidden, head
 
 
 class _Work:
-    __slots__ = ("index", "conv", "tokens", "positions", "want_state", "end", "log_probs", "error", "want_full",
-                 "want_head", "tails")
+    __slots__ = ("index", "conv", "tokens", "positions", "want_state", "end", "log_probs", "head", "error",
+                 "want_full", "want_head", "tails")
 
     def __init__(self, index, conv, tokens, positions, want_state, end, want_full=True, want_head=False, tails=None):
         self.index, self.conv, self.tokens, self.positions = index, conv, tokens, positions
-        self.want_state, self.end, self.log_probs, self.error = want_state, end, None, None
+        self.want_state, self.end, self.log_probs, self.head, self.error = want_state, end, None, None, None
         self.want_full, self.want_head, self.tails = want_full, want_head, tails
 
 
 def _message(e):
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _log(level, message):
+    """The server's log (Triton's python-backend logger); never a reason to fail."""
+    try:
+        logger = pb_utils.Logger
+        log = getattr(logger, "log_warn", None) if level == "warn" else None
+        (log or logger.log_info)(message)
+    except Exception:
+        pass
 
 
 class TritonPythonModel:
@@ -165,6 +197,50 @@ class TritonPythonModel:
         self.max_state_bytes = max_archive_bytes(self.backend, rows=1)  # one conversation's saved state
         self.conversations = OrderedDict()  # corrid -> Conversation, least recently used first
         self.fingerprint = self.backend.fingerprint()
+        # Head-only steps and tails on request run the softmax's own graphs where the backend has them (see above).
+        self.lazy = bool(self.clusters) and getattr(self.backend, "clusters", None) is not None
+        self.counts = {"head": 0, "full": 0, "tails": [0] * len(self.clusters)}  # rows run through each graph
+        self._metrics = self._make_metrics(args.get("model_name", ""), args.get("model_version", ""))
+        if self.lazy:
+            _log("info", "txl-deploy: head requests run the head graph only, tail requests their tail graphs")
+        elif self.clusters:
+            why = getattr(self.backend, "parts_error", None)
+            why = _message(why) if why is not None else f"none listed, or the {self.backend.name} backend runs none"
+            _log("warn", f"txl-deploy: the model's softmax parts are not at hand ({why}): head and tail requests "
+                         "are answered from full distributions")
+
+    def _make_metrics(self, model, version):
+        """Triton custom metrics counting the rows each graph ran for, or None where this server's Python backend
+        has none or does not allow them (--allow-metrics=false): `counts` keeps them either way."""
+        family = getattr(pb_utils, "MetricFamily", None)
+        if family is None:
+            return None
+        labels = {"model": str(model), "version": str(version)}
+        try:
+            graphs = family(name="txl_deploy_graph_runs", description="rows of requests run through the model's "
+                            "full graph or its adaptive softmax's head graph", kind=family.COUNTER)
+            tails = family(name="txl_deploy_tail_runs", description="rows the adaptive softmax's tail graphs ran "
+                           "for, by tail cluster", kind=family.COUNTER)
+            # the families stay referenced: a metric of a family that was freed refuses to count
+            return {"families": (graphs, tails), "full": graphs.Metric(labels={**labels, "graph": "full"}),
+                    "head": graphs.Metric(labels={**labels, "graph": "head"}),
+                    "tails": [tails.Metric(labels={**labels, "cluster": str(i)})
+                              for i in range(1, len(self.clusters) + 1)]}
+        except Exception as e:  # metrics are a report, never a reason not to serve
+            _log("info", f"txl-deploy: no custom metrics ({_message(e)}); counts are logged at unload")
+            return None
+
+    def _count(self, graph, rows, cluster=None):
+        if graph == "tails":
+            self.counts["tails"][cluster - 1] += rows
+        else:
+            self.counts[graph] += rows
+        if self._metrics is not None:
+            try:
+                (self._metrics["tails"][cluster - 1] if graph == "tails" else self._metrics[graph]).increment(rows)
+            except Exception as e:
+                _log("warn", f"txl-deploy: custom metrics stopped ({_message(e)})")
+                self._metrics = None
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def _forget(self, corrid):
@@ -215,12 +291,13 @@ class TritonPythonModel:
         return saved.arrays, (None if last is None else last.reshape(-1))
 
     def _saved_state(self, conv):
+        last = self._latest_full(conv)  # after a head-only step, composed from the head and every tail
         arrays = self.states.save(conv.handle)
         # The keys TxlRuntime.save_state writes (TxlRuntime.load_state reads them in-process too), plus a header.
         arrays["__fingerprint__"] = np.array(self.fingerprint)
         arrays["__backend__"] = np.array(self.backend.name)
-        if conv.last_log_probs is not None:
-            arrays["__last_log_probs__"] = conv.last_log_probs[None]
+        if last is not None:
+            arrays["__last_log_probs__"] = last[None]
         arrays["__sequence_id__"] = np.array(conv.corrid, dtype=np.int64)
         arrays["__format__"] = np.array(STATE_FORMAT)
         arrays["__format_version__"] = np.array(STATE_FORMAT_VERSION)
@@ -292,11 +369,12 @@ class TritonPythonModel:
             return None
 
     def _run_wave(self, wave):
-        groups = {}
+        groups = {}  # (segment length, head graph or full) -> its requests: one batched call each
         for work in wave:
             if work.tokens.shape[1]:
-                groups.setdefault(work.tokens.shape[1], []).append(work)
-        for group in groups.values():
+                head = self.lazy and work.want_head and not work.want_full
+                groups.setdefault((work.tokens.shape[1], head), []).append(work)
+        for (_, head), group in groups.items():
             group.sort(key=lambda w: w.conv.handle if isinstance(w.conv.handle, int) else 0)
             widths = {w.positions.shape[1] for w in group}
             p_max = max(widths)
@@ -307,33 +385,44 @@ class TritonPythonModel:
                 positions = np.stack([np.pad(w.positions[0], (0, p_max - w.positions.shape[1]), mode="edge")
                                       for w in group])
             try:
-                log_probs = self.states.run([w.conv.handle for w in group], tokens, positions)
+                result = self.states.run([w.conv.handle for w in group], tokens, positions, head=head)
             except Exception as e:  # the backend commits nothing on failure: every memory is as it was
                 for w in group:
                     w.error = e
                 continue
+            self._count("head" if head else "full", len(group))
             q = tokens.shape[1]
             for j, w in enumerate(group):
                 p = w.positions.shape[1]
-                w.log_probs = log_probs[j:j + 1, :p]
-                w.conv.last_log_probs = np.array(log_probs[j, p - 1]) if int(w.positions[0, -1]) == q - 1 else None
+                known = int(w.positions[0, -1]) == q - 1  # the next-token distribution is the last position's
+                if head:
+                    hidden, head_lp = result
+                    w.head = head_lp[j:j + 1, :p]
+                    w.conv.latest(*((None, np.array(hidden[j, p - 1]), np.array(head_lp[j, p - 1])) if known
+                                    else ()))
+                else:
+                    w.log_probs = result[j:j + 1, :p]
+                    w.conv.latest(np.array(result[j, p - 1]) if known else None)
 
     def _respond(self, work):
         try:
             if work.error is not None:
                 raise work.error
-            log_probs = work.log_probs
-            if log_probs is None:
+            log_probs, head = work.log_probs, work.head
+            if log_probs is None and head is None:
                 # A park/resume request without tokens answers with the conversation's latest next-token
                 # log-probs (NaN where none is known): never a zero-size tensor, which the stub cannot hand over.
-                last = work.conv.last_log_probs
-                log_probs = (np.full((1, 1, self.n_token), np.nan, np.float32) if last is None
-                             else last.reshape(1, 1, -1))
+                if work.want_full or work.conv.last_head is None:
+                    last = self._latest_full(work.conv)
+                    log_probs = (np.full((1, 1, self.n_token), np.nan, np.float32) if last is None
+                                 else last.reshape(1, 1, -1))
+                else:
+                    head = work.conv.last_head.reshape(1, 1, -1)
             outputs = []
             if work.want_full:
                 outputs.append(_output("log_probs", log_probs.astype(np.float32, copy=False)))
             if work.want_head:
-                outputs.append(_output(HEAD_OUTPUT, self._head(log_probs)))
+                outputs.append(_output(HEAD_OUTPUT, self._head(log_probs) if head is None else head))
             if work.tails is not None:
                 outputs.append(_output(TAIL_OUTPUT, self._tails(work.conv, work.tails)))
             if work.want_state:
@@ -381,13 +470,33 @@ class TritonPythonModel:
         return np.concatenate(cols, axis=-1).astype(np.float32)
 
     def _tails(self, conv, ids):
-        """The log-probs of clusters `ids`' tokens in the conversation's latest next-token distribution [1, N]."""
+        """The log-probs of clusters `ids`' tokens in the conversation's latest next-token distribution [1, N]:
+        after a head-only step, each tail graph run on that position's hidden vector; else sliced from the full
+        distribution."""
+        if conv.last_hidden is not None:
+            hidden, head = conv.last_hidden[None], conv.last_head[None]
+            parts = []
+            for i in ids:
+                i = int(i)
+                parts.append(self.backend.run_tail(i, hidden, head[:, self.backend.clusters.head_column(i)])[0])
+                self._count("tails", 1, i)
+            return np.concatenate(parts).astype(np.float32, copy=False)[None]
         last = conv.last_log_probs
         if last is None:
             raise ValueError(f"{TAIL_INPUT}: conversation {conv.corrid} has no next-token distribution yet (feed "
                              "tokens, with the last position among out_positions)")
         flat = np.asarray(last, dtype=np.float32).reshape(-1)
         return np.concatenate([flat[slice(*self.clusters[i - 1])] for i in ids])[None]
+
+    def _latest_full(self, conv):
+        """The conversation's latest next-token log-probs [V] (None when not known). After a head-only step they are
+        composed from the head and every tail (the full graph's composition) and kept: asked once, computed once."""
+        if conv.last_hidden is not None:
+            full = full_log_probs(self.backend, conv.last_hidden[None], conv.last_head[None])[0]
+            for i in range(1, len(self.clusters) + 1):
+                self._count("tails", 1, i)
+            conv.latest(np.array(full))
+        return conv.last_log_probs
 
     def _check(self, tokens, positions, state_only=False):
         if tokens is None or positions is None:
@@ -413,10 +522,9 @@ class TritonPythonModel:
 
     def finalize(self):
         if isinstance(self.states, RowPool):
-            try:
-                pb_utils.Logger.log_info(f"txl-deploy: batched calls {self.states.viewed} without and "
-                                         f"{self.states.with_holes} with hole rows")
-            except Exception:
-                pass
+            _log("info", f"txl-deploy: batched calls {self.states.viewed} without and {self.states.with_holes} with "
+                         "hole rows")
+        _log("info", f"txl-deploy: rows run through the full graph {self.counts['full']}, the head graph "
+                     f"{self.counts['head']}, tail clusters 1..{len(self.clusters)} {self.counts['tails']}")
         self.conversations.clear()
         self.runtime.close()

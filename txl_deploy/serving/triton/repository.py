@@ -30,6 +30,7 @@ from google.protobuf import text_format
 
 from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
+from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.engine_file import read_sidecar, sidecar_path
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
@@ -69,6 +70,9 @@ class ServedModel:
     max_batch: int | None = None  # the engine profile's largest batch
     # files that travel with the model: (file, its name beside the model) for external data and the sidecar
     extra_files: list = field(default_factory=list)
+    # the adaptive softmax's head and tail graphs (and their external data), as (file, name): the python backend's
+    # model runs the head alone and a tail when asked (python_model.py), so they travel with a python repository
+    part_files: list = field(default_factory=list)
 
     @property
     def spec(self) -> io_spec.GraphSpec:
@@ -111,7 +115,7 @@ def inspect_model(path) -> ServedModel:
         graph = onnx.load(str(path), load_external_data=False).graph
         dtypes = {vi.name: _ONNX_ELEM.get(vi.type.tensor_type.elem_type, "?")
                   for vi in list(graph.input) + list(graph.output)}
-        return ServedModel(path, "onnx", info, dtypes, extra_files=extra)
+        return ServedModel(path, "onnx", info, dtypes, extra_files=extra, part_files=_part_files(path, info))
     if path.suffix.lower() in (".engine", ".plan", ".trt"):
         meta = read_sidecar(path)
         info = ExportInfo(TxlConfig.from_dict(meta["config"]),
@@ -124,6 +128,24 @@ def inspect_model(path) -> ServedModel:
                            extra_files=[(sidecar_path(path), sidecar_path(path).name)])
     raise CheckpointError(path, "not an exported model: pass a .onnx file (txl-deploy export) or a TensorRT "
                                 ".engine/.plan with its sidecar (txl-deploy build-engine)")
+
+
+def _part_files(path: Path, info) -> list:
+    """The softmax parts the model's metadata lists, checked as the runtime checks them (in the model's folder,
+    the sha256 it lists, external data inside the folder), with their external data files; none (and a warning)
+    where the model lists parts that are missing or refused: the served model then computes full distributions."""
+    try:
+        parts = parts_contract.Parts.from_export(info.export, info.config, path)
+        if parts is None:
+            return []
+        out = []
+        for part in parts.files(path):
+            out.append((part, part.name))
+            out += sorted({(ref.path, ref.location) for ref in external_data(part)})
+        return out
+    except CheckpointError as e:
+        logger.warning(f"{e}; the repository's model will compute full distributions only")
+        return []
 
 
 # -- config.pbtxt -----------------------------------------------------------------------------------------------
@@ -462,7 +484,7 @@ def write_repository(model_path, out_dir, *, force: bool = False, **options) -> 
             shutil.copy2(Path(__file__).with_name("python_model.py"), version / "model.py")
         else:
             shutil.copy2(model.path, version / MODEL_FILES[opts.backend])
-        for extra, name in model.extra_files:
+        for extra, name in model.extra_files + (model.part_files if opts.backend == "python" else []):
             if opts.backend == "tensorrt" and model.kind == "engine" and name.endswith(".json"):
                 name = MODEL_FILES["tensorrt"] + ".json"  # the sidecar beside Triton's model.plan
             # an external data file keeps the location the model names (checked to stay inside the folder)
