@@ -1,7 +1,7 @@
 // The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
 // The model-specific part is txl.js; this file is only the page around it.
 import * as ort from "onnxruntime-web";
-import { Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
+import { Clusters, Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
 
 const $ = (id) => document.getElementById(id);
 const site = JSON.parse($("site-config").textContent);
@@ -25,7 +25,8 @@ async function start() {
     `${spec.n_token} tokens · onnxruntime-web ${site.ort.version} (${providers[0]}) · loaded in ` +
     `${Math.round(performance.now() - t0)} ms`;
   $("status").textContent = info;
-  return { stream, spec, vocab: new Vocab(vocab), provider: providers[0] };
+  // an adaptive softmax's layout: its tokens are then sampled cluster by cluster, as Python samples them
+  return { stream, spec, vocab: new Vocab(vocab), clusters: Clusters.of(spec), provider: providers[0] };
 }
 
 const ready = start();
@@ -36,11 +37,11 @@ let stopRequested = false;
 // the text that may be shown now (decoded incrementally; a possible stop string is held back, the match itself is
 // never shown), and once more with id null for what is left when the page's Stop ended it early.
 async function generate(prompt, params, stops, onToken) {
-  const { stream, spec, vocab } = await ready;
+  const { stream, spec, vocab, clusters } = await ready;
   stream.reset();
   const ids = vocab.encode(prompt);
   if (ids.length === 0) throw new Error("the prompt is empty");
-  const sampler = new Sampler(params, spec.n_token, ids, null, vocab);
+  const sampler = new Sampler(params, spec.n_token, ids, null, vocab, clusters);
   const stopText = new StopText(stops);
   const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
   const finish = () => { // the decoder's rest (an incomplete last character) and what the stop check held back
@@ -149,10 +150,11 @@ window.txlDemo = {
     const ids = await generate(prompt, new SamplingParams(fields), stops, async (id, piece) => { text += piece; });
     return [ids, text];
   },
-  // the sampler alone: tokens chosen from given log-prob rows; the generator's first uniform numbers
+  // the sampler alone (the model's clusters, if any): tokens chosen from given log-prob rows; the generator's first
+  // uniform numbers
   async sampleRows(rows, fields, context = []) {
-    const { vocab } = await ready;
-    const sampler = new Sampler(new SamplingParams(fields), rows[0].length, context, null, vocab);
+    const { vocab, clusters } = await ready;
+    const sampler = new Sampler(new SamplingParams(fields), rows[0].length, context, null, vocab, clusters);
     return rows.map((row) => sampler.choose(row));
   },
   uniforms(seed, n) {

@@ -261,11 +261,15 @@ export class StreamDecoder {
 
 // -- sampling: txl_deploy/runtimes/sampling.py, step for step ----------------------------------------------------
 // The same parameters, checked the same way (a bad value throws RangeError), the same steps in the same order, in
-// float64, with running sums in the same order, and the same uniform numbers: `Pcg64` is numpy's default_rng(seed)
+// float64, with sums in the same order, and the same uniform numbers: `Pcg64` is numpy's default_rng(seed)
 // (SeedSequence, then PCG64 XSL-RR, random() = (next64 >> 11) / 2^53), so a seeded page samples the tokens that
-// TxlRuntime.generate and the HTTP server sample from the same log-probs, for a model without an adaptive softmax
-// (Python samples an adaptive one with the cluster-factored algorithm of docs/sampling.md, which this file does not
-// implement: the same distribution, other draws).
+// TxlRuntime.generate and the HTTP server sample from the same log-probs. A model with an adaptive softmax (its
+// `Clusters`, from model.json's cutoffs) is sampled as Python samples it, by the cluster-factored decision of
+// docs/sampling.md: decided on the head (the shortlist's log-probs and each tail cluster's log-sum-exp, computed
+// from the full row as Clusters.head_from_full computes it, numpy's pairwise sum included) and the tail clusters
+// it asks for, consuming the generator as Python does (one uniform per block draw, two more when a hidden
+// cluster's block is hit). Math.exp and Math.log may differ from numpy's in the last bit, so a decision that falls
+// within that rounding of a boundary can go the other way; nothing else differs.
 
 const MASK32 = 0xffffffff;
 const M128 = (1n << 128n) - 1n;
@@ -396,10 +400,98 @@ export function bannedNgramTokens(ids, n) {
   return [...out].sort((a, b) => a - b);
 }
 
+// numpy's sum of a float64 array (np.sum): pairwise, in blocks of 8 accumulators up to 128 numbers, halves above.
+export function pairwiseSum(a, lo = 0, n = a.length - lo) {
+  if (n < 8) {
+    let res = 0;
+    for (let i = 0; i < n; i++) res += a[lo + i];
+    return res;
+  }
+  if (n <= 128) {
+    const r = [];
+    for (let j = 0; j < 8; j++) r.push(a[lo + j]);
+    let i = 8;
+    for (; i < n - (n % 8); i += 8) for (let j = 0; j < 8; j++) r[j] += a[lo + i + j];
+    let res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) res += a[lo + i];
+    return res;
+  }
+  let n2 = Math.floor(n / 2);
+  n2 -= n2 % 8;
+  return pairwiseSum(a, lo, n2) + pairwiseSum(a, lo + n2, n - n2);
+}
+
+// The adaptive softmax's layout (txl_deploy/runtimes/tail_bounds.py's Clusters): tokens [0, shortlist) are in the
+// head, tail cluster i = 1..n covers bounds[i - 1] = [lo, hi).
+export class Clusters {
+  constructor(shortlist, bounds) {
+    this.shortlist = shortlist;
+    this.bounds = bounds;
+  }
+
+  // The layout of a model.json (its `cutoffs` and `n_token`), or null for a plain softmax (no cutoffs).
+  static of(spec) {
+    const cutoffs = spec.cutoffs ?? [];
+    if (!Array.isArray(cutoffs) || cutoffs.some((c, i) => !Number.isInteger(c) || c <= (i ? cutoffs[i - 1] : 0) ||
+                                                          c >= spec.n_token)) {
+      throw new RangeError(`cutoffs must be increasing whole numbers inside (0, n_token=${spec.n_token}), got ` +
+        JSON.stringify(cutoffs));
+    }
+    if (cutoffs.length === 0) return null;
+    const ends = [...cutoffs, spec.n_token];
+    return new Clusters(ends[0], ends.slice(1).map((hi, i) => [ends[i], hi]));
+  }
+
+  get n() { return this.bounds.length; }
+
+  get nToken() { return this.bounds[this.n - 1][1]; }
+
+  // Cluster i's column in the head (the cluster logits follow the shortlist in reverse order).
+  headColumn(i) { return this.shortlist + this.n - i; }
+
+  // The head [shortlist + n] of a full distribution [V]: the shortlist's log-probs and per cluster the log of its
+  // tokens' total probability, as Clusters.head_from_full computes it (float64, a max-shifted log-sum-exp).
+  headFromFull(logProbs) {
+    if (logProbs.length !== this.nToken) {
+      throw new RangeError(`log-probs have ${logProbs.length} entries, the vocabulary ${this.nToken}`);
+    }
+    const head = new Float64Array(this.shortlist + this.n);
+    for (let j = 0; j < this.shortlist; j++) head[j] = logProbs[j];
+    this.bounds.forEach(([lo, hi], k) => {
+      let top = -Infinity;
+      for (let t = lo; t < hi; t++) if (logProbs[t] > top || Number.isNaN(logProbs[t])) top = logProbs[t];
+      if (!Number.isFinite(top)) { head[this.headColumn(k + 1)] = top; return; }
+      const e = new Float64Array(hi - lo);
+      for (let t = lo; t < hi; t++) e[t - lo] = Math.exp(logProbs[t] - top);
+      head[this.headColumn(k + 1)] = top + Math.log(pairwiseSum(e));
+    });
+    return head;
+  }
+}
+
+// Relative slack on a hidden cluster's mass bound (tail_bounds.MASS_MARGIN).
+const MASS_MARGIN = 1e-4;
+const NOTHING_LEFT = "no token is left to choose: the sampling parameters exclude every token";
+
+// An upper bound of the sum of n probabilities (summing to at most 1) raised to 1/T (tail_bounds.power_sum_bound).
+const powerSumBound = (n, T) => (T <= 1 ? 1 : n ** (1 - 1 / T));
+
+// Of the clusters `can`, the one with the largest key (ties: the lowest i), as Python's max(can, key=(k, -i)).
+function largest(can, key) {
+  let best = can[0];
+  for (const i of can) if (key[i - 1] > key[best - 1] || (key[i - 1] === key[best - 1] && i < best)) best = i;
+  return best;
+}
+
+function sortedKeys(map) {
+  return [...map.keys()].sort((a, b) => a - b);
+}
+
 // One stream's sampling: choose(logProbs) -> token id. `random` (uniform in [0, 1)) defaults to Pcg64(seed), or
-// Math.random without a seed. `vocab`: the model's Vocab, which banUnk needs (to find <unk>).
+// Math.random without a seed. `vocab`: the model's Vocab, which banUnk needs (to find <unk>). `clusters`: the
+// adaptive softmax's layout (Clusters.of(spec)); with it every decision is the cluster-factored one.
 export class Sampler {
-  constructor(params, nToken, context = [], random = null, vocab = null) {
+  constructor(params, nToken, context = [], random = null, vocab = null, clusters = null) {
     if (params.banUnk && vocab === null) {
       throw new RangeError("ban_unk needs the model's vocabulary, to know which token is <unk>");
     }
@@ -408,8 +500,12 @@ export class Sampler {
       const bad = ids.find((id) => id >= nToken);
       if (bad !== undefined) throw new RangeError(`${what} names token id ${bad}, outside the vocabulary [0, ${nToken})`);
     }
+    if (clusters !== null && clusters.nToken !== nToken) {
+      throw new RangeError(`the clusters cover ${clusters.nToken} tokens, the vocabulary ${nToken}`);
+    }
     this.params = params;
     this.nToken = nToken;
+    this.clusters = clusters;
     this.context = Array.from(context);
     this.generated = [];
     this.counts = new Float64Array(nToken);
@@ -442,15 +538,266 @@ export class Sampler {
   }
 
   choose(logProbs) {
-    const p = this.params;
-    const s = this.scores(logProbs);
-    let best = 0;
-    for (let i = 1; i < s.length; i++) if (s[i] > s[best]) best = i;
-    if (!(s[best] > -Infinity)) throw new RangeError("no token is left to choose: the sampling parameters exclude every token");
-    const id = p.temperature === 0 ? best : draw(filteredWeights(s, p), this.random());
+    let id;
+    if (this.clusters !== null) {
+      id = this.chooseFactored(logProbs);
+    } else {
+      const p = this.params;
+      const s = this.scores(logProbs);
+      let best = 0;
+      for (let i = 1; i < s.length; i++) if (s[i] > s[best]) best = i;
+      if (!(s[best] > -Infinity)) throw new RangeError(NOTHING_LEFT);
+      id = p.temperature === 0 ? best : draw(filteredWeights(s, p), this.random());
+    }
     this.generated.push(id);
     this.counts[id] += 1;
     return id;
+  }
+
+  // The cluster-factored decision on a full row: its head, and each tail cluster sliced from the row when asked.
+  chooseFactored(logProbs) {
+    const steps = this.factored(this.clusters.headFromFull(logProbs));
+    let next = steps.next();
+    while (!next.done) {
+      const slice = (lo, hi) => (ArrayBuffer.isView(logProbs) ? logProbs.subarray(lo, hi) : logProbs.slice(lo, hi));
+      const given = new Map(next.value.map((i) => [i, slice(...this.clusters.bounds[i - 1])]));
+      next = steps.next(given);
+    }
+    return next.value;
+  }
+
+  // -- steps 1-5 token by token (Sampler._adjustments and _steps) ------------------------------------------------
+  // This decision's adjustments: the ids each step touches, and every touched id, sorted.
+  adjustments() {
+    const p = this.params;
+    const history = [...this.context, ...this.generated];
+    const rep = p.repetitionPenalty !== 1 ? [...new Set(history)] : [];
+    const banned = p.noRepeatNgramSize ? bannedNgramTokens(history, p.noRepeatNgramSize) : [];
+    if (p.minTokens && this.generated.length < p.minTokens) banned.push(...p.stopTokenIds);
+    if (this.unk !== undefined) banned.push(this.unk);
+    const counted = [];
+    if (p.presencePenalty || p.frequencyPenalty) this.counts.forEach((c, j) => { if (c > 0) counted.push(j); });
+    const touched = [...new Set([...p.logitBias.keys(), ...rep, ...banned, ...counted])].sort((a, b) => a - b);
+    return { rep, banned: [...new Set(banned)], counted, touched };
+  }
+
+  // Steps 1-5 on the tokens `ids` (sorted, or { lo, n } for the ids lo..lo + n - 1) with these log-probs: what
+  // scores() gives them, element by element.
+  steps(ids, values, adj) {
+    const p = this.params;
+    const s = Float64Array.from(values);
+    const at = ids.lo !== undefined
+      ? (id) => (id >= ids.lo && id < ids.lo + ids.n ? id - ids.lo : -1)
+      : (id) => {
+        let a = 0, b = ids.length;
+        while (a < b) { const m = (a + b) >> 1; if (ids[m] < id) a = m + 1; else b = m; }
+        return a < ids.length && ids[a] === id ? a : -1;
+      };
+    for (const [id, b] of p.logitBias) { const j = at(id); if (j >= 0) s[j] += b; }
+    for (const id of adj.rep) {
+      const j = at(id);
+      if (j >= 0) s[j] = s[j] < 0 ? s[j] * p.repetitionPenalty : s[j] / p.repetitionPenalty;
+    }
+    for (const id of adj.counted) {
+      const j = at(id), c = this.counts[id];
+      if (j >= 0) s[j] = s[j] - c * p.frequencyPenalty - p.presencePenalty;
+    }
+    for (const id of adj.banned) { const j = at(id); if (j >= 0) s[j] = -Infinity; }
+    return s;
+  }
+
+  // -- the cluster-factored decision (Sampler._factored, docs/sampling.md) ----------------------------------------
+  // A generator: yields the tail clusters it needs next, is sent a Map i -> their log-probs, returns the token.
+  *factored(head) {
+    const c = this.clusters;
+    const adj = this.adjustments();
+    // the known tokens: part 0 the shortlist, part i tail cluster i once revealed
+    const ids = new Map([[0, { lo: 0, n: c.shortlist }]]);
+    const proc = new Map([[0, this.steps(ids.get(0), head.subarray(0, c.shortlist), adj)]]);
+    const hcol = new Float64Array(c.n);
+    const bound = new Float64Array(c.n); // B_i: every processed score of cluster i is <= it
+    const adjBounds = []; // f_t(head_i) of the touched tokens of cluster i
+    c.bounds.forEach(([lo, hi], k) => {
+      hcol[k] = head[c.headColumn(k + 1)];
+      const t = adj.touched.filter((id) => id >= lo && id < hi);
+      const fb = this.steps(t, t.map(() => hcol[k]), adj);
+      adjBounds.push(fb);
+      let top = -Infinity;
+      for (const v of fb) if (v > top) top = v;
+      bound[k] = fb.length && top > hcol[k] ? top : hcol[k];
+    });
+    const self = this;
+    function* reveal(needed) {
+      const given = yield needed;
+      for (const i of needed) {
+        const [lo, hi] = c.bounds[i - 1];
+        if (given.get(i)?.length !== hi - lo) {
+          throw new RangeError(`tail cluster ${i} has ${hi - lo} tokens, got ${given.get(i)?.length ?? 0} log-probs`);
+        }
+        ids.set(i, { lo, n: hi - lo });
+        proc.set(i, self.steps(ids.get(i), given.get(i), adj));
+      }
+    }
+    const hidden = () => c.bounds.map((_, k) => k + 1).filter((i) => !ids.has(i));
+    return this.params.temperature === 0
+      ? yield* this.greedy(proc, ids, bound, hidden, reveal)
+      : yield* this.sample(proc, ids, bound, hcol, adjBounds, hidden, reveal);
+  }
+
+  // The first maximum: a hidden cluster can hold it only if its bound beats the best known score, or equals it
+  // with lower ids than the best known token's.
+  *greedy(proc, ids, bound, hidden, reveal) {
+    const c = this.clusters;
+    let best, bestId;
+    for (;;) {
+      best = -Infinity;
+      bestId = -1;
+      for (const k of sortedKeys(proc)) {
+        const v = proc.get(k);
+        let j = 0;
+        for (let t = 1; t < v.length; t++) if (v[t] > v[j]) j = t;
+        if (v[j] > best) { best = v[j]; bestId = ids.get(k).lo + j; }
+      }
+      const can = hidden().filter((i) => bound[i - 1] > best ||
+        (bound[i - 1] === best && best > -Infinity && c.bounds[i - 1][0] < bestId));
+      if (can.length === 0) break;
+      yield* reveal([largest(can, bound)]);
+    }
+    if (bestId < 0) throw new RangeError(NOTHING_LEFT);
+    return bestId;
+  }
+
+  // Temperature, top-k, top-p, min-p and the draw, by rejection over blocks (shortlist tokens, then clusters in id
+  // order), a hidden cluster's block an upper bound of its mass.
+  *sample(proc, ids, bound, hcol, adjBounds, hidden, reveal) {
+    const p = this.params, c = this.clusters, T = p.temperature;
+    const x = new Map(); // processed score / T of the known tokens
+    const scaled = () => { for (const [k, v] of proc) if (!x.has(k)) x.set(k, v.map((s) => s / T)); };
+    const knownX = () => {
+      const parts = sortedKeys(x);
+      const out = new Float64Array(parts.reduce((n, k) => n + x.get(k).length, 0));
+      parts.reduce((at, k) => (out.set(x.get(k), at), at + x.get(k).length), 0);
+      return out;
+    };
+    const maxOf = (a) => { let m = -Infinity; for (const v of a) if (v > m) m = v; return m; };
+    scaled();
+    const xb = bound.map((b) => b / T);
+    // the shift m: from the head alone, >= every scaled score (so no weight overflows)
+    const x0 = x.get(0).length ? maxOf(x.get(0)) : -Infinity, xbMax = maxOf(xb);
+    const m = xbMax > x0 ? xbMax : x0;
+    if (!(m > -Infinity)) throw new RangeError(NOTHING_LEFT);
+    const dead = new Set(); // hidden clusters whose every token is filtered out
+    let kth = -Infinity;
+    if (p.topK !== null && p.topK < this.nToken) {
+      // the k-th largest known score is <= the true k-th; a hidden cluster below it holds none of the top k
+      for (;;) {
+        const kx = knownX().sort();
+        kth = kx.length < p.topK ? -Infinity : kx[kx.length - p.topK];
+        const can = hidden().filter((i) => xb[i - 1] >= kth);
+        if (can.length === 0) break;
+        yield* reveal([largest(can, xb)]);
+        scaled();
+      }
+      for (const i of hidden()) dead.add(i);
+    }
+    const weights = (k) => x.get(k).map((v) => Math.exp((v < kth ? -Infinity : v) - m));
+    // per hidden cluster: the largest weight one token can have, and the mass bound W_i
+    const tb = xb.map((v) => Math.exp(v - m));
+    const mass = c.bounds.map(([lo, hi], k) => (1 + MASS_MARGIN) *
+      (Math.exp(hcol[k] / T - m) * powerSumBound(hi - lo, T) +
+       pairwiseSum(adjBounds[k].map((f) => Math.exp(f / T - m)))));
+    const cut = new Map(); // part -> which of its tokens top-p cuts
+    if (p.topP < 1) {
+      let live, parts, gone, order;
+      for (;;) {
+        live = hidden().filter((i) => !dead.has(i));
+        parts = sortedKeys(x);
+        const w = [], kid = [];
+        for (const k of parts) {
+          const { lo } = ids.get(k);
+          weights(k).forEach((v, j) => { w.push(v); kid.push(lo + j); });
+        }
+        order = Array.from(w.keys()).sort((a, b) => (w[b] - w[a]) || (kid[a] - kid[b]));
+        const wr = Float64Array.from(order, (j) => w[j]);
+        const ranked = new Float64Array(wr.length);
+        wr.reduce((sum, v, j) => (ranked[j] = sum + v), 0);
+        const before = (j) => (j ? ranked[j - 1] : 0);
+        const totalLo = ranked[ranked.length - 1];
+        let hiddenMass = 0;
+        for (const i of live) hiddenMass += mass[i - 1];
+        const totalHi = totalLo + hiddenMass;
+        const unknownBefore = new Float64Array(wr.length);
+        for (const i of live) {
+          for (let j = 0; j < wr.length; j++) unknownBefore[j] += tb[i - 1] >= wr[j] ? mass[i - 1] : 0;
+        }
+        gone = wr.map((_, j) => (before(j) >= p.topP * totalHi ? 1 : 0));
+        const sure = wr.every((_, j) => before(j) + unknownBefore[j] < p.topP * totalLo || gone[j]);
+        const settled = live.filter((i) => {
+          let heavier = 0;
+          for (let j = 0; j < wr.length; j++) if (wr[j] > tb[i - 1]) heavier++;
+          return (heavier ? ranked[heavier - 1] : 0) >= p.topP * totalHi;
+        });
+        if (sure && settled.length === live.length) break;
+        yield* reveal([largest(live, mass)]);
+        scaled();
+      }
+      for (const i of live) dead.add(i);
+      const mask = new Uint8Array(order.length);
+      order.forEach((j, r) => { mask[j] = gone[r]; });
+      let start = 0;
+      for (const k of parts) {
+        const n = ids.get(k).n;
+        cut.set(k, mask.subarray(start, start + n));
+        start += n;
+      }
+    }
+    let floor = 0;
+    if (p.minP > 0) {
+      // the cut is min_p times the largest weight: exact once no hidden cluster can beat the known maximum
+      let top;
+      for (;;) {
+        top = maxOf(knownX());
+        const can = hidden().filter((i) => !dead.has(i) && xb[i - 1] > top);
+        if (can.length === 0) break;
+        yield* reveal([largest(can, xb)]);
+        scaled();
+      }
+      floor = p.minP * Math.exp(top - m); // top-k and top-p keep the most likely token
+      for (const i of hidden()) if (tb[i - 1] < floor) dead.add(i);
+    }
+    const final = (k) => {
+      const w = weights(k), cuts = cut.get(k);
+      for (let j = 0; j < w.length; j++) if ((cuts && cuts[j]) || w[j] < floor) w[j] = 0;
+      return w;
+    };
+    for (;;) {
+      const blocks = [];
+      for (let k = 0; k <= c.n; k++) {
+        blocks.push(proc.has(k) ? final(k) : Float64Array.of(dead.has(k) ? 0 : mass[k - 1]));
+      }
+      let total = 0, last = -1, flat = 0;
+      for (const b of blocks) for (const v of b) { total += v; if (v > 0) last = flat; flat++; }
+      if (!(total > 0)) throw new RangeError(NOTHING_LEFT);
+      const target = this.random() * total;
+      let at = 0, sum = 0;
+      for (const b of blocks) { // the first position whose running sum exceeds the target
+        let j = 0;
+        for (; j < b.length && !((sum += b[j]) > target); j++);
+        at += j;
+        if (j < b.length) break;
+      }
+      at = Math.min(at, last); // a rounding past the end: the last block with mass
+      let k = 0, start = 0;
+      while (at >= start + blocks[k].length) { start += blocks[k].length; k++; }
+      if (proc.has(k)) return ids.get(k).lo + at - start;
+      // a hidden cluster's block: reveal it, accept with probability S_i / W_i, then draw inside it
+      yield* reveal([k]);
+      scaled();
+      const w = final(k);
+      let inner = 0;
+      for (const v of w) inner += v;
+      if (this.random() * mass[k - 1] < inner) return ids.get(k).lo + draw(w, this.random());
+    }
   }
 }
 
