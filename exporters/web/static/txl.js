@@ -706,50 +706,57 @@ export class Sampler {
     const mass = c.bounds.map(([lo, hi], k) => (1 + MASS_MARGIN) *
       (Math.exp(hcol[k] / T - m) * powerSumBound(hi - lo, T) +
        pairwiseSum(adjBounds[k].map((f) => Math.exp(f / T - m)))));
-    const cut = new Map(); // part -> which of its tokens top-p cuts
+    const cut = new Uint8Array(this.nToken); // 1: a token top-p cuts
     if (p.topP < 1) {
-      let live, parts, gone, order;
+      // the known tokens ranked most likely first (ties in id order), each part merged in once as it is revealed
+      let wr = new Float64Array(0), wid = new Int32Array(0), ranked, limitHi, live;
+      const merged = new Set();
       for (;;) {
-        live = hidden().filter((i) => !dead.has(i));
-        parts = sortedKeys(x);
-        const w = [], kid = [];
-        for (const k of parts) {
-          const { lo } = ids.get(k);
-          weights(k).forEach((v, j) => { w.push(v); kid.push(lo + j); });
+        for (const k of sortedKeys(x)) {
+          if (merged.has(k)) continue;
+          merged.add(k);
+          const w = weights(k), { lo } = ids.get(k);
+          const local = Uint32Array.from(w.keys()).sort((a, b) => (w[b] - w[a]) || (a - b));
+          const n = wr.length + w.length, mw = new Float64Array(n), mid = new Int32Array(n);
+          for (let r = 0, a = 0, b = 0; r < n; r++) {
+            const fromOld = b >= local.length || (a < wr.length &&
+              (wr[a] > w[local[b]] || (wr[a] === w[local[b]] && wid[a] < lo + local[b])));
+            if (fromOld) { mw[r] = wr[a]; mid[r] = wid[a++]; } else { mw[r] = w[local[b]]; mid[r] = lo + local[b++]; }
+          }
+          wr = mw;
+          wid = mid;
         }
-        order = Array.from(w.keys()).sort((a, b) => (w[b] - w[a]) || (kid[a] - kid[b]));
-        const wr = Float64Array.from(order, (j) => w[j]);
-        const ranked = new Float64Array(wr.length);
-        wr.reduce((sum, v, j) => (ranked[j] = sum + v), 0);
-        const before = (j) => (j ? ranked[j - 1] : 0);
+        live = hidden().filter((i) => !dead.has(i));
+        ranked = new Float64Array(wr.length);
+        let sum = 0;
+        for (let r = 0; r < wr.length; r++) ranked[r] = sum += wr[r];
         const totalLo = ranked[ranked.length - 1];
         let hiddenMass = 0;
         for (const i of live) hiddenMass += mass[i - 1];
-        const totalHi = totalLo + hiddenMass;
-        const unknownBefore = new Float64Array(wr.length);
-        for (const i of live) {
-          for (let j = 0; j < wr.length; j++) unknownBefore[j] += tb[i - 1] >= wr[j] ? mass[i - 1] : 0;
+        const limitLo = p.topP * totalLo;
+        limitHi = p.topP * (totalLo + hiddenMass);
+        // every known token sure: kept for sure (the weight ranked before it, hidden clusters' bounds included, is
+        // below p L) or cut for sure (the known weight before it is at least p U)
+        let sure = true;
+        for (let r = 0; r < wr.length && sure; r++) {
+          const before = r ? ranked[r - 1] : 0;
+          if (before >= limitHi) continue;
+          let unknownBefore = 0;
+          for (const i of live) unknownBefore += tb[i - 1] >= wr[r] ? mass[i - 1] : 0;
+          sure = before + unknownBefore < limitLo;
         }
-        gone = wr.map((_, j) => (before(j) >= p.topP * totalHi ? 1 : 0));
-        const sure = wr.every((_, j) => before(j) + unknownBefore[j] < p.topP * totalLo || gone[j]);
+        // a hidden cluster is cut for sure if the known tokens heavier than any of its tokens weigh at least p U
         const settled = live.filter((i) => {
-          let heavier = 0;
-          for (let j = 0; j < wr.length; j++) if (wr[j] > tb[i - 1]) heavier++;
-          return (heavier ? ranked[heavier - 1] : 0) >= p.topP * totalHi;
+          let a = 0, b = wr.length; // the known tokens heavier than tb_i: a prefix of the ranking
+          while (a < b) { const mid = (a + b) >> 1; if (wr[mid] > tb[i - 1]) a = mid + 1; else b = mid; }
+          return (a ? ranked[a - 1] : 0) >= limitHi;
         });
         if (sure && settled.length === live.length) break;
         yield* reveal([largest(live, mass)]);
         scaled();
       }
       for (const i of live) dead.add(i);
-      const mask = new Uint8Array(order.length);
-      order.forEach((j, r) => { mask[j] = gone[r]; });
-      let start = 0;
-      for (const k of parts) {
-        const n = ids.get(k).n;
-        cut.set(k, mask.subarray(start, start + n));
-        start += n;
-      }
+      for (let r = 0; r < wr.length; r++) if ((r ? ranked[r - 1] : 0) >= limitHi) cut[wid[r]] = 1;
     }
     let floor = 0;
     if (p.minP > 0) {
@@ -766,8 +773,8 @@ export class Sampler {
       for (const i of hidden()) if (tb[i - 1] < floor) dead.add(i);
     }
     const final = (k) => {
-      const w = weights(k), cuts = cut.get(k);
-      for (let j = 0; j < w.length; j++) if ((cuts && cuts[j]) || w[j] < floor) w[j] = 0;
+      const w = weights(k), { lo } = ids.get(k);
+      for (let j = 0; j < w.length; j++) if (cut[lo + j] || w[j] < floor) w[j] = 0;
       return w;
     };
     for (;;) {
