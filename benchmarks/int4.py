@@ -1,18 +1,27 @@
-"""int4 weight-only graphs against fp32, measured in one run: accuracy, decode speed and file size.
+"""int4 weight-only graphs against fp32 in one run: accuracy, decode speed, size, each step against its bytes.
 
-    .venv/bin/python benchmarks/int4.py [--threads 1] [--steps 64] [--block-size 32] [--out benchmarks/results_int4.md]
+    .venv/bin/python benchmarks/int4.py [--threads 1] [--steps 128] [--block-size 64] [--other-blocks 32,128]
+        [--rounds 9] [--steps-per-round 6] [--out benchmarks/results_int4.md]
+
+Every side runs as `TxlRuntime.load` runs the graph (OrtBackend's defaults: the shared weight pool, ONNX Runtime's
+prepacking off), and each int4 graph also with `OrtBackend(prepack=True)` ("prepacked"): without prepacking
+MatMulNBits has no packed weights for its 4-bit kernels and dequantizes every weight to fp32 on every call.
 
 - accuracy: the demo model's bits per character on its whole held-out text, fp32 and int4 (ONNX Runtime CPU,
-  streaming evaluation with the memory), with the stream comparison (KL divergence, top-1 agreement);
+  streaming evaluation with the memory), unpacked (the export's own evaluation) and prepacked, with the stream
+  comparison (KL divergence, top-1 agreement);
 - speed: ONNX Runtime CPU decode time per token with a full memory (mem_len tokens fed first) on the
-  WikiText-103 base shape (random weights: speed depends on shapes, not values) and on the demo model, fp32 and
-  int4 in one process, alternating token by token, the same intra-op thread count on both sides; medians;
+  WikiText-103 base shape (random weights: speed depends on shapes, not values) and on the demo model, every side
+  in one process, taking turns token by token, the same intra-op thread count on every side; medians;
+- against its own bytes: each WikiText-103 base step (fp32, int4, int4 prepacked) against the plain one-thread
+  read and the copy floor of the bytes that graph's step reads, the steps and the probes taking turns round by
+  round (txl_deploy/bench/bandwidth_floor.py), in wall and in CPU time;
 - size: the files, and the resident memory each session added when it loaded.
 
 Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32 (at
-the export's default block size; the others are measured beside it). The profiles of every graph and the bytes a
-step reads show where an int4 step's time goes.
-Writes a Markdown file (header: command, machine, date) and the raw numbers as JSON beside it.
+the export's default block size; the others are measured beside it, prepacked). The profiles of the runtime's
+sides and the bytes a step reads show where an int4 step's time goes.
+Writes a Markdown file (header: command, machine, load, date) and the raw numbers as JSON beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,31 +79,37 @@ from txl_deploy.bench.peak_usage import rss_bytes
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 before = rss_bytes()
-rt = TxlRuntime(OrtBackend(sys.argv[1], providers=["cpu"], intra_op_threads=int(sys.argv[2])))
+rt = TxlRuntime(OrtBackend(sys.argv[1], providers=["cpu"], intra_op_threads=int(sys.argv[2]),
+                           prepack=sys.argv[3] == "1"))
 rt.step(np.zeros((1, 1), dtype=np.int64))
 print(json.dumps(rss_bytes() - before))
 """
 
 
-def resident_bytes(path, threads: int) -> int:
+def resident_bytes(path, threads: int, prepack: bool = False) -> int:
     """What loading the graph and one decode step add to a fresh process's resident set (weights as the runtime
-    holds them, prepacked kernels' copies included)."""
+    holds them, prepacked kernels' copies included where `prepack`)."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), str(threads)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), str(threads), "1" if prepack else "0"],
+                         capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: bool = False) -> dict:
-    """Median ms per decode token of each graph, with a full memory, interleaved token by token."""
+def open_runtime(path, threads: int, prepack: bool = False):
+    """A TxlRuntime over the graph as `TxlRuntime.load` opens it (OrtBackend's defaults: the shared weight pool, no
+    prepacking), or with ONNX Runtime's prepacking on (`prepack`: each session its own packed weights)."""
     from txl_deploy.runtimes import TxlRuntime
     from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-    runtimes = {}
-    for name, path in paths.items():
-        runtimes[name] = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
-    loaded = {name: resident_bytes(path, threads) for name, path in paths.items()}
+    return TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads, prepack=prepack))
+
+
+def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: bool = False) -> dict:
+    """Median ms per decode token of each side ({name: (graph path, prepack)}), with a full memory, interleaved
+    token by token."""
+    runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
+    loaded = {name: resident_bytes(path, threads, prepack) for name, (path, prepack) in sides.items()}
     rt0 = next(iter(runtimes.values()))
     rng = np.random.default_rng(seed)
     context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
@@ -114,35 +130,54 @@ def decode_speed(paths: dict, threads: int, steps: int, seed: int = 0, profile: 
         from txl_deploy.bench.op_profile import profile_decode
 
         for name, rt in runtimes.items():
+            if sides[name][1]:  # the profiler opens the graph as the runtime does (no prepacking)
+                continue
             state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
-            profiles[name] = profile_decode(paths[name], state, tokens[None, :7], threads=threads, steps=5)
+            profiles[name] = profile_decode(sides[name][0], state, tokens[None, :7], threads=threads, steps=5)
     for rt in runtimes.values():
         rt.close()
     return {"profiles": profiles, "median_ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()},
             "p90_ms": {k: 1e3 * float(np.percentile(v, 90)) for k, v in times.items()},
             "loaded_rss_mb": {k: v / 1e6 for k, v in loaded.items()},
-            "file_mb": {k: Path(p).stat().st_size / 1e6 for k, p in paths.items()}}
+            "file_mb": {k: Path(p).stat().st_size / 1e6 for k, (p, _) in sides.items()},
+            "prepack": {k: bool(pp) for k, (_, pp) in sides.items()}}
 
 
-def against_own_bytes(paths: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
-    """Each graph's decode step (memory full) against the plain read and the copy floor of the bytes that graph's
-    step reads, the graphs' steps and the probes taking turns round by round (`interleaved_efficiency`)."""
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-
+def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
+    """Each side's decode step ({name: (graph path, prepack)}, memory full) against the plain read and the copy
+    floor of the bytes that graph's step reads, in wall and in CPU time, one intra-op thread and the probe's one
+    thread, the sides' steps and the probes taking turns round by round (`interleaved_efficiency`)."""
     rng = np.random.default_rng(seed)
     runtimes, steps = {}, {}
-    for name, path in paths.items():
-        rt = runtimes[name] = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
+    for name, (path, prepack) in sides.items():
+        rt = runtimes[name] = open_runtime(path, threads, prepack)
         rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
         tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
         steps[name] = (lambda rt=rt, tokens=tokens: rt.step([[next(tokens)]]))
         steps[name](), steps[name]()  # first-run allocations
-    out = interleaved_efficiency(steps, {name: graph_step_bytes(p)["total"] for name, p in paths.items()},
+    out = interleaved_efficiency(steps, {name: graph_step_bytes(p)["total"] for name, (p, _) in sides.items()},
                                  BandwidthProbe(), rounds, steps_per_round)
     for rt in runtimes.values():
         rt.close()
     return out
+
+
+def prepacked_accuracy(acc: dict) -> dict:
+    """The demo model's held-out bits per character of the int4 graph run with ONNX Runtime's prepacking on (the
+    int8-compute kernels of accuracy_level 4; without prepacking MatMulNBits dequantizes its weights to fp32 and
+    multiplies in fp32, which is what the export's own evaluation measured), against fp32 as the runtime runs it."""
+    from txl_deploy.assets import DEMO_DIR
+    from txl_deploy.contract.metadata import read_onnx_info
+    from txl_deploy.exporters.precision.report import accuracy_report, evaluate_against_fp32
+    from txl_deploy.exporters.precision.token_data import ids_from, segment_len
+
+    info = read_onnx_info(acc["fp32_path"])
+    ids = ids_from(DEMO_DIR / "heldout.txt", info, "evaluation text")[0]
+    rt, r32 = open_runtime(acc["int4_path"], 1, prepack=True), open_runtime(acc["fp32_path"], 1)
+    try:
+        return accuracy_report(evaluate_against_fp32(rt, r32, ids, segment_len(info), progress=False), info.vocab.kind)
+    finally:
+        rt.close(), r32.close()
 
 
 def wt103_paths(block: int) -> dict:
@@ -162,43 +197,56 @@ def _resident(mb: float) -> str:
 def main():
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     from txl_deploy.bench.benchmark import machine_info, versions
+    from txl_deploy.bench.op_profile import profile_table
     from txl_deploy.bench.report import GENERATED_BY
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of both sides (default 1)")
-    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
     from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every side (default 1)")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
     others_default = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
     ap.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK,
                     help=f"int4 block size (default {INT4_DEFAULT_BLOCK}, the export default)")
     ap.add_argument("--other-blocks", default=others_default,
-                    help=f"further block sizes measured beside it, comma-separated (default {others_default}; '' "
-                         "for none)")
+                    help=f"further block sizes measured beside it, prepacked, comma-separated (default "
+                         f"{others_default}; '' for none)")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
+    ap.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
     ap.add_argument("--out", default=str(HERE / "results_int4.md"))
     args = ap.parse_args()
     CACHE.mkdir(exist_ok=True)
     command = "python benchmarks/int4.py" + "".join(f" {a}" for a in sys.argv[1:])
+    load_start = os.getloadavg()
     acc = accuracy(args.block_size, CACHE)
+    acc_packed = prepacked_accuracy(acc)
     wt = wt103_paths(args.block_size)
     others = [int(b) for b in args.other_blocks.split(",") if b.strip()]
     acc_other = {b: accuracy(b, CACHE) for b in others}
+    acc_other_packed = {b: prepacked_accuracy(o) for b, o in acc_other.items()}
     wt_other = {b: wt103_paths(b) for b in others}
-    speed_wt = decode_speed({"fp32": wt["fp32"], "int4": wt["int4"],
-                             **{f"int4, block {b}": wt_other[b]["int4"] for b in others}},
+    speed_wt = decode_speed({"fp32": (wt["fp32"], False), "int4": (wt["int4"], False),
+                             "int4, prepacked": (wt["int4"], True),
+                             **{f"int4, block {b}, prepacked": (wt_other[b]["int4"], True) for b in others}},
                             args.threads, args.steps, profile=True)
-    speed_demo = decode_speed({"fp32": acc["fp32_path"], "int4": acc["int4_path"],
-                               **{f"int4, block {b}": acc_other[b]["int4_path"] for b in others}},
+    speed_demo = decode_speed({"fp32": (acc["fp32_path"], False), "int4": (acc["int4_path"], False),
+                               "int4, prepacked": (acc["int4_path"], True),
+                               **{f"int4, block {b}, prepacked": (acc_other[b]["int4_path"], True) for b in others}},
                               args.threads, args.steps)
+    own = against_own_bytes({"fp32": (wt["fp32"], False), "int4": (wt["int4"], False),
+                             "int4, prepacked": (wt["int4"], True)}, args.threads, args.rounds, args.steps_per_round)
+    load_end = os.getloadavg()
 
-    own = against_own_bytes({"fp32": wt["fp32"], "int4": wt["int4"]}, args.threads)
-    a = acc["report"]["accuracy"]
+    a, ap_ = acc["report"]["accuracy"], acc_packed
     s = acc["report"]["stream"]
-    speedup = speed_wt["median_ms"]["fp32"] / speed_wt["median_ms"]["int4"]
+    fp32_ms = speed_wt["median_ms"]["fp32"]
+    speedup, speedup_packed = fp32_ms / speed_wt["median_ms"]["int4"], fp32_ms / speed_wt["median_ms"]["int4, prepacked"]
     ratio = speed_wt["file_mb"]["fp32"] / speed_wt["file_mb"]["int4"]
-    targets = [("demo model: held-out bits per character within 2% of fp32", f"{100 * a['relative_change']:+.2f}%",
-                abs(a["relative_change"]) <= 0.02),
-               ("WikiText-103 base: decode >= 3x fp32 ONNX Runtime", f"{speedup:.2f}x", speedup >= 3),
+    targets = [("demo model: held-out bits per character within 2% of fp32 (as the runtime runs int4)",
+                f"{100 * a['relative_change']:+.2f}%", abs(a["relative_change"]) <= 0.02),
+               ("demo model: the same, int4 prepacked", f"{100 * ap_['relative_change']:+.2f}%",
+                abs(ap_["relative_change"]) <= 0.02),
+               ("WikiText-103 base: decode >= 3x fp32 (both as the runtime runs them)", f"{speedup:.2f}x", speedup >= 3),
+               ("WikiText-103 base: decode >= 3x fp32, int4 prepacked", f"{speedup_packed:.2f}x", speedup_packed >= 3),
                ("WikiText-103 base: file <= 1/6 of fp32", f"1/{ratio:.2f}", ratio >= 6)]
     m, v = machine_info(), versions()
     method = acc["report"]["method"]
@@ -208,15 +256,21 @@ def main():
         f"{GENERATED_BY}{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not "
         "edit by hand (run the command again).",
         "",
-        f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs), {m['platform']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
+        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end); {m['platform']}",
         f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
         f"txl-deploy {v['txl_deploy']}",
         f"- int4: block size {method['block_size']}, accuracy_level {method['accuracy_level']} (int8 compute), "
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
         "fp16; memory state fp32",
-        f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on both sides, batch 1, memory full, median of "
-        f"{args.steps} decode steps per side, the two sides alternating token by token",
+        "- sides: `fp32` and `int4` are the graphs as `TxlRuntime.load` runs them (OrtBackend's defaults: the "
+        "shared weight pool, ONNX Runtime's prepacking off); `prepacked` is the same graph with "
+        "`OrtBackend(prepack=True)` (each session its own packed weights). Without prepacking, ONNX Runtime's "
+        "MatMulNBits has no packed weights to give its 4-bit kernels and dequantizes every weight to fp32 on every "
+        "call, then multiplies in fp32 (its unpacked path); accuracy_level only applies to the prepacked kernels",
+        f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on every side, batch 1, memory full, median of "
+        f"{args.steps} decode steps per side, the sides taking turns token by token",
         "",
         "## Targets",
         "",
@@ -231,17 +285,23 @@ def main():
         f"| fp32 | {a['fp32']:.4f} | | | | {speed_demo['file_mb']['fp32']:.2f} |",
         f"| int4 | {a['reduced']:.4f} | {100 * a['relative_change']:+.3f}% | {a['top1_agreement']:.4f} | "
         f"{s['kl_divergence']:.3g} | {speed_demo['file_mb']['int4']:.2f} |",
+        f"| int4, prepacked | {ap_['reduced']:.4f} | {100 * ap_['relative_change']:+.3f}% | "
+        f"{ap_['top1_agreement']:.4f} | | {speed_demo['file_mb']['int4']:.2f} |",
         *[f"| int4, block {b} | {o['report']['accuracy']['reduced']:.4f} | "
           f"{100 * o['report']['accuracy']['relative_change']:+.3f}% | {o['report']['accuracy']['top1_agreement']:.4f} "
-          f"| {o['report']['stream']['kl_divergence']:.3g} | {speed_demo['file_mb'][f'int4, block {b}']:.2f} |"
-          for b, o in acc_other.items()],
+          f"| {o['report']['stream']['kl_divergence']:.3g} | "
+          f"{speed_demo['file_mb'][f'int4, block {b}, prepacked']:.2f} |" for b, o in acc_other.items()],
+        *[f"| int4, block {b}, prepacked | {o['reduced']:.4f} | {100 * o['relative_change']:+.3f}% | "
+          f"{o['top1_agreement']:.4f} | | {speed_demo['file_mb'][f'int4, block {b}, prepacked']:.2f} |"
+          for b, o in acc_other_packed.items()],
         "",
         f"{a['tokens']} held-out characters, streaming evaluation (segments of the training length, memory "
-        "threaded); the stream comparison is the export-time check (random tokens, prefill and decode, ring wrap).",
+        "threaded); the stream comparison is the export-time check (random tokens, prefill and decode, ring wrap), "
+        "run as the runtime runs the graph.",
         "",
         "## Decode speed and size",
         "",
-        "| shape | graph | ms / token (p50) | p90 | speed-up | file MB | resident MB |",
+        "| shape | side | ms / token (p50) | p90 | speed-up | file MB | resident MB |",
         "|---|---|---|---|---|---|---|",
     ]
     for shape, sp in (("WikiText-103 base (mem_len 640)", speed_wt), ("demo model (mem_len 128)", speed_demo)):
@@ -250,46 +310,53 @@ def main():
                          f"{sp['median_ms']['fp32'] / sp['median_ms'][g]:.2f}x | {sp['file_mb'][g]:.1f} | "
                          f"{_resident(sp['loaded_rss_mb'][g])} |")
     wr = wt["report"]["stream"]
-    lines += ["", "Resident after load: what creating the ONNX Runtime session and one decode step add to a fresh "
-              "process's resident set (ONNX Runtime keeps both the tied embedding and the output layer's folded "
-              "transpose, and MatMulNBits keeps its prepacked copy of the weights).", "", f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
+    lines += ["", "Resident after load: what creating the ONNX Runtime sessions (the model and its softmax parts, "
+              "where it has them) and one decode step add to a fresh process's resident set; a prepacked side's "
+              "kernels hold their packed copies of the weights.", "",
+              f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
               f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
               "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
               "that matters is the trained demo model's above)."]
-    from txl_deploy.bench.op_profile import profile_table
-
-    lines += ["", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
-              "MatMulNBits are the 4-bit weight products, MatMul in the int4 graph the fp32 attention over the fp32 "
-              "memory and the positional tables):", ""]
+    lines += ["", "Where a WikiText-103 base decode step goes, as the runtime runs each graph (ONNX Runtime profiler, "
+              "one thread, median of 5 steps; MatMulNBits are the 4-bit weight products, MatMul in the int4 graph "
+              "the fp32 attention over the fp32 memory and the positional tables):", ""]
     for g in speed_wt["profiles"]:
         lines += [f"{g}:", "", "```", profile_table(speed_wt["profiles"][g], 8), "```", ""]
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
     reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
+    measured = {"fp32": "fp32", "int4": "int4, prepacked", **{g: f"{g}, prepacked" for g in graphs if "block" in g}}
     lines += ["What a WikiText-103 base decode step reads (batch 1, memory full; counted from each graph: the "
               "weight products' constants with the scales as the fp32 the kernels get, the positional tables, "
               "the memory's keys and values). At batch 1 every byte is read once per step, so fp32's bytes over a "
               "graph's bound the speed-up a bandwidth-bound step could reach; a measured speed-up below that bound "
               "is time spent computing (the int8 products, quantizing activations per block) or between "
-              "operators:", "",
+              "operators. Measured here: the prepacked side of each int4 graph (unpacked, the step also writes and "
+              "reads an fp32 copy of every weight):", "",
               "| graph | weight products MB | positional tables MB | memory MB | total MB | bound on the speed-up "
-              "| measured speed-up |",
+              "| measured speed-up (prepacked) |",
               "|---|---|---|---|---|---|---|",
               *[f"| {g} | {r['weights'] / 1e6:.1f} | {r['positional_tables'] / 1e6:.1f} | {r['memory'] / 1e6:.1f} | "
                 f"{r['total'] / 1e6:.1f} | {reads['fp32']['total'] / r['total']:.2f}x | "
-                f"{speed_wt['median_ms']['fp32'] / speed_wt['median_ms'][g]:.2f}x |" for g, r in reads.items()], ""]
-    lines += ["Each WikiText-103 base step against its own bytes (the bytes above; plain read: numpy's dot product, "
-              "a pure read; copy floor: numpy copy, read + written; both of a 256 MB buffer, one thread, measured in "
-              "the rounds of the steps: 9 rounds of 6 steps of each graph, then the probes; medians of each round's "
-              "ratio):", "",
-              "| graph | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy |",
-              "|---|---|---|---|---|---|---|",
+                f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x |" for g, r in reads.items()], ""]
+    lines += [f"Each WikiText-103 base step against the plain read of its own bytes (the bytes above; plain read: "
+              "numpy's dot product, a pure read; copy floor: numpy copy, read + written; both of a 256 MB buffer, "
+              f"one thread, measured in the rounds of the steps: {args.rounds} rounds of {args.steps_per_round} "
+              "steps of each side, one intra-op thread, then the probes; medians of each round's ratio; CPU time: "
+              "the step and the read on their thread's CPU clock, which leaves out waiting for a core):", "",
+              "| side | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy | "
+              "step CPU ms | read CPU ms | step / read (CPU time) |",
+              "|---|---|---|---|---|---|---|---|---|---|",
               *[f"| {g} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | {r['copy_ms']:.2f} | "
-                f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x |" for g, r in own.items()], ""]
+                f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | {r['read_cpu_ms']:.2f} | "
+                f"{r['over_read_cpu']:.2f}x |" for g, r in own.items()], ""]
     text = "\n".join(lines).rstrip() + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
-    raw = {"against_own_bytes": own,
-           "accuracy": acc["report"], "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
-           "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command}
+    raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
+           "accuracy_other_blocks": {b: o["report"] for b, o in acc_other.items()},
+           "accuracy_other_blocks_prepacked": acc_other_packed,
+           "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
+           "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command,
+           "load_start": load_start, "load_end": load_end}
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
     print(text)
     for t, val, ok in targets:
