@@ -585,7 +585,7 @@ export class Sampler {
   // scores() gives them, element by element.
   steps(ids, values, adj) {
     const p = this.params;
-    const s = Float64Array.from(values);
+    const s = ArrayBuffer.isView(values) ? new Float64Array(values) : Float64Array.from(values); // (a fast copy)
     const at = ids.lo !== undefined
       ? (id) => (id >= ids.lo && id < ids.lo + ids.n ? id - ids.lo : -1)
       : (id) => {
