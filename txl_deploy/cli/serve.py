@@ -50,7 +50,10 @@ API_KEY_ENV = "TXL_API_KEY"
 @click.option("--lazy", is_flag=True,
               help="Adaptive-softmax models exported with their head and tail graphs: each step computes the head, "
                    "and a tail only for the rows whose sampler needs it (TxlRuntime.generate's path and tokens; "
-                   "log-probs from the parts, which may differ from the full graph's in the last bit).")
+                   "log-probs from the parts, which may differ from the full graph's in the last bit). With "
+                   "--triton: each step asks the servers for the head, and for a tail only when the decision "
+                   "needs it (the Python backend runs only those graphs); the same tokens as without it. A model "
+                   "without an adaptive softmax decodes the full distribution, as without the flag.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running streams get to finish.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
@@ -106,12 +109,9 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
     if triton_urls:
         if model is not None:
             raise InputError("give either MODEL or --triton, not both")
-        if lazy:
-            raise InputError("--lazy applies to a local MODEL: through Triton each step's full distribution is "
-                             "asked for")
         urls = [u.strip() for u in triton_urls.split(",") if u.strip()]
         def load():
-            engine = FleetEngine.connect(urls, model=triton_model, vocab=vocab, **options)
+            engine = FleetEngine.connect(urls, model=triton_model, vocab=vocab, lazy=lazy, **options)
             # the engine and its client both read and write text: one vocabulary for both
             engine.vocab = engine.client.vocab = with_tokenizer(engine.vocab, tokenizer)
             return engine

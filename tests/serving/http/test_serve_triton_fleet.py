@@ -1,13 +1,17 @@
 """`txl-deploy serve --triton`: the same API, served through Triton servers (the bundled tritonserver on loopback,
 two of them): completions equal the local server's and TxlRuntime's, sessions stay on one server and continue
 exactly, park and restore go through the Triton model's parked states; a restore raced by a delete or a request
-leaves no conversation open for a session that is gone, and a fleet whose own bookkeeping fails stops and says so."""
+leaves no conversation open for a session that is gone, and a fleet whose own bookkeeping fails stops and says so.
+`serve --triton --lazy` decodes from the head and the tails each decision needs: the non-lazy fleet's answers, with
+the full graph never run."""
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,6 +27,7 @@ from txl_deploy.serving.http.fleet import FleetEngine, sequence_id  # noqa: E402
 from txl_deploy.serving.http.protocol import ApiError  # noqa: E402
 from txl_deploy.serving.http.scheduler import Job  # noqa: E402
 from txl_deploy.serving.http.server import BackgroundServer  # noqa: E402
+from txl_deploy.serving.ports import free_port  # noqa: E402
 from txl_deploy.serving.triton.client import rendezvous_order  # noqa: E402
 from txl_deploy.serving.triton.repository import write_repository  # noqa: E402
 
@@ -35,7 +40,13 @@ def tritons(tritonserver, tiny_onnx, tmp_path_factory):
 
     repo = write_repository(tiny_onnx, tmp_path_factory.mktemp("fleet") / "repo", backend="python", max_batch=4,
                             max_sequences=16, idle_timeout=120, threads=1)
-    started = [TritonServer(repo) for _ in range(2)]
+    ports = [free_port() for _ in range(2)]
+    # the model's custom metrics (rows each graph ran for) on a metrics port each
+    started = [TritonServer(repo, extra_args=["--allow-metrics=true", "--allow-gpu-metrics=false",
+                                              "--allow-cpu-metrics=false", f"--metrics-port={port}"])
+               for port in ports]
+    for srv, port in zip(started, ports):
+        srv.metrics_url = f"http://127.0.0.1:{port}/metrics"
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda s: s.start(), started))
@@ -238,4 +249,102 @@ def test_a_fleet_whose_bookkeeping_fails_stops_and_says_so(tritons, monkeypatch)
         assert e.value.status == 503
     finally:
         monkeypatch.undo()
+        engine.stop(10)
+
+
+@pytest.fixture(scope="module")
+def lazy_fleet(tritons):
+    urls = [s.grpc_url for s in tritons]
+    load = functools.partial(FleetEngine.connect, urls, model="txl", max_batch=4, max_sessions=4, max_queue=16,
+                             lazy=True)
+    with BackgroundServer(load, ServeSettings(model_name="txl")) as srv:
+        yield srv
+
+
+def _graph_runs(tritons) -> dict:
+    """Rows the Triton model ran through each graph ("full", "head") and each tail cluster (1, 2), summed over the
+    servers."""
+    out = {}
+    for srv in tritons:
+        with urllib.request.urlopen(srv.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        for labels, value in re.findall(r"^txl_deploy_\w+\{([^}]*)\} (\S+)$", text, re.MULTILINE):
+            key = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            key = key.get("graph") or int(key["cluster"])
+            out[key] = out.get(key, 0) + int(float(value))
+    return out
+
+
+def _same_answer(lazy, full):
+    """Lazy and full answers agree: the text, tokens, finish reason and offsets exactly; the log-probs (the parts'
+    numbers against the full graph's) within float32 rounding, with the same top tokens."""
+    assert lazy["token_ids"] == full["token_ids"]
+    assert lazy["text"] == full["text"] and lazy["finish_reason"] == full["finish_reason"]
+    a, b = lazy["logprobs"], full["logprobs"]
+    assert a["tokens"] == b["tokens"] and a["text_offset"] == b["text_offset"]
+    np.testing.assert_allclose(a["token_logprobs"], b["token_logprobs"], atol=1e-5)
+    for mine, theirs in zip(a["top_logprobs"], b["top_logprobs"]):
+        assert list(mine) == list(theirs)
+        np.testing.assert_allclose(list(mine.values()), list(theirs.values()), atol=1e-5)
+
+
+LAZY_CONTROLS = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=1.0, top_k=8, seed=5)]
+
+
+def test_the_lazy_fleet_answers_as_the_full_one_without_running_the_full_graph(lazy_fleet, fleet, tritons,
+                                                                                tiny_onnx):
+    assert lazy_fleet.engine.lazy and not fleet.engine.lazy
+    sessions = [(PROMPT, 5), ("", 4), ([7, 7, 2], 3)]  # a session continued without a prompt, then with one
+
+    def run(srv, prefix, stop=None):
+        answers = [_complete(srv, PROMPT, 12, **controls) for controls in LAZY_CONTROLS]
+        if stop is None:  # a stop string: a piece of the greedy text after its first few tokens
+            text, offsets = answers[0]["text"], answers[0]["logprobs"]["text_offset"]
+            piece = text[offsets[min(4, len(offsets) - 1)]:][:3]
+            stop = piece.strip() or piece
+        answers += [_complete(srv, PROMPT, 12, stop=[stop], **controls) for controls in LAZY_CONTROLS[:2]]
+        for i, controls in enumerate(LAZY_CONTROLS):
+            sid = f"{prefix}-{i}"
+            assert httpx.post(srv.url + "/v1/sessions", json={"id": sid}).status_code == 201
+            answers += [_complete(srv, prompt, n, session_id=sid, **controls) for prompt, n in sessions]
+        return answers, stop
+
+    before = _graph_runs(tritons)
+    lazy, stop = run(lazy_fleet, "lazy-chat")
+    after = _graph_runs(tritons)
+    full, _ = run(fleet, "full-chat", stop)
+    for mine, theirs in zip(lazy, full, strict=True):
+        _same_answer(mine, theirs)
+    assert lazy[3]["finish_reason"] == "stop" and len(lazy[3]["token_ids"]) < 12, stop  # greedy: it stops
+    # the seeded ones are generate's too
+    for controls, answer in zip(LAZY_CONTROLS[1:], lazy[1:3]):
+        params = SamplingParams(max_tokens=12, **controls)
+        assert answer["token_ids"] == list(TxlRuntime.load(tiny_onnx).generate(PROMPT, params=params))
+    # the servers ran the head graph for every token fed, never the full one, and a tail only sometimes
+    tokens = sum(len(a["token_ids"]) for a in lazy)
+    assert after["full"] == before["full"]
+    assert after["head"] - before["head"] >= tokens
+    assert 0 < (after[1] - before[1]) + (after[2] - before[2]) < 2 * tokens
+    for srv, prefix in ((lazy_fleet, "lazy-chat"), (fleet, "full-chat")):
+        for i in range(len(LAZY_CONTROLS)):
+            assert httpx.delete(f"{srv.url}/v1/sessions/{prefix}-{i}").status_code == 200
+
+
+def test_lazy_over_a_model_without_an_adaptive_softmax_decodes_the_full_distribution(tritons, monkeypatch, caplog):
+    """A model that publishes no cutoffs has no head to decode from: --lazy changes nothing, and the log says so."""
+    import logging
+
+    from txl_deploy.serving.triton.client import TxlTritonClient
+    from txl_deploy.serving.triton.protocol import CUTOFFS_PARAM
+
+    params = TxlTritonClient._model_params
+    monkeypatch.setattr(TxlTritonClient, "_model_params",
+                        lambda self, server: {k: v for k, v in params(self, server).items() if k != CUTOFFS_PARAM})
+    with caplog.at_level(logging.INFO, logger="txl_deploy.serving.http.fleet"):
+        engine = FleetEngine.connect([s.grpc_url for s in tritons], model="txl", max_batch=1, lazy=True)
+    try:
+        assert not engine.lazy and not engine.client.lazy
+        assert any("every step asks for the full distribution" in r.getMessage() for r in caplog.records)
+        assert not any("decoding lazily" in r.getMessage() for r in caplog.records)
+    finally:
         engine.stop(10)

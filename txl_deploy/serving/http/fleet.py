@@ -5,6 +5,15 @@ Each request runs in a worker thread (at most `max_batch` at once, the rest queu
 the Triton servers keep the memory and batch the conversations of all frontends. Tokens are chosen here, by the
 same `Completion` (sampler, stop strings) the local engine uses, from the log-probs the servers return.
 
+Lazy decoding (`lazy=True`, `txl-deploy serve --triton URLS --lazy`), for a model with an adaptive softmax whose
+servers answer head and tail requests (the Python backend; `TxlTritonClient(lazy=True)`): each token fed asks for
+the head of the next distribution only, and the request's sampler decides on it (`Sampler.start`), fetching in one
+more request only the tail clusters its decision needs (`Choice.reveal`); `Completion.decided` then gives the
+token and its log-probs. The tokens are the non-lazy path's (the same sampler, with the model's clusters, on the
+same distribution), the log-probs the parts' numbers. A session keeps nothing extra here: its conversation holds
+the head of its next distribution and the server the hidden vector its tails come from, so a request that
+continues it without a prompt decides from there exactly as the request before would have gone on.
+
 A session is a conversation kept open between requests. Its Triton sequence id is derived from the session id,
 so the client's rendezvous hashing always sends it to the same server (and every frontend with the same server
 list would pick the same one); parking returns the Triton model's parked state (`Conversation.park`), restoring
@@ -48,8 +57,9 @@ def sequence_id(session_id: str) -> int:
 
 class FleetEngine:
     def __init__(self, urls, model: str = "txl", vocab=None, max_batch: int = 16, max_sessions: int = 64,
-                 session_ttl: float | None = 3600.0, max_queue: int = 64, timeout: float = 60.0):
-        """urls: the Triton servers' gRPC addresses (grpc://HOST:PORT)."""
+                 session_ttl: float | None = 3600.0, max_queue: int = 64, timeout: float = 60.0, lazy: bool = False):
+        """urls: the Triton servers' gRPC addresses (grpc://HOST:PORT). lazy: decode from the head and only the
+        tails each decision needs, where the model has an adaptive softmax (see the module's docstring)."""
         self.urls, self.model = list(urls), model
         http = [u for u in self.urls if split_url(u)[0] != "grpc"]
         if http:
@@ -58,10 +68,14 @@ class FleetEngine:
             raise InputError(f"--triton needs the servers' gRPC addresses (grpc://HOST:PORT, Triton's port 8001 "
                              f"by default), got {', '.join(http)}")
         # one client for every worker thread (tritonclient's gRPC client may be shared)
-        self.client = TxlTritonClient(self.urls, model=model, vocab=vocab, timeout=timeout)
+        self.client = TxlTritonClient(self.urls, model=model, vocab=vocab, timeout=timeout, lazy=lazy)
         if self.client.vocab is None:
             self.client.close()
             raise InputError(f"model {model!r} publishes no vocabulary: pass --vocab REPO/{model}/vocab.json")
+        self.lazy = self.client.lazy
+        if lazy and not self.lazy:
+            logger.info("lazy decoding needs an adaptive softmax's head and tail clusters (a model that publishes "
+                        "txl_deploy.cutoffs); model %r has none, so every step asks for the full distribution", model)
         self.vocab, self.n_token = self.client.vocab, self.client.n_token or len(self.client.vocab)
         self.mem_len = int(self.client.params.get(PARAM_PREFIX + "mem_len", 0) or 0) or None
         self.bytes_per_session = None  # held on the Triton servers (their repository's README says how much)
@@ -85,6 +99,9 @@ class FleetEngine:
         logger.info("serving through %d Triton server(s): %s (model %r); sessions' memories live on the servers "
                     "(the repository's README says how much each takes)", len(engine.urls), ", ".join(engine.urls),
                     engine.model)
+        if engine.lazy:
+            logger.info("decoding lazily: each step asks the servers for the adaptive softmax's head, and for a tail "
+                        "only when the request's decision needs it")
         return engine
 
     @property
@@ -187,16 +204,23 @@ class FleetEngine:
             conv = self._conversation(job.session)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
                                     clusters=self.client.clusters)
-            log_probs = conv.feed(job.prompt) if job.prompt.size else job.session.last_log_probs
+            # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
+            # the full log-probs
+            feed = conv.feed_head if self.lazy else conv.feed
+            if job.prompt.size:
+                log_probs = feed(job.prompt)
+            else:  # a session continued: its conversation's latest distribution
+                log_probs = conv.latest_head() if self.lazy else job.session.last_log_probs
             fed = int(job.prompt.size)
             while completion.finish is None and not job.cancelled:
-                out = completion.next(log_probs)
+                out = self._decide(conv, completion, log_probs) if self.lazy else completion.next(log_probs)
                 job.emit("token", out)
                 if completion.finish is None or job.session is not None:
-                    log_probs = conv.feed([out.token])  # a session's memory takes the last token too
+                    log_probs = feed([out.token])  # a session's memory takes the last token too
                     fed += 1
             if job.session is not None:
                 job.session.tokens += fed
+                # lazily the head: what a next request continues from is the conversation's (`latest_head`)
                 job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
             if not job.cancelled:
                 last = ("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
@@ -225,6 +249,16 @@ class FleetEngine:
                 with self._lock:
                     self._running -= 1
                     self._idle.notify_all()
+
+    @staticmethod
+    def _decide(conv, completion: Completion, head):
+        """The next token from the head, fetching (in one request per round) only the tails the decision needs."""
+        choice = completion.sampler.start(head)
+        while choice.needs:
+            needs = choice.needs
+            for i, tail in zip(needs, conv.tails(needs)):
+                choice.reveal(i, tail)
+        return completion.decided(choice)
 
     @staticmethod
     def _close(conv):

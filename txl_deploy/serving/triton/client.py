@@ -366,6 +366,26 @@ class Conversation:
         """Send token ids (split into pieces the server accepts); returns the next-token log-probs [V]."""
         return self._feed(ids, head=False)
 
+    def feed_head(self, ids) -> np.ndarray:
+        """Lazy decoding: send token ids as feed() does, receiving only the head [shortlist + n] of the next-token
+        distribution (`last_head`); `tails(clusters)` then fetches the tail clusters a decision needs."""
+        return self._feed(ids, head=True)
+
+    def latest_head(self) -> np.ndarray | None:
+        """The head of the latest next-token distribution: what a head-only feed received, or the head of the full
+        log-probs a feed or a resume received (their tails are then sliced from those on the server); None before
+        any."""
+        with self._lock:
+            if self.pending is None and self.last_head is None and self.last_log_probs is not None \
+                    and self.client.clusters is not None:
+                self.last_head = self.client.clusters.head_from_full(self.last_log_probs)
+            return None if self.pending is not None else self.last_head
+
+    def tails(self, clusters) -> list[np.ndarray]:
+        """The log-probs of these tail clusters' tokens (numbered 1..n) in the latest distribution, one array per
+        cluster in the order asked; the server's memory does not move."""
+        return self._tails(clusters)
+
     def _feed(self, ids, head: bool) -> np.ndarray:
         """feed(); with head=True the server returns only the head of each distribution (`last_head`)."""
         output = HEAD_OUTPUT if head else io_spec.LOG_PROBS
@@ -442,7 +462,7 @@ class Conversation:
                     sampler = Sampler(params, self.last_log_probs.size, context=context, vocab=self.client.vocab,
                                       clusters=self.client.clusters)  # the same decisions as the lazy path
             if lazy:  # the head, then only the tails this decision can depend on
-                choice = sampler.start(self.last_head)
+                choice = sampler.start(self.latest_head())
                 while choice.needs:
                     needs = choice.needs
                     for i, tail in zip(needs, self._tails(needs)):
@@ -490,7 +510,7 @@ class Conversation:
             result = self.client._request(self.server, self.id, tokens, positions, end=True, want_state=True,
                                           conversation=self)
             if self.pending is not None:
-                self.last_log_probs = result.as_numpy(io_spec.LOG_PROBS)[0][0]
+                self.last_log_probs, self.last_head = result.as_numpy(io_spec.LOG_PROBS)[0][0], None
                 self.pending = None
             self.ended = True
             self._unregister()
@@ -508,7 +528,7 @@ class Conversation:
             except ServingError:
                 pass  # the expected answer: the model does not know the conversation
             raise
-        self.ended, self.pending = False, None
+        self.ended, self.pending, self.last_head = False, None, None
         last = result.as_numpy(io_spec.LOG_PROBS)[0][0]
         self.last_log_probs = None if np.isnan(last).all() else last
         self._register(server)
