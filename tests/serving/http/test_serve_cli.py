@@ -123,6 +123,3 @@ def test_refuses_a_model_and_triton_together_or_neither(tiny_onnx):
     assert r.exit_code == 2 and "give a MODEL" in r.output
     r = CliRunner().invoke(main, ["serve", str(tiny_onnx), "--triton", "grpc://127.0.0.1:1"])
     assert r.exit_code == 2 and "not both" in r.output
-    # lazy decoding is the local engine's: through Triton it would be a flag silently ignored
-    r = CliRunner().invoke(main, ["serve", "--triton", "grpc://127.0.0.1:1", "--lazy"])
-    assert r.exit_code == 2 and "--lazy applies to a local MODEL" in r.output
