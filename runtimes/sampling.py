@@ -2,10 +2,10 @@
 
 Every path that generates uses this module: `TxlRuntime.generate`, the HTTP server (`txl-deploy serve`, also over a
 Triton fleet), and the Triton client (`serve-client`; the Triton model returns log-probs and the client samples).
-`exporters/web/static/txl.js` implements the same steps in the same order for the browser page, and draws the same
-uniform numbers from the same seeded generator, so a seeded page samples the tokens Python samples for a model
-without an adaptive softmax (an adaptive one is sampled here by the cluster-factored algorithm, docs/sampling.md,
-which the page does not implement: same distribution, other draws).
+`exporters/web/static/txl.js` implements the same steps in the same order for the browser page, the
+cluster-factored algorithm for an adaptive softmax included (docs/sampling.md), and draws the same uniform numbers
+from the same seeded generator, so a seeded page samples the tokens Python samples (up to the last bit of the
+browser's exp and log).
 
 As vLLM's `SamplingParams`, the parameters are built once from a request, checked once (`SamplingParams(...)` raises
 InputError naming the first bad value) and handed to the engine; a `Sampler` is one stream's state (its generator,
