@@ -1,7 +1,7 @@
 """int4 weight-only graphs against fp32 in one run: accuracy, decode speed, size, each step against its bytes.
 
     .venv/bin/python benchmarks/int4.py [--threads 1] [--steps 128] [--block-size 64] [--other-blocks 32,128]
-        [--rounds 9] [--steps-per-round 6] [--out benchmarks/results_int4.md]
+        [--rounds 9] [--steps-per-round 6] [--generate-tokens 16] [--generate-rounds 3] [--out benchmarks/results_int4.md]
 
 Every side runs as `TxlRuntime.load` runs the graph (OrtBackend's defaults: the shared weight pool, ONNX Runtime's
 prepacking off), and each int4 graph also with `OrtBackend(prepack=True)` ("prepacked"): without prepacking
@@ -16,6 +16,8 @@ MatMulNBits has no packed weights for its 4-bit kernels and dequantizes every we
 - against its own bytes: each WikiText-103 base step (fp32, int4, int4 prepacked) against the plain one-thread
   read and the copy floor of the bytes that graph's step reads, the steps and the probes taking turns round by
   round (txl_deploy/bench/bandwidth_floor.py), in wall and in CPU time;
+- generation: WikiText-103 base tokens per second of `TxlRuntime.generate` (greedy), lazy on the softmax parts
+  (int4 parts for the int4 graph) and full, against fp32 full;
 - size: the files, and the resident memory each session added when it loaded.
 
 Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32 (at
@@ -96,13 +98,14 @@ def resident_bytes(path, threads: int, prepack: bool = False) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def open_runtime(path, threads: int, prepack: bool = False):
+def open_runtime(path, threads: int, prepack: bool = False, lazy: bool = True):
     """A TxlRuntime over the graph as `TxlRuntime.load` opens it (OrtBackend's defaults: the shared weight pool, no
-    prepacking), or with ONNX Runtime's prepacking on (`prepack`: each session its own packed weights)."""
+    prepacking), or with ONNX Runtime's prepacking on (`prepack`: each session its own packed weights); `lazy` as
+    TxlRuntime's (generate computes the softmax's head first and tails on demand where the graph has parts)."""
     from txl_deploy.runtimes import TxlRuntime
     from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-    return TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads, prepack=prepack))
+    return TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads, prepack=prepack), lazy=lazy)
 
 
 def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: bool = False) -> dict:
@@ -162,6 +165,37 @@ def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_roun
     return out
 
 
+def generate_speed(sides: dict, threads: int, tokens: int, rounds: int, seed: int = 0) -> dict:
+    """Generated tokens per second of each side ({name: (graph path, prepack, lazy)}) at batch 1, greedy, from the
+    same full memory and prompt token every round (sides taking turns, the order reversed every other round):
+    `TxlRuntime.generate` as a user calls it, lazily (the head graph per token, a tail only when the decision
+    needs it) where `lazy` and the graph has softmax parts, else the full graph per token."""
+    runtimes, saved = {}, {}
+    rng = np.random.default_rng(seed)
+    for name, (path, prepack, lazy) in sides.items():
+        rt = runtimes[name] = open_runtime(path, threads, prepack, lazy=lazy)
+        if lazy and rt.backend.clusters is None:
+            raise SystemExit(f"{path}: no softmax parts open ({rt.backend.parts_error}); export it again")
+    rt0 = next(iter(runtimes.values()))
+    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
+    prompt = [int(rng.integers(0, rt0.n_token))]
+    for name, rt in runtimes.items():
+        rt.prefill(context)
+        saved[name] = rt.save_state()
+        list(rt.generate(prompt, max_new_tokens=2, temperature=0))  # first-run allocations
+    rates = {name: [] for name in runtimes}
+    for k in range(rounds):
+        order = list(runtimes.items()) if k % 2 == 0 else list(runtimes.items())[::-1]
+        for name, rt in order:
+            rt.load_state(saved[name])
+            t0 = time.perf_counter()
+            out = list(rt.generate(prompt, max_new_tokens=tokens, temperature=0))
+            rates[name].append(len(out) / (time.perf_counter() - t0))
+    for rt in runtimes.values():
+        rt.close()
+    return {"tokens_per_s": {k: float(np.median(v)) for k, v in rates.items()}, "rounds": rates, "tokens": tokens}
+
+
 def prepacked_accuracy(acc: dict) -> dict:
     """The demo model's held-out bits per character of the int4 graph run with ONNX Runtime's prepacking on (the
     int8-compute kernels of accuracy_level 4; without prepacking MatMulNBits dequantizes its weights to fp32 and
@@ -212,6 +246,9 @@ def main():
                          f"{others_default}; '' for none)")
     ap.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
     ap.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
+    ap.add_argument("--generate-tokens", type=int, default=16,
+                    help="tokens per side per round of the generation speed (default 16; 0 to skip it)")
+    ap.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed (default 3)")
     ap.add_argument("--out", default=str(HERE / "results_int4.md"))
     args = ap.parse_args()
     CACHE.mkdir(exist_ok=True)
@@ -234,6 +271,13 @@ def main():
                               args.threads, args.steps)
     own = against_own_bytes({"fp32": (wt["fp32"], False), "int4": (wt["int4"], False),
                              "int4, prepacked": (wt["int4"], True)}, args.threads, args.rounds, args.steps_per_round)
+    gen = None
+    if args.generate_tokens > 0:
+        gen = generate_speed({"fp32, full": (wt["fp32"], False, False), "fp32, lazy": (wt["fp32"], False, True),
+                              "int4, lazy": (wt["int4"], False, True), "int4, full": (wt["int4"], False, False),
+                              "int4, prepacked, lazy": (wt["int4"], True, True),
+                              "int4, prepacked, full": (wt["int4"], True, False)},
+                             args.threads, args.generate_tokens, args.generate_rounds)
     load_end = os.getloadavg()
 
     a, ap_ = acc["report"]["accuracy"], acc_packed
@@ -349,6 +393,17 @@ def main():
               *[f"| {g} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | {r['copy_ms']:.2f} | "
                 f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | {r['read_cpu_ms']:.2f} | "
                 f"{r['over_read_cpu']:.2f}x |" for g, r in own.items()], ""]
+    if gen is not None:
+        full = gen["tokens_per_s"]["fp32, full"]
+        lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens from "
+                  f"a full memory, {args.generate_rounds} rounds, the sides taking turns (order reversed every other "
+                  "round), medians. `lazy`: the softmax parts (the body + head graph per token, a tail graph only "
+                  "when the decision needs it; the int4 graph's parts are int4); `full`: the main graph per token. "
+                  "Random weights give near-uniform distributions, where greedy decisions need tails far more often "
+                  "than a trained model's (benchmarks/lazy_decode.py measures lazy decoding at a trained model's "
+                  "rates):", "",
+                  "| side | tokens / s | against fp32 full |", "|---|---|---|",
+                  *[f"| {g} | {r:.2f} | {r / full:.2f}x |" for g, r in gen["tokens_per_s"].items()], ""]
     text = "\n".join(lines).rstrip() + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
     raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
@@ -356,7 +411,7 @@ def main():
            "accuracy_other_blocks_prepacked": acc_other_packed,
            "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command,
-           "load_start": load_start, "load_end": load_end}
+           "load_start": load_start, "load_end": load_end, "generate": gen}
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
     print(text)
     for t, val, ok in targets:

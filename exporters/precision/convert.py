@@ -10,11 +10,13 @@ from pathlib import Path
 import onnx
 
 from txl_deploy.checkpoints import LoadedModel, load_model
+from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import read_onnx_info, set_onnx_props
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import ExportError, InputError, TxlError
 from txl_deploy.exporters.graph_checks import toposort
 from txl_deploy.exporters.onnx.export import ExportResult, export_onnx, place_external_data, save_checked
+from txl_deploy.exporters.onnx.parts import move_parts
 from txl_deploy.exporters.onnx.verify import REDUCED_KL
 from txl_deploy.exporters.precision.folding import fold_weight_subgraphs
 from txl_deploy.exporters.precision.fp16 import FP16_KEEP_FP32_OPS, convert_fp16
@@ -25,6 +27,7 @@ from txl_deploy.exporters.precision.int4 import (
     check_int4_graph,
     quantize_int4,
 )
+from txl_deploy.exporters.precision.int4_parts import check_parts_int4, quantize_parts_int4
 from txl_deploy.exporters.precision.int8 import quantize_int8, quantize_int8_dynamic
 from txl_deploy.exporters.precision.report import accuracy_report, compare_to_fp32, evaluate_against_fp32
 from txl_deploy.exporters.precision.token_data import check_long_enough, ids_from, read_token_ids, segment_len
@@ -89,7 +92,7 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
     with tempfile.TemporaryDirectory(prefix="txl-precision-") as work:
         work = Path(work)
         converted = work / "converted.onnx"
-        source, int4_method = fp32_path, None
+        source, int4_method, int4_parts = fp32_path, None, None
         if precision in ("int8", "int8-dynamic"):
             model = onnx.load(str(fp32_path))
             if fold_weight_subgraphs(model):  # quantize the adaptive-softmax head too
@@ -110,6 +113,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                 int4_method = quantize_int4(model, int4_block_size, int4_accuracy_level)
                 check_int4_graph(model)
                 onnx.save_model(model, str(converted))
+                # the adaptive softmax's head and tails, quantized as the model: generate runs lazily on int4
+                int4_parts = quantize_parts_int4(fp32_path, info, converted, int4_block_size, int4_accuracy_level)
             else:
                 quantize_int8_dynamic(source, converted, per_channel=dynamic_per_channel)
         except TxlError:
@@ -120,6 +125,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
         model = onnx.load(str(converted))
         toposort(model.graph)  # TensorRT's parser reads nodes in file order; conversion passes may append nodes
         info.export = {**info.export, "precision": precision}
+        if int4_parts is not None:
+            info.export[parts_contract.KEY] = int4_parts
         trt = check_tensorrt_compat(model)
         if precision == "int8":
             trt.raise_if_failed()  # the static int8 graph exists for TensorRT: refuse one it cannot build
@@ -136,6 +143,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
                         f"log-prob difference {stream['max_abs_diff']:.3g}, top-1 agreement "
                         f"{stream['top1_agreement']:.4f} over {stream['tokens']} positions -> "
                         f"{'OK' if stream['passed'] else 'MISMATCH'}")
+            if int4_parts is not None:
+                int4_parts["verification"] = check_parts_int4(rt)
             accuracy = None
             if eval_ids is not None:
                 ids = eval_ids[0][:max_eval_tokens]
@@ -160,11 +169,17 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
             logger.info(f"  not TensorRT-ready ({len(trt.problems)} problem(s), e.g. {trt.problems[0]}): "
                         f"{'ONNX Runtime only' if precision in ('int8-dynamic', 'int4') else 'see the report'}")
         info.export["precision_report"] = report
+        if int4_parts is not None:  # named after the file written, not the working copy
+            int4_parts["head"]["file"] = parts_contract.head_name(out_path)
+            for i, tail in enumerate(int4_parts["tails"], start=1):
+                tail["file"] = parts_contract.tail_name(out_path, i)
         info.verification = stream
         set_onnx_props(model, info)
         with atomic_path(out_path, force=force) as tmp:
             save_checked(model, tmp, f"the {precision} graph")  # last: refuses what a strict consumer refuses
             place_external_data(tmp, out_path, force)
+            if int4_parts is not None:
+                move_parts(converted, out_path, force)
     logger.info(f"wrote {out_path}")
     return ExportResult(out_path, info, stream)
 

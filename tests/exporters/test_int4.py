@@ -223,3 +223,31 @@ def test_full_state_layout(tiny_onnx_full, tmp_path):
         assert rt.backend.spec.state == "full" and rt.backend.precision == "int4"
         got, want = stream(rt, segs), stream(ref, segs)
     assert 0 <= mean_kl(want, got) <= STREAM_TOLERANCE["int4"]
+
+
+def test_int4_softmax_parts_give_lazy_generate_the_full_tokens(int4, tiny_onnx):
+    """An int4 graph of a model with an adaptive softmax gets int4 head and tail graphs beside it (listed in its
+    metadata, checked against it at export), so `generate` runs lazily on int4: the same tokens as the full int4
+    graph, greedy and sampled (T=1, seeded), over 50 tokens that fill and wrap the memory."""
+    from txl_deploy.contract import parts as contract
+
+    info = read_onnx_info(int4[32])
+    entry = info.export["parts"]
+    assert entry["precision"] == "int4" and entry["verification"]["passed"]
+    parts = contract.Parts.from_export(info.export, info.config, int4[32])
+    paths = parts.files(int4[32])  # beside the int4 graph, the digests it lists, not the fp32 graph's parts
+    assert [p.name for p in paths] == ["int4-b32.head.onnx", "int4-b32.tail1.onnx", "int4-b32.tail2.onnx"]
+    ops = [[n.op_type for n in onnx.load(str(path)).graph.node] for path in paths]
+    assert all("MatMulNBits" in o for o in ops)  # the body and head, and every tail, in 4-bit weights
+    assert all("MatMul" not in o for o in ops[1:])  # a tail's only products are its weights'
+    with TxlRuntime.load(int4[32]) as lazy, TxlRuntime.load(int4[32], lazy=False) as full:
+        assert lazy.backend.clusters is not None and lazy.backend.parts_error is None
+        heads = []
+        run_head = lazy.backend.run_head
+        lazy.backend.run_head = lambda *a: heads.append(1) or run_head(*a)
+        for temperature in (0.0, 1.0):
+            lazy.reset(), full.reset()
+            got = list(lazy.generate([1, 2, 3], max_new_tokens=50, temperature=temperature, seed=11))
+            want = list(full.generate([1, 2, 3], max_new_tokens=50, temperature=temperature, seed=11))
+            assert len(got) == 50 and got == want, temperature
+        assert len(heads) >= 100  # the lazy path ran: the head graph fed every token
