@@ -195,6 +195,12 @@ def _quantize_gathers(model, tables: dict, ties: dict, block_size: int, symmetri
         else:
             config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric)
             packed, scales, zp = DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(table.T))
+            # Scales rounded to fp16 as `_store_fp16` stores a MatMulNBits' scales: a table that is a tied one's
+            # copy elsewhere (the head graph holds the tail clusters' rows without their output weights) then
+            # dequantizes to exactly the values the model's tied embedding reads.
+            half = scales.astype(np.float16)
+            if np.isfinite(half).all():
+                scales = half.astype(scales.dtype)
             parts["data"].append(const(f"{name}_Q4", packed))
             parts["scales"].append(const(f"{name}_scales", scales.reshape(V, k_blocks)))
             if not symmetric:

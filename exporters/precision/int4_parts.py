@@ -5,8 +5,7 @@ it (`contract.parts`), so a generator computes only the tails its sampling decis
 from it gets int4 parts: each part file is folded and quantized by `quantize_int4` with the model's block size and
 accuracy_level, so a weight product has the same 4-bit blocks in the part as in the model (MatMulNBits' blocks run
 along each output column's input dimension; concatenating columns changes none of them), then the parts are
-checked against the int4 model they were made for before its metadata lists them. The tail clusters' embedding
-tables are the exception: see ATOL below.
+checked against the int4 model they were made for before its metadata lists them (tolerances: see ATOL below).
 """
 
 from __future__ import annotations
@@ -25,12 +24,13 @@ from txl_deploy.exporters.precision.int4 import check_int4_graph, quantize_int4
 
 logger = logging.getLogger(__name__)
 
-# The parts against the int4 graph: the same 4-bit weights of every product, but not quite the same embedding. In
-# the model a tied embedding table reads the output layer's MatMulNBits blocks; the head graph holds the tail
-# clusters' tables without their output weights, so it quantizes them on their own, which rounds a few entries the
-# other way (up to 1.2e-4 on the tiny test model's tables). Measured there: the memory of layer 0 differs by up to
-# 2.7e-3, the assembled log-probs by up to 2.2e-4. A wrong part (another cluster's weights, a head column out of
-# place) differs by whole units.
+# The parts against the int4 graph: the same 4-bit weights and scales in every product and every embedding row (the
+# head graph holds the tail clusters' tables without their output weights and quantizes them on their own, as the
+# output layer's columns are, scales rounded to fp16 as the model's are: `int4._quantize_gathers`), so what remains
+# is float rounding from the parts' other arrangement of the softmax. Before the scales were rounded alike, the
+# tables differed by up to 2.8e-5, which the prepacked kernels' int8 activations turned into log-prob differences
+# of 0.06 on the tiny test model. A wrong part (another cluster's weights, a head column out of place) differs by
+# whole units.
 ATOL, RTOL = 1e-3, 1e-4  # log-probs
 STATE_ATOL = 1e-2  # memory
 

@@ -10,7 +10,9 @@ On the CPU every weight is held once, by the backend: the model's graph and its 
 graph repeats the body and the tied embedding, each tail graph its cluster's rows) are read tensor by tensor into
 one pool of numpy arrays, equal tensors merged, and each session gets the pooled arrays as its initializers
 (`SharedWeights`) instead of a copy of its own. ONNX Runtime's prepacking is off for the same reason: a packed
-copy per MatMul would double the output layer that the tied embedding also reads, in every session.
+copy per MatMul would double the output layer that the tied embedding also reads, in every session. Quantized
+graphs are the exception: their kernels run from packed weights (int4's MatMulNBits unpacks every weight to fp32 at
+every call without them), so their sessions prepack and hold their own (small) weights.
 
 An `.ort` (the ONNX Runtime format, `txl-deploy export --ort-format`) runs here too. It is a flatbuffer that only
 ONNX Runtime reads: its metadata comes from the session (`custom_metadata_map`, which the converter keeps) and is
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 ORT_SUFFIX = ".ort"
+# Precisions whose CPU kernels (MatMulNBits, DynamicQuantizeMatMul, QLinearMatMul) run from prepacked weights.
+PACKED_PRECISIONS = ("int4", "int8", "int8-dynamic")
 
 
 def choose_providers(requested=None) -> list:
@@ -74,16 +78,22 @@ class OrtBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None,
-                 prepack: bool = False):
-        """prepack: let ONNX Runtime prepack the MatMul weights, each session its own copies (no shared pool): a
-        prefill's segments run faster (a 64-token WikiText-103 base segment took 232 against 299 ms of CPU time on
-        one thread), a decode step slower (44.4 against 40.7 ms), and the sessions of a model with its
-        adaptive-softmax parts hold 2.10 GiB instead of 645 MiB (benchmarks/results_peak_ram_runtime.md)."""
-        self.prepack = bool(prepack)
+                 prepack: bool | None = None):
+        """prepack: let ONNX Runtime prepack the MatMul weights, each session its own copies (no shared pool).
+        For an fp32 or fp16 graph a prefill's segments then run faster (a 64-token WikiText-103 base segment took
+        232 against 299 ms of CPU time on one thread), a decode step slower (44.4 against 40.7 ms), and the
+        sessions of a model with its adaptive-softmax parts hold 2.10 GiB instead of 645 MiB
+        (benchmarks/results_peak_ram_runtime.md). None (the default): off for fp32 and fp16 graphs, on for the
+        quantized ones, whose kernels take their weights in a packed form of their own: without it int4's
+        MatMulNBits unpacks every weight to fp32 at every call (a demo-model decode step took 8.3 against 1.2 ms
+        of CPU time, int8-dynamic 1.19 against 1.01 ms), and their weights are a fraction of fp32's."""
         self.path = str(path)
         ort_format = str(path).lower().endswith(ORT_SUFFIX)
+        self.prepack = bool(prepack) if prepack is not None else False
         if not ort_format:
             self.info = read_onnx_info(path)
+            if prepack is None:
+                self.prepack = self.info.precision in PACKED_PRECISIONS
             external_data(path)  # refuses data files outside the model's folder before ONNX Runtime opens any
         self._providers = choose_providers(providers)
         self._intra_op_threads, self._profile_prefix, self._ort_format = intra_op_threads, profile_prefix, ort_format
@@ -101,6 +111,9 @@ class OrtBackend(Backend):
             except UnicodeDecodeError:  # ONNX Runtime hands the file's strings over as they are
                 raise CheckpointError(path, "corrupt txl-deploy metadata (not UTF-8)") from None
             self.info = ExportInfo.from_props(props, path)
+            if prepack is None and self.info.precision in PACKED_PRECISIONS:  # known once the flatbuffer is open
+                self.prepack = True
+                self.session = self._open(self.path, self.path)
         self.config, self.vocab = self.info.config, self.info.vocab
         self.mem_len, self.max_segment, self.precision = self.info.mem_len, self.info.max_segment, self.info.precision
         self.spec = self.info.spec()

@@ -111,3 +111,26 @@ def test_prepack_gives_each_session_its_own_weights_and_the_same_log_probs(tiny_
     got = prepacked.run(prepacked.new_state(1), tokens, positions)
     want = shared.run(shared.new_state(1), tokens, positions)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # other kernels, the same model
+
+
+def test_a_quantized_graph_is_prepacked_by_default_and_fp32_is_not(tiny_onnx, shared, tmp_path):
+    # int4's MatMulNBits without its packed weights unpacks every weight to fp32 at every call (several times
+    # slower); a quantized graph's packed copies are small, so its sessions prepack and keep their own weights.
+    from txl_deploy.exporters.precision.convert import reduce_onnx  # imports torch (the export side)
+
+    int4 = tmp_path / "int4.onnx"
+    reduce_onnx(tiny_onnx, int4, precision="int4")
+    assert not shared.prepack and shared.weights is not None
+    packed = OrtBackend(int4, providers=["cpu"], intra_op_threads=1)
+    assert packed.prepack and packed.weights is None
+    unpacked = OrtBackend(int4, providers=["cpu"], intra_op_threads=1, prepack=False)
+    assert not unpacked.prepack and unpacked.weights is not None
+    tokens = np.random.default_rng(5).integers(0, shared.config.n_token, size=(1, 6))
+    positions = np.arange(6)[None]
+    # The kernels differ: prepacked MatMulNBits quantizes each activation block to int8 (accuracy_level 4), the
+    # unpacked one multiplies by the weights unpacked to fp32; both are the same 4-bit weights, far closer to each
+    # other than the int4 gate against fp32 (0.1 nats a position).
+    a = packed.run(packed.new_state(1), tokens, positions).astype(np.float64)
+    b = unpacked.run(unpacked.new_state(1), tokens, positions).astype(np.float64)
+    kl = float(np.mean(np.sum(np.exp(b) * (b - a), axis=-1)))
+    assert kl < 0.01 and (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8, kl
