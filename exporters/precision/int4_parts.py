@@ -18,9 +18,10 @@ import onnx
 
 from txl_deploy.contract import parts as contract
 from txl_deploy.errors import ExportError
-from txl_deploy.exporters.graph_checks import toposort
+from txl_deploy.exporters.graph_checks import check_strict, toposort
 from txl_deploy.exporters.precision.folding import fold_weight_subgraphs
 from txl_deploy.exporters.precision.int4 import check_int4_graph, quantize_int4
+from txl_deploy.runtimes.lazy_decode import full_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def quantize_parts_int4(fp32_path, info, model_path, block_size: int, accuracy_l
             onnx.save_model(part, str(dst))
         except Exception as e:
             raise ExportError(f"int4 {what}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        check_strict(dst, f"the int4 {what}")  # what the model's graph passes: every exported file is checked
         del part
     logger.info(f"int4: the adaptive softmax's head and {parts.n_clusters} tail graph(s) quantized "
                 f"(block {block_size}, accuracy_level {accuracy_level})")
@@ -81,9 +83,7 @@ def check_parts_int4(rt, seed: int = 0) -> dict:
         want = backend.run(full, tokens, positions)
         hidden, head = backend.run_head(lazy, tokens, positions)
         flat_hidden, flat_head = hidden.reshape(-1, hidden.shape[-1]), head.reshape(-1, head.shape[-1])
-        tails = [backend.run_tail(i, flat_hidden, np.ascontiguousarray(flat_head[:, clusters.head_column(i)]))
-                 for i in range(1, clusters.n_clusters + 1)]
-        got = np.concatenate([flat_head[:, :clusters.shortlist], *tails], axis=-1).reshape(want.shape)
+        got = full_log_probs(backend, flat_hidden, flat_head).reshape(want.shape)  # the lazy path's composition
         diff = np.abs(got - want)
         worst = max(worst, float(diff.max()))
         if (diff > ATOL + RTOL * np.abs(want)).any():
