@@ -11,14 +11,13 @@ and skip without them unless TXL_WEB_TESTS=required. The Node.js tests need `nod
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
 
 import numpy as np
 import pytest
-from helpers.browser import Browser, SiteServer, chromium, ort_web
+from helpers.browser import Browser, SiteServer, chromium, need, ort_web
 from helpers.word_models import export_wikitext_onnx
 
 from txl_deploy.exporters.web.site import _template_dir, write_site
@@ -166,9 +165,7 @@ def test_txl_js_samples_an_adaptive_softmax_as_the_python_sampler_does(tiny_onnx
     decisions and needs them in others, and without top-k or top-p (which reveal every cluster they keep, so the
     draw is the token-by-token one) its tokens differ from its token-by-token ones: a page sampling token by token
     would fail here."""
-    if NODE is None:
-        assert os.environ.get("TXL_WEB_TESTS") != "required", "no Node.js (TXL_WEB_TESTS=required)"
-        pytest.skip("no Node.js (apt-get install nodejs)")
+    need(NODE is not None, "no Node.js (apt-get install nodejs)")
     with TxlRuntime.load(tiny_onnx) as rt:
         stream = np.random.default_rng(1).integers(0, 58, size=300)
         tiny_rows = np.concatenate([rt.step(stream[None, i:i + 16])[0] for i in range(0, 300, 16)])
