@@ -1,5 +1,5 @@
-"""Weights computed from initializers (Slice/Concat/Transpose ...) folded into initializers, so the quantizers see
-every weight matrix; and the list of MatMuls by a weight matrix."""
+"""Weights computed from initializers (Slice/Concat/Transpose ...) folded into initializers and Gemms by a weight
+rewritten as MatMuls, so the quantizers see every weight matrix; and the list of MatMuls by a weight matrix."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ _FOLDABLE = {"Transpose", "Slice", "Concat", "Reshape", "Unsqueeze", "Squeeze", 
 
 
 def fold_weight_subgraphs(model) -> int:
-    """Turn MatMul weights computed from initializers (Slice/Concat/Transpose ...) into initializers, in place.
+    """Turn MatMul weights computed from initializers (Slice/Concat/Transpose ...) into initializers, in place, and
+    Gemms by a weight into MatMuls (`gemms_as_matmuls`).
 
     The adaptive softmax's head weight is a slice of the (tied) embedding with the cluster weights appended,
     transposed: the exporter emits that as nodes, so the head MatMul -- most of a WikiText-103 model's per-token
-    work -- would not count as a weight MatMul and would stay in fp32. Returns the number of weights folded."""
+    work -- would not count as a weight MatMul and would stay in fp32. Returns the number of weights folded and of
+    Gemms rewritten."""
     inits = {t.name: t for t in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
     values: dict = {}
@@ -73,7 +75,42 @@ def fold_weight_subgraphs(model) -> int:
         folded += 1
     if folded:  # drop the nodes that only fed the folded weights
         prune_dead(model)
-    return folded
+    return folded + gemms_as_matmuls(model)
+
+
+def gemms_as_matmuls(model) -> int:
+    """Rewrite every Gemm by a weight initializer as MatMul (and an Add of its bias), in place; returns how many.
+
+    The fp32 graph reads a weight that narrows its product as [out, in] through Gemm(transB=1), the layout the
+    one-token kernel streams fastest (`cached_step.dense`). The quantizers take MatMuls: MatMulNBits and
+    MatMulInteger have no Gemm form. The weight is stored [in, out] for them (MatMulNBits repacks it anyway)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes, rewritten = [], 0
+    for node in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or len(node.input) < 2 or node.input[1] not in inits or attrs.get("transA", 0)
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
+            nodes.append(node)
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0):
+            name = weight + "_in_out"
+            if name not in inits:
+                inits[name] = numpy_helper.from_array(
+                    np.ascontiguousarray(numpy_helper.to_array(inits[weight]).T), name)
+                model.graph.initializer.append(inits[name])
+            weight = name
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        product = node.output[0] + "_product" if bias else node.output[0]
+        nodes.append(onnx.helper.make_node("MatMul", [node.input[0], weight], [product], name=node.name))
+        if bias:
+            nodes.append(onnx.helper.make_node("Add", [product, bias], [node.output[0]], name=node.name + "_bias"))
+        rewritten += 1
+    if rewritten:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        prune_dead(model)  # the [out, in] copies no node reads now
+    return rewritten
 
 
 def prune_dead(model):

@@ -83,11 +83,20 @@ def test_the_exported_graph_reads_every_weight_as_stored(tiny_onnx):
         read = [name for name in node.input if name in weights]
         if not read:
             continue
-        # A weight feeds a MatMul, a bias Add or the embedding's Gather directly: nothing to slice, transpose or
-        # fold into a second copy at load.
-        assert node.op_type in ("MatMul", "Add", "Gather"), (node.op_type, read)
+        # A weight feeds a MatMul, a Gemm, a bias Add or the embedding's Gather directly: nothing to slice, transpose
+        # or fold into a second copy at load.
+        assert node.op_type in ("MatMul", "Gemm", "Add", "Gather"), (node.op_type, read)
         if node.op_type == "Gather":
             assert [a.i for a in node.attribute if a.name == "axis"] == [1]
+        weight = weights.get(node.input[1]) if node.op_type in ("MatMul", "Gemm") else None
+        if weight is not None and len(weight.dims) == 2 and not weight.name.startswith("crit."):
+            # The layers' weights are stored in the layout a one-token product streams fastest: [in, out] for a
+            # product that widens, [out, in] read with transB for one that narrows. (The output layer's layout is
+            # the one the tied embedding also reads, checked below; a real vocabulary's products all widen.)
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            rows, cols = weight.dims
+            n_in, n_out = (cols, rows) if trans_b else (rows, cols)
+            assert trans_b == (n_out < n_in), (node.name, n_in, n_out, trans_b)
     # The tiny model ties its weights: the output weights are the only embedding tables.
     out_weights = sorted(n for n in weights if "out_weight" in n)
     gathered = sorted(n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in weights)

@@ -26,9 +26,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
+from txl_deploy.bench.bandwidth_floor import graph_step_bytes
 from txl_deploy.bench.random_weights import char_vocab, random_model, shape_config
 from txl_deploy.checkpoints import save_checkpoint
+from txl_deploy.contract import parts as parts_contract
+from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.runtimes.lazy_decode import decide
 from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams
 
@@ -245,6 +249,27 @@ def at_rates(summary: dict, parts: dict, fractions) -> dict:
     return {"lazy_tokens_per_s": float(np.median(1 / lazy)), "speedup": float(np.median(full / lazy))}
 
 
+def byte_bound(main_path, fractions) -> dict:
+    """The most a batch-1 lazy token can gain over a full one by reading fewer bytes: what a full step reads (the
+    main graph, counted as `graph_step_bytes` counts it), what a lazy one reads (the same less the tails' weights,
+    plus each tail's weights times the rate it is needed at), and their ratio. A lazy step saves bytes, nothing
+    else: an implementation that reads both at the same rate gains exactly this ratio, so a speed-up above it needs
+    the full side to read slower than the lazy side. {"full_mb", "lazy_mb", "tail_mb": [...], "bound"}."""
+    full = graph_step_bytes(main_path)["total"]
+    info = read_onnx_info(main_path)
+    parts = parts_contract.Parts.from_export(info.export, info.config, main_path)
+    tails = [_weight_bytes(f) for f in parts.files(main_path)[1:]]
+    lazy = full - sum(tails) + sum(f * t for f, t in zip(fractions, tails))
+    return {"full_mb": full / 1e6, "lazy_mb": lazy / 1e6, "tail_mb": [t / 1e6 for t in tails], "bound": full / lazy}
+
+
+def _weight_bytes(path) -> int:
+    """Bytes of a tail graph's float initializers of two or more dimensions and of its biases: its weights."""
+    graph = onnx.load(str(path)).graph
+    return sum(int(np.prod(t.dims)) * 4 for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+               and int(np.prod(t.dims)) > 1)
+
+
 def interleaved(sides: dict, rounds: int) -> dict:
     """Run each side's callable(round) once per round, the order reversed every other round; {side: [results]}."""
     names = list(sides)
@@ -281,5 +306,5 @@ def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> 
             "distinct_tokens": len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy])))}
 
 
-__all__ = ["DECORRELATE", "MODES", "HeadFit", "at_rates", "calibrate_head", "calibrated_standin",
+__all__ = ["DECORRELATE", "MODES", "HeadFit", "at_rates", "byte_bound", "calibrate_head", "calibrated_standin",
            "interleaved", "summarize", "time_batched", "time_generate", "time_parts", "trained_fractions"]

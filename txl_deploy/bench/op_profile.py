@@ -116,7 +116,8 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
     per_step = [defaultdict(float) for _ in runs]
     info = {}
     for k, e in _node_events(runs, events):
-        name = e["name"][:-len("_kernel_time")]
+        # A node ONNX Runtime fused with its activation (Gemm + Relu: FusedGemm) is named "fused <graph node name>"
+        name = e["name"][:-len("_kernel_time")].removeprefix("fused ")
         per_step[k][name] += e["dur"] / 1e3
         info[name] = (e.get("args", {}).get("op_name", "?"), input_bytes(e, constants.get(name)))
     nodes = [{"name": n, "op_type": info[n][0], "bytes": info[n][1],
@@ -157,14 +158,22 @@ def _constant(graph, name):
     return None
 
 
+# Read between the runs of `matmul_alone` so that each run finds its weight in memory, not in a cache, as it does in a
+# decode step (which reads hundreds of MB between two reads of one weight). Larger than the last-level caches of the
+# machines measured here (32 MB).
+EVICT_BYTES = 128 * 2**20
+
+
 def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
-    """Each named MatMul of the graph run alone: a one-node model with the same B initializer, fed one token's
-    activation [1, 1, K], median ms of `runs` runs, the models taking turns run by run. Names whose B is not a
-    constant are left out."""
+    """Each named weight product of the graph (MatMul, or Gemm with its transB and bias) run alone: a one-node model
+    with the same constant B, fed one token's activation, median ms of `runs` runs, the models taking turns run by
+    run, each run after a read of EVICT_BYTES so that its weight comes from memory as in a step. Names whose B is
+    not a constant are left out."""
     import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
 
     graph = onnx.load(str(onnx_path)).graph
-    by_name = {n.name: n for n in graph.node if n.op_type == "MatMul"}
+    inits = {t.name: t for t in graph.initializer}
+    by_name = {n.name: n for n in graph.node if n.op_type in ("MatMul", "Gemm")}
     sessions = {}
     for name in names:
         node = by_name.get(name)
@@ -172,22 +181,37 @@ def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
         if b is None or b.ndim != 2:
             continue
         b = np.ascontiguousarray(b, dtype=np.float32)
+        weights = [numpy_helper.from_array(b, "b")]
+        if node.op_type == "Gemm":
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            k = b.shape[1] if trans_b else b.shape[0]
+            n_out = b.shape[0] if trans_b else b.shape[1]
+            inputs = ["x", "b"]
+            if len(node.input) > 2 and node.input[2] in inits:
+                weights.append(numpy_helper.from_array(numpy_helper.to_array(inits[node.input[2]]), "c"))
+                inputs.append("c")
+            one = helper.make_node("Gemm", inputs, ["y"], transB=int(trans_b))
+            x_shape, y_shape = [1, k], [1, n_out]
+        else:
+            one = helper.make_node("MatMul", ["x", "b"], ["y"])
+            x_shape, y_shape = [1, 1, b.shape[0]], [1, 1, b.shape[1]]
         model = helper.make_model(
-            helper.make_graph([helper.make_node("MatMul", ["x", "b"], ["y"])], "matmul",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, b.shape[0]])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, b.shape[1]])],
-                              [numpy_helper.from_array(b, "b")]),
+            helper.make_graph([one], "product", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)], weights),
             opset_imports=[helper.make_opsetid("", 18)])
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.disable_prepacking", "1")  # as the runtime runs fp32 graphs
         session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        x = np.random.default_rng(0).standard_normal((1, 1, b.shape[0])).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
         session.run(None, {"x": x})  # first-run allocation
         sessions[name] = (session, x, b.nbytes)
+    evict = np.ones(EVICT_BYTES // 8)
     times = {name: [] for name in sessions}
     for _ in range(runs):
         for name, (session, x, _) in sessions.items():
+            float(evict.sum())
             t0 = time.perf_counter()
             session.run(None, {"x": x})
             times[name].append(time.perf_counter() - t0)

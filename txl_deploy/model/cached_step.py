@@ -14,6 +14,12 @@ Same numbers as `MemTransformerLM` (the reference), arranged for deployment (see
 - Masks come from index comparisons on the per-row token counter (`mem_count`): slot s of a row that has consumed
   n tokens holds stream position p with p % M == s, its age is (n - 1 - s) mod M, it is valid when age < n, and
   the distance from query i of this segment is i + 1 + age. No data-dependent branch, no zero-size tensor.
+- Every weight is stored in the layout its product streams fastest at batch 1. The hidden states stay 2-D
+  ([B * Q, d_model]) through the layers, so a Linear is one Gemm with its bias inside. A product that widens
+  (qkv_net, the first feed-forward layer) reads its weight as [in, out] (`x @ W`). One that narrows (the second
+  feed-forward layer) reads nn.Linear's own [out, in] with transB, where every output is one contiguous dot
+  product. ONNX Runtime's one-token kernels stream [in, out] at 21-24 GB/s when out > in and at 14-20 GB/s
+  when out < in, and [out, in] the other way round (one thread, weights not in cache; `dense` below).
 """
 
 from __future__ import annotations
@@ -59,9 +65,13 @@ class CachedTxl(nn.Module):
                 # The 1/sqrt(d_head) score scale is folded into the query rows of qkv_net and into the biases, so
                 # no Mul sits before the score MatMuls: ONNX Runtime fuses such a Mul into a FusedMatMul, which
                 # measured 3-4x slower than a plain MatMul on [1, H, 1, d_head] x [1, H, d_head, mem_len].
-                qkv = layer.dec_attn.qkv_net.weight.detach().clone()
-                qkv[: cfg.n_head * cfg.d_head] *= scale
-                self.register_buffer(f"qkv_weight_{i}", qkv, persistent=False)
+                qkv = scaled_qkv_weight(layer, cfg)
+                if i == 0 and not cfg.pre_lnorm:
+                    # The embedding's sqrt(d_model) is folded in too: the first layer's qkv_net reads the unscaled
+                    # embedding. A Mul by a scalar in front of a MatMul is fused by ONNX Runtime into a FusedMatMul,
+                    # which has no fast one-token kernel (0.34 against 0.10 ms on the WikiText-103 base shape).
+                    qkv *= self.output_layer.emb_scale
+                self.register_buffer(f"qkv_weight_{i}", qkv.t().contiguous(), persistent=False)  # [in, out]
                 r_w_bias, r_r_bias = model.layer_biases(i)
                 self.register_buffer(f"r_w_bias_{i}", r_w_bias.detach()[:, None, :] * scale, persistent=False)
                 self.register_buffer(f"r_r_bias_{i}", r_r_bias.detach()[:, None, :] * scale, persistent=False)
@@ -105,13 +115,14 @@ class CachedTxl(nn.Module):
         idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
         idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
 
-        h = self.output_layer.embed(tokens)
+        emb = self.output_layer.embed(tokens, scaled=cfg.pre_lnorm).reshape(B * Q, cfg.d_model)
+        h = emb if cfg.pre_lnorm else emb * self.output_layer.emb_scale
         outs = []
         for i, layer in enumerate(self.layers):
             attn = layer.dec_attn
             k_mem, v_mem = mems[2 * i], mems[2 * i + 1]
-            x = attn.layer_norm(h) if cfg.pre_lnorm else h
-            qkv = F.linear(x, getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
+            x = attn.layer_norm(h) if cfg.pre_lnorm else emb if i == 0 else h
+            qkv = (x @ getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
             q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh], already scaled by 1/sqrt(d_head)
             k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
             v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
@@ -126,9 +137,12 @@ class CachedTxl(nn.Module):
             e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
             denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
             vec = (e_mem @ v_mem + e_cur @ v) / denom  # [B, H, Q, Dh]
-            out = attn.o_net(vec.transpose(1, 2).reshape(B, Q, H * Dh))
+            out = dense(vec.transpose(1, 2).reshape(B * Q, H * Dh), attn.o_net)
             h = h + out if cfg.pre_lnorm else attn.layer_norm(h + out)
-            h = layer.pos_ff(h)
+            ff = layer.pos_ff
+            x = ff.layer_norm(h) if cfg.pre_lnorm else h
+            out = dense(F.relu(dense(x, ff.CoreNet[0])), ff.CoreNet[3])
+            h = h + out if cfg.pre_lnorm else ff.layer_norm(h + out)
             if self.state == "incremental":
                 outs += [k, v]
             else:
@@ -136,5 +150,26 @@ class CachedTxl(nn.Module):
         if self.state == "full":
             outs.append(mem_count + Q)
 
+        h = h.view(B, Q, cfg.d_model)
         h_out = torch.gather(h, 1, out_positions[:, :, None].expand(B, out_positions.shape[1], cfg.d_model))
         return (self.crit(h_out), *outs)
+
+
+def scaled_qkv_weight(layer, cfg):
+    """A copy of the layer's qkv_net weight [3 * n_head * d_head, d_model] with the 1/sqrt(d_head) score scale
+    folded into its query rows."""
+    qkv = layer.dec_attn.qkv_net.weight.detach().clone()
+    qkv[: cfg.n_head * cfg.d_head] *= 1.0 / cfg.d_head**0.5
+    return qkv
+
+
+def dense(x, linear: nn.Linear):
+    """`linear(x)` for 2-D x, traced as one Gemm (bias inside) reading the weight in the layout its one-token kernel
+    streams fastest: nn.Linear's [out, in] with transB when the product narrows (out < in: each output is one
+    contiguous dot product), else [in, out] (the exporter folds the transpose into the stored constant)."""
+    weight, bias = linear.weight, linear.bias
+    if weight.shape[0] < weight.shape[1]:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return x @ weight.t()
+    return torch.addmm(bias, x, weight.t())

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl_deploy.model.cached_step import CachedTxl
+from txl_deploy.model.cached_step import CachedTxl, scaled_qkv_weight
 from txl_deploy.model.mem_transformer import MemTransformerLM, cluster_bounds
 
 
@@ -61,8 +61,7 @@ class LinearCachedTxl(nn.Module):
         for name, buf in cached.named_buffers(recurse=False):
             if not name.startswith("qkv_weight_"):
                 self.register_buffer(name, buf.detach().clone(), persistent=False)
-        self.layers = nn.ModuleList(_Layer(layer, getattr(cached, f"qkv_weight_{i}"))
-                                    for i, layer in enumerate(model.layers))
+        self.layers = nn.ModuleList(_Layer(layer, scaled_qkv_weight(layer, self.cfg)) for layer in model.layers)
         self._input_layer(model.word_emb)
         self._output_layer(model.crit)
 

@@ -99,8 +99,9 @@ class OutputLayer(nn.Module):
         return self.shortlist + self.n_clusters - i
 
     # -- input -------------------------------------------------------------------------------------------------
-    def embed(self, tokens):
-        """tokens [B, Q] -> [B, Q, d_model], scaled by sqrt(d_model) as AdaptiveEmbedding."""
+    def embed(self, tokens, scaled: bool = True):
+        """tokens [B, Q] -> [B, Q, d_model], scaled by sqrt(d_model) as AdaptiveEmbedding (`scaled=False`: for a
+        caller that folds the scale into what reads it)."""
         B, Q = tokens.shape
         flat = tokens.reshape(B * Q)
         single = len(self.emb_pieces) == 1
@@ -122,7 +123,8 @@ class OutputLayer(nn.Module):
                 emb = emb + torch.where(in_piece[None, :], cols, torch.zeros_like(cols))
         if self.emb_proj_name is not None:
             emb = getattr(self, self.emb_proj_name) @ emb
-        return emb.t().reshape(B, Q, -1) * self.emb_scale
+        emb = emb.t().reshape(B, Q, -1)
+        return emb * self.emb_scale if scaled else emb
 
     # -- output ------------------------------------------------------------------------------------------------
     def cluster_tensors(self, i):
