@@ -74,16 +74,17 @@ def test_numpy_copy_form_leaves_the_inputs_alone():
     np.testing.assert_array_equal(new_v, want[1])
 
 
-def test_write_segment_covers_every_layer_and_advances_the_count():
+@pytest.mark.parametrize("counts, q, M", CASES)
+def test_write_segment_covers_every_layer_and_advances_the_count(counts, q, M):
     rng = np.random.default_rng(1)
-    layers = [_case(rng, [2, 6], 3, 4) for _ in range(2)]
-    count = np.array([2, 6], dtype=np.int64)
+    layers = [_case(rng, counts, q, M) for _ in range(3)]
+    count = np.array(counts, dtype=np.int64)
     mems = [a for layer in layers for a in layer[:2]]
-    want = [x for layer in layers for x in _by_definition(*layer[:4], count, 4)]
-    write_segment(mems, [a for layer in layers for a in layer[2:4]], count, 4)
+    want = [x for layer in layers for x in _by_definition(*layer[:4], count, M)]
+    write_segment(mems, [a for layer in layers for a in layer[2:4]], count, M)
     for got, w in zip(mems, want):
         np.testing.assert_array_equal(got, w)
-    np.testing.assert_array_equal(count, [5, 9])
+    np.testing.assert_array_equal(count, np.array(counts) + q)
 
 
 def test_ring_module_does_not_import_torch():

@@ -49,25 +49,44 @@ def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):
 
 
 def _write_slices(k_mem, v_mem, k_tail, v_tail, start, mem_len: int):
-    n = k_tail.shape[-1]
-    # Rows usually move together (one slice pair for the whole batch); after reset(rows) they differ.
+    _write_plan(k_mem, v_mem, k_tail, v_tail, _slice_plan(start, k_tail.shape[-1], mem_len))
+
+
+def _write_plan(k_mem, v_mem, k_tail, v_tail, plan):
+    for rows, dst, src in plan:
+        k_mem[rows, :, :, dst] = k_tail[rows, :, :, src]
+        v_mem[rows, :, dst] = v_tail[rows, :, src]
+
+
+def _slice_plan(start, n: int, mem_len: int) -> list:
+    """(rows, ring slots, segment entries) slices that write n entries starting at stream positions `start` [B]:
+    rows usually move together (one or two slice pairs for the whole batch, two at the wrap-around); after
+    reset(rows) they differ, and each row gets its own."""
     if np.all(start == start[0]):
         groups = [(slice(None), int(start[0]))]
     else:
         groups = [(slice(b, b + 1), int(s)) for b, s in enumerate(start)]
+    plan = []
     for rows, first in groups:
         s = first % mem_len
         a = min(n, mem_len - s)  # entries before the end of the buffer; the rest wrap to slot 0
-        k_mem[rows, :, :, s:s + a] = k_tail[rows, :, :, :a]
-        v_mem[rows, :, s:s + a] = v_tail[rows, :, :a]
+        plan.append((rows, slice(s, s + a), slice(0, a)))
         if a < n:
-            k_mem[rows, :, :, :n - a] = k_tail[rows, :, :, a:]
-            v_mem[rows, :, :n - a] = v_tail[rows, :, a:]
+            plan.append((rows, slice(0, n - a), slice(a, n)))
+    return plan
 
 
 def write_segment(mems: list, new_entries: list, count, mem_len: int):
     """Every layer's segment (new_k.0, new_v.0, new_k.1, ...) into the memory (mem_k.0, mem_v.0, ...), in place,
-    then `count` [B] advanced by the segment length, in place: the state after the segment."""
-    for i in range(0, len(mems), 2):
-        write_ring(mems[i], mems[i + 1], new_entries[i], new_entries[i + 1], count, mem_len)
+    then `count` [B] advanced by the segment length, in place: the state after the segment. Numpy rings share one
+    slice plan over the layers (a decode step writes 2 x n_layer small slices: the plan is most of their cost)."""
+    if mems and isinstance(mems[0], np.ndarray):
+        q = new_entries[0].shape[-1]
+        n = min(q, mem_len)
+        plan = _slice_plan(count + (q - n), n, mem_len)
+        for k_mem, v_mem, k, v in zip(mems[::2], mems[1::2], new_entries[::2], new_entries[1::2]):
+            _write_plan(k_mem, v_mem, k[..., q - n:], v[:, :, q - n:], plan)
+    else:
+        for i in range(0, len(mems), 2):
+            write_ring(mems[i], mems[i + 1], new_entries[i], new_entries[i + 1], count, mem_len)
     count += new_entries[0].shape[-1]
