@@ -150,9 +150,10 @@ def op_tables(label: str, prof: dict) -> list[str]:
         if o["ms_per_step"] >= 0.005:
             lines.append(f"| {o['op_type']} | {o['nodes']} | {o['ms_per_step']:.3f} | {o['bytes'] / 1e6:.2f} | "
                          f"{o['gb_per_s']:.1f} |")
-    lines += ["", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a one-node "
-              "model with the same weight, as the graph stores it, one token's activation, same thread count; each run "
-              f"alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory as in a step):",
+    lines += ["", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a "
+              "one-node model with the same weight, as the graph stores it, one token's activation, same thread "
+              f"count; each run alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory "
+              "as in a step):",
               "", "| product | MB read | in graph ms | GB/s | alone ms | GB/s | graph / alone |",
               "|---|---|---|---|---|---|---|"]
     for n in prof["big_matmuls"]:

@@ -80,7 +80,8 @@ def test_profile_nodes_and_matmuls_alone_on_the_tiny_model(tiny_onnx):
     assert sum(o["nodes"] for o in prof["ops"]) == len(prof["nodes"])
     assert abs(sum(o["ms_per_step"] for o in prof["ops"]) - prof["kernel_ms"]) < 1e-6
     constants = constant_input_bytes(tiny_onnx)
-    weighted = [n for n in prof["nodes"] if n["op_type"] in ("MatMul", "Gemm", "FusedGemm") and constants.get(n["name"])]
+    weighted = [n for n in prof["nodes"]
+                if n["op_type"] in ("MatMul", "Gemm", "FusedGemm") and constants.get(n["name"])]
     assert {n["op_type"] for n in weighted} >= {"MatMul", "FusedGemm"}, "the profile's product names are the graph's"
     for n in weighted:
         assert n["bytes"] >= sum(constants[n["name"]].values())

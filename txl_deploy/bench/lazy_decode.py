@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from txl_deploy.bench.bandwidth_floor import graph_step_bytes
-from txl_deploy.bench.random_weights import char_vocab, random_model, shape_config
+from txl_deploy.bench.random_weights import INIT, char_vocab, random_model, shape_config
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import read_onnx_info
@@ -131,7 +131,7 @@ def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[
 
     config = shape_config(name)
     targets = [round(float(x), 4) for x in [*greedy, *sampled]]
-    key = hashlib.sha256(json.dumps([config.to_dict(), seed, DECORRELATE, CALIBRATION_TOKENS, targets],
+    key = hashlib.sha256(json.dumps([config.to_dict(), seed, INIT, DECORRELATE, CALIBRATION_TOKENS, targets],
                                     sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"{name}-lazy-{key}"
     fit_file = Path(cache_dir) / f"{path.name}.fit.json"

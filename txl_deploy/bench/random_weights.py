@@ -22,6 +22,7 @@ from txl_deploy.vocab import Vocab
 logger = logging.getLogger(__name__)
 
 SEED = 0
+INIT = "nonzero-biases"  # how `random_model` draws the weights: part of a cached stand-in's key
 
 # The paper's other published models, as stand-in shapes only (no checkpoint reader needs them): text8's model is
 # enwik8 large's shape and evaluation settings over text8's 27 symbols; One Billion Word's large model (the 0.8B
@@ -49,7 +50,9 @@ def shape_config(name: str, **overrides) -> TxlConfig:
 
 
 def random_model(config, seed: int = SEED):
-    """A MemTransformerLM of `config` with reproducible random weights."""
+    """A MemTransformerLM of `config` with reproducible random weights. Biases are small and nonzero, as a trained
+    model's: an exporter drops a zero bias from a Gemm, so a stand-in with zero biases would leave out work that a
+    real model's graph does."""
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     from txl_deploy.model.mem_transformer import MemTransformerLM  # imports torch
@@ -60,8 +63,6 @@ def random_model(config, seed: int = SEED):
         for name, p in model.named_parameters():
             if "layer_norm.weight" in name:
                 p.fill_(1.0)
-            elif "layer_norm.bias" in name or name.endswith(".bias"):
-                p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     return model
@@ -77,7 +78,7 @@ def standin_checkpoint(name: str, cache_dir, mem_len: int | None = None, seed: i
         raise InputError(f"unknown shape {name!r}; known: {', '.join([*PUBLISHED_SHAPES, *STANDIN_SHAPES])}")
     overrides = {} if mem_len is None else {"mem_len": int(mem_len)}
     config = shape_config(name, **overrides)
-    key = hashlib.sha256(json.dumps([config.to_dict(), seed], sort_keys=True).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([config.to_dict(), seed, INIT], sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"{name}-{key}"
     if not path.exists():
         logger.info(f"building a random-weight stand-in of {name} (mem_len {config.mem_len})")
