@@ -561,7 +561,7 @@ class Sampler:
             dead.update(hidden())
 
         def weights(k):
-            s = np.where(x[k] < kth, -np.inf, x[k])
+            s = x[k] if kth == -np.inf else np.where(x[k] < kth, -np.inf, x[k])  # (no top-k: nothing to cut)
             return np.exp(s - m)
 
         # per hidden cluster: the largest weight b_i one token can have, and the mass bound W_i
@@ -618,7 +618,7 @@ class Sampler:
             w = weights(k)
             if k in cut:
                 w = np.where(cut[k], 0.0, w)
-            return np.where(w < floor, 0.0, w)
+            return np.where(w < floor, 0.0, w) if floor > 0 else w  # (weights are >= 0: a 0 floor cuts nothing)
 
         while True:
             blocks = [final(k) if k in proc else np.array([0.0 if k in dead else mass[k - 1]])
@@ -629,7 +629,8 @@ class Sampler:
             if not cum[-1] > 0:
                 raise InputError("no token is left to choose: the sampling parameters exclude every token")
             at = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
-            at = min(at, int(np.flatnonzero(flat > 0)[-1]))  # a rounding past the end: the last block with mass
+            if at >= flat.size or not flat[at] > 0:  # a rounding past the end: the last block with mass
+                at = min(at, int(np.flatnonzero(flat > 0)[-1]))
             k, start = 0, 0
             while at >= start + lens[k]:
                 start += lens[k]
