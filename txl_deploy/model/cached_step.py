@@ -121,7 +121,10 @@ class CachedTxl(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.dec_attn
             k_mem, v_mem = mems[2 * i], mems[2 * i + 1]
-            x = attn.layer_norm(h) if cfg.pre_lnorm else emb if i == 0 else h
+            if cfg.pre_lnorm:
+                x = attn.layer_norm(h)
+            else:  # the first layer's qkv_net carries the embedding's scale: it reads the unscaled embedding
+                x = emb if i == 0 else h
             qkv = (x @ getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
             q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh], already scaled by 1/sqrt(d_head)
             k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
