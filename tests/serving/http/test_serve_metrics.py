@@ -113,7 +113,10 @@ def test_generated_tokens_equal_what_the_clients_received_by_how_each_ended(serv
                     ids += json.loads(line.removeprefix("data: "))["choices"][0].get("token_ids") or []
                 if len(ids) >= 3:
                     break
-        assert len(ids) == 3 and gate.held.wait(30)  # the engine reaches the gate just after sending the 3rd
+            # The engine reaches the gate just after sending the 3rd token. The client goes away only once it is
+            # held there: a disconnect that reached the engine first would end the stream before that call.
+            assert gate.held.wait(30)
+        assert len(ids) == 3
         received["cancelled"] += 3
         _wait_for(lambda: _delta(before, _scrape(server), "txl_generated_tokens_total",
                                  finish_reason="cancelled") == 3, "the cancelled stream's tokens to be counted")
