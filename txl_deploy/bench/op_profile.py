@@ -172,7 +172,6 @@ def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
     import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
 
     graph = onnx.load(str(onnx_path)).graph
-    inits = {t.name: t for t in graph.initializer}
     by_name = {n.name: n for n in graph.node if n.op_type in ("MatMul", "Gemm")}
     sessions = {}
     for name in names:
@@ -187,8 +186,9 @@ def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
             k = b.shape[1] if trans_b else b.shape[0]
             n_out = b.shape[0] if trans_b else b.shape[1]
             inputs = ["x", "b"]
-            if len(node.input) > 2 and node.input[2] in inits:
-                weights.append(numpy_helper.from_array(numpy_helper.to_array(inits[node.input[2]]), "c"))
+            bias = _constant(graph, node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if bias is not None:
+                weights.append(numpy_helper.from_array(bias, "c"))
                 inputs.append("c")
             one = helper.make_node("Gemm", inputs, ["y"], transB=int(trans_b))
             x_shape, y_shape = [1, k], [1, n_out]

@@ -25,18 +25,18 @@ def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):
     """Write one layer's segment keys `k` and values `v` into the ring buffers `k_mem` / `v_mem` of rows that have
     consumed `count` [B] tokens before this segment. Returns (keys, values): `k_mem`, `v_mem` themselves when
     written in place, new tensors otherwise. `count` is not advanced here (it is shared by every layer)."""
+    if isinstance(k_mem, np.ndarray):
+        if not in_place:
+            k_mem, v_mem = k_mem.copy(), v_mem.copy()
+        _write_plan(k_mem, v_mem, k, v, _segment_plan(k.shape[-1], count, mem_len))
+        return k_mem, v_mem
+    import torch  # a tensor came in, so torch is loaded already
+
     # Slicing clamps: all Q entries when Q <= mem_len, else the last mem_len (no data-dependent branch, so the
     # graph export keeps the segment length symbolic).
     k_tail, v_tail = k[..., -mem_len:], v[:, :, -mem_len:]
     n = k_tail.shape[-1]
     start = count + (k.shape[-1] - n)  # [B] stream position of the first entry written
-    if isinstance(k_mem, np.ndarray):
-        if not in_place:
-            k_mem, v_mem = k_mem.copy(), v_mem.copy()
-        _write_slices(k_mem, v_mem, k_tail, v_tail, start, mem_len)
-        return k_mem, v_mem
-    import torch  # a tensor came in, so torch is loaded already
-
     slots = torch.remainder(start[:, None] + torch.arange(n, device=k.device)[None, :], mem_len)  # [B, n]
     B, H, Dh = k.shape[0], k.shape[1], k.shape[2]
     k_idx = slots[:, None, None, :].expand(B, H, Dh, n)
@@ -48,20 +48,18 @@ def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):
     return k_mem.scatter(3, k_idx, k_tail), v_mem.scatter(2, v_idx, v_tail)
 
 
-def _write_slices(k_mem, v_mem, k_tail, v_tail, start, mem_len: int):
-    _write_plan(k_mem, v_mem, k_tail, v_tail, _slice_plan(start, k_tail.shape[-1], mem_len))
-
-
-def _write_plan(k_mem, v_mem, k_tail, v_tail, plan):
+def _write_plan(k_mem, v_mem, k, v, plan):
     for rows, dst, src in plan:
-        k_mem[rows, :, :, dst] = k_tail[rows, :, :, src]
-        v_mem[rows, :, dst] = v_tail[rows, :, src]
+        k_mem[rows, :, :, dst] = k[rows, :, :, src]
+        v_mem[rows, :, dst] = v[rows, :, src]
 
 
-def _slice_plan(start, n: int, mem_len: int) -> list:
-    """(rows, ring slots, segment entries) slices that write n entries starting at stream positions `start` [B]:
-    rows usually move together (one or two slice pairs for the whole batch, two at the wrap-around); after
-    reset(rows) they differ, and each row gets its own."""
+def _segment_plan(q: int, count, mem_len: int) -> list:
+    """(rows, ring slots, segment entries) slices that write a segment of q entries into rows that have consumed
+    `count` [B]: only its last min(q, mem_len) entries, at most two slice pairs per row (the wrap-around). Rows
+    usually move together (one plan for the whole batch); after reset(rows) they differ, and each row gets its own."""
+    n = min(q, mem_len)
+    start = count + (q - n)  # [B] stream position of the first entry written
     if np.all(start == start[0]):
         groups = [(slice(None), int(start[0]))]
     else:
@@ -70,9 +68,9 @@ def _slice_plan(start, n: int, mem_len: int) -> list:
     for rows, first in groups:
         s = first % mem_len
         a = min(n, mem_len - s)  # entries before the end of the buffer; the rest wrap to slot 0
-        plan.append((rows, slice(s, s + a), slice(0, a)))
+        plan.append((rows, slice(s, s + a), slice(q - n, q - n + a)))
         if a < n:
-            plan.append((rows, slice(0, n - a), slice(a, n)))
+            plan.append((rows, slice(0, n - a), slice(q - n + a, q)))
     return plan
 
 
@@ -81,11 +79,9 @@ def write_segment(mems: list, new_entries: list, count, mem_len: int):
     then `count` [B] advanced by the segment length, in place: the state after the segment. Numpy rings share one
     slice plan over the layers (a decode step writes 2 x n_layer small slices: the plan is most of their cost)."""
     if mems and isinstance(mems[0], np.ndarray):
-        q = new_entries[0].shape[-1]
-        n = min(q, mem_len)
-        plan = _slice_plan(count + (q - n), n, mem_len)
+        plan = _segment_plan(new_entries[0].shape[-1], count, mem_len)
         for k_mem, v_mem, k, v in zip(mems[::2], mems[1::2], new_entries[::2], new_entries[1::2]):
-            _write_plan(k_mem, v_mem, k[..., q - n:], v[:, :, q - n:], plan)
+            _write_plan(k_mem, v_mem, k, v, plan)
     else:
         for i in range(0, len(mems), 2):
             write_ring(mems[i], mems[i + 1], new_entries[i], new_entries[i + 1], count, mem_len)
