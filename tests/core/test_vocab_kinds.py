@@ -162,6 +162,18 @@ def test_vocab_files_are_read_with_their_kind(tmp_path):
         Vocab.read(txt, kind="bytes")
 
 
+@pytest.mark.parametrize("separator", ["\x85", "\u2028", "\x1c", "\x0b", "\x0c"])
+def test_a_symbol_line_ends_at_a_newline_only(tmp_path, separator):
+    # the original reader takes each line's first whitespace field: a line break of str.splitlines inside a
+    # symbol ends the symbol there, never the line, so every later symbol keeps its id
+    txt = tmp_path / "vocab.txt"
+    txt.write_text(f"<eos>\nthe\nfoo{separator}bar\nof\n\n", encoding="utf-8")
+    assert Vocab.read(txt, kind="word").symbols == ["<eos>", "the", "foo", "of"]
+    txt.write_text(f"<eos>\n{separator}\nof\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="vocab.txt: line 2 holds no symbol"):
+        Vocab.read(txt, kind="word")
+
+
 def test_an_unknown_kind_is_refused_never_read_as_another(tmp_path):
     with pytest.raises(UnknownKindError, match="kind 'bpe' is not one this txl-deploy knows.*upgrade"):
         Vocab.from_dict({"kind": "bpe", "symbols": ["a", "b"]})

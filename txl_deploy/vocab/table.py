@@ -249,11 +249,25 @@ class Vocab:
                 if len(lines) > 1 and all(len(line) <= 1 for line in lines[:-1]):
                     return cls([("\n" if line == "" else line) for line in lines[:-1]], kind="char")
                 return cls(list(text.rstrip("\n")), kind="char")
-            symbols = [line.strip().split()[0] for line in text.splitlines() if line.strip()]
-            if not symbols:
-                raise CheckpointError(path, "vocabulary file is empty")
+            symbols = symbols_of_lines(text, path)
             return cls(symbols, kind=choose_kind(symbols, kind))
         except UnknownKindError as e:
             raise CheckpointError(path, str(e)) from None
         except ValueError as e:
             raise CheckpointError(path, str(e)) from None
+
+
+def symbols_of_lines(text: str, path) -> list[str]:
+    """A one-symbol-a-line file's symbols, the first whitespace field of each line, as the original `Vocab`
+    reads them: lines end at `\n` only (`str.splitlines` also ends them at `\x85`, `\u2028` or `\x1c`, and a
+    symbol holding one would shift every later id). Blank lines at the end are ignored; one before a symbol is
+    refused, since skipping it would shift the ids as well."""
+    lines = text.split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise CheckpointError(path, "vocabulary file is empty")
+    blank = next((n for n, line in enumerate(lines, 1) if not line.strip()), None)
+    if blank is not None:
+        raise CheckpointError(path, f"line {blank} holds no symbol (one symbol a line: its id is its line's)")
+    return [line.split()[0] for line in lines]
