@@ -60,7 +60,6 @@ def old_layout_vocab_pkl(symbols) -> bytes:
 def hf_folder(tmp_path_factory):
     """A tiny HuggingFace transfo-xl folder (config.json, model.safetensors) with a vocab.pkl of WikiText-103's
     kind of symbols."""
-    pytest.importorskip("transformers")  # the test extra; where it is missing the import below fails the tests
     import torch
     from transformers.models.deprecated import transfo_xl as transfo  # builds the folder HuggingFace writes
     from transformers.utils import logging
@@ -241,3 +240,34 @@ def test_a_repository_without_weights_is_refused_before_anything_is_fetched(offl
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("fetched"))
     with pytest.raises(CheckpointError, match="has no PyTorch weights"):
         fetch_snapshot(REPO)
+
+
+def test_every_file_is_fetched_at_the_commit_the_listing_was_read_at(offline_cache, monkeypatch):
+    """The branch moves on the hub between the listing and the download: the files come from the commit listed,
+    and the cache's ref records that commit, so the same reference reads the same snapshot offline afterwards."""
+    import huggingface_hub
+    from huggingface_hub.hf_api import ModelInfo
+
+    storage = offline_cache.parent.parent
+    moved = hashlib.sha1(b"a later commit, pushed while fetching").hexdigest()
+    asked = []
+    real_download = huggingface_hub.snapshot_download
+
+    def model_info(self, repo_id, revision=None, **kwargs):
+        (storage / "refs" / "main").write_text(moved)  # the branch moves right after it was listed
+        return ModelInfo(id=repo_id, sha=COMMIT, siblings=[{"rfilename": f} for f in
+                                                           ("config.json", "model.safetensors", "vocab.pkl")])
+
+    def snapshot_download(repo_id, revision=None, local_files_only=False, **kwargs):
+        asked.append(revision)  # what is downloaded: the cache's snapshot of that revision (no network here)
+        return real_download(repo_id, revision=revision, local_files_only=True, **kwargs)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert fetch_snapshot(REPO) == offline_cache
+    assert fetch_snapshot(REPO + "@main") == offline_cache
+    assert asked == [COMMIT, COMMIT]
+    assert (storage / "refs" / "main").read_text() == COMMIT
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert fetch_snapshot(REPO) == offline_cache

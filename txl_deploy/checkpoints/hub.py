@@ -8,7 +8,8 @@ or `vocab.bin`); `transfo-xl-wt103` also holds TensorFlow weights of the same si
 The cache is huggingface_hub's own (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`), laid out
 as it lays it out: `models--OWNER--NAME/blobs/` holds the files, `snapshots/COMMIT/` links to them and `refs/main`
 names the commit of the main branch. With `HF_HUB_OFFLINE=1`, or when the hub cannot be reached (a warning says so),
-the snapshot the cache already holds is read. Every link of the snapshot must resolve inside its repository's own
+the snapshot the cache already holds is read. Online, the files are listed at the commit the revision names then,
+and every one is downloaded at that commit, so a branch that moves meanwhile cannot mix two commits. Every link of the snapshot must resolve inside its repository's own
 cache folder: a link elsewhere (a cache edited by hand, or a file planted in a shared cache) is refused before
 anything is read through it.
 
@@ -93,14 +94,16 @@ def fetch_snapshot(reference) -> Path:
     cache = _cache_dir(hub)
     storage = cache / ("models--" + ref.repo_id.replace("/", "--"))
     offline = _offline(hub)
-    files = None
+    files, revision = None, ref.revision
     if not offline:
-        files = _needed_files(hub, ref)
-        if files is None:
+        listed = _needed_files(hub, ref)
+        if listed is None:
             offline = True
+        else:  # every file from the commit the listing was read at, even if the branch moves meanwhile
+            files, revision = listed
     with _bars_follow_logging(hub):
         try:
-            folder = hub.snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=str(cache),
+            folder = hub.snapshot_download(ref.repo_id, revision=revision, cache_dir=str(cache),
                                            allow_patterns=files, local_files_only=offline, tqdm_class=FilesBar)
         except hub.utils.LocalEntryNotFoundError:
             why = "HF_HUB_OFFLINE is set" if _offline(hub) else "the hub could not be reached"
@@ -113,6 +116,8 @@ def fetch_snapshot(reference) -> Path:
         except OSError as e:  # a download cut short, a full disk, a cache folder not writable
             raise CheckpointError(ref, f"could not be fetched ({_short(e)})") from None
     folder = Path(folder)
+    if revision is not None and revision != ref.revision:
+        _record_ref(storage, ref.revision or "main", revision)
     check_links(folder, storage)
     logger.info("%s: reading the snapshot in %s", ref, folder)
     return folder
@@ -175,9 +180,26 @@ def _offline(hub) -> bool:
     return value.upper() in _TRUE if value is not None else bool(hub.constants.HF_HUB_OFFLINE)
 
 
-def _needed_files(hub, ref: HubReference) -> list[str] | None:
-    """The files of the repository a transfo-xl folder needs, from its listing on the hub; None when the hub
-    cannot be reached (the cache is read instead, with a warning)."""
+def _record_ref(storage: Path, revision: str, commit: str) -> None:
+    """Write `refs/REVISION` = `commit`, as huggingface_hub does for a branch or tag it downloads: a download
+    pinned to a commit writes none, and the cache would not know the revision offline. Written whole (a
+    temporary file replaced), and only when it changes."""
+    ref_path = storage / "refs" / revision
+    try:
+        if ref_path.is_file() and ref_path.read_text() == commit:
+            return
+        ref_path.parent.mkdir(parents=True, exist_ok=True)
+        part = ref_path.with_name(ref_path.name + ".part")
+        part.write_text(commit)  # no newline, as the hub writes it
+        os.replace(part, ref_path)
+    except OSError as e:  # a shared cache this user cannot write: the files were fetched all the same
+        logger.warning("%s: could not record %s as commit %s in the hub cache (%s)", storage.name, revision,
+                       commit, _short(e))
+
+
+def _needed_files(hub, ref: HubReference) -> tuple[list[str], str | None] | None:
+    """The files of the repository a transfo-xl folder needs, from its listing on the hub, and the commit the
+    listing is of; None when the hub cannot be reached (the cache is read instead, with a warning)."""
     try:
         info = hub.HfApi(library_name="txl-deploy").model_info(ref.repo_id, revision=ref.revision)
     except hub.utils.RevisionNotFoundError:
@@ -204,7 +226,7 @@ def _needed_files(hub, ref: HubReference) -> list[str] | None:
         raise CheckpointError(ref, f"has no PyTorch weights ({' or '.join(WEIGHT_FILES)}, or a shard index)")
     files += [name for name in VOCAB_FILES if name in names][:1]
     logger.info("%s: fetching %s (commit %s)", ref, ", ".join(files), info.sha)
-    return files
+    return files, info.sha or ref.revision
 
 
 @contextlib.contextmanager
