@@ -126,32 +126,12 @@ def _checked_ids(vocab, ids) -> list[int]:
 class MosesLine:
     """The current line of a Moses-detokenized stream: prints what the words so far have fixed.
 
-    The line's text is `moses.detokenize_line` of its words W; after each word we print the new part of
-    `detokenize_line(W[:k])` for the largest *settled* k: W[k-1] is not a marker (`@-@`, `@,@`, `@.@`) and the
-    word after it is known not to be `@-@` (W[k] exists and is not `@-@`, or the vocabulary has no `@-@`).
-
-    Why `detokenize_line(W[:k])` is a prefix of `detokenize_line(W')` for every W' that extends W (sacremoses'
-    MosesDetokenizer for English, read in its source):
-    1. It first replaces " @-@ " in " w0 w1 ... " by "-" (left to right); a match needs spaces on both sides of an
-       `@-@` word, so with W[k-1] and W[k] not `@-@` no match spans the boundary after W[k-1]: the first k words
-       merge into the same words in both texts.
-    2. XML unescaping works inside a word.
-    3. Its loop decides each word's text (a space before it or not) from that word, the words before it and the
-       quote counts so far, never from a later word (the look-ahead rules are French, Italian, Irish and Czech
-       only), and appends nothing after a word until the next one: the first words give the same text, which
-       ends in that word's last character. Merging single spaces and stripping then cut nothing from it.
-    4. The number joins replace " @,@ " / " @.@ " left to right; a match needs a space after the marker, so with
-       W[k-1] not a marker none spans the end of the shorter text: the same joins happen in both.
-    So a printed piece is never changed by a later word, and at a line end (or `flush`) the whole line's text
-    is printed: the pieces join to exactly `detokenize_line` of the line, hence (line by line) to `Vocab.decode`.
-
-    The cost of a word is one detokenization of a window of the line, not the whole line: once the window holds
-    more than 2 * WINDOW words, the words before a boundary b are dropped. The text of W then is the text of W[:b]
-    (kept) followed by what `detokenize_line(P + W[b-1:])` adds after `detokenize_line(P)`, where the seed P is one
-    quote for each kind of quote whose count is odd after W[:b] (found by asking the detokenizer how a quote would
-    attach there), then W[b-1]. That is exact when W[b-2], W[b-1] and W[b] are not markers (1 and 4: the same joins)
-    and W[b-1] is not a quote: the loop's state after a word (a space to put before the next word or not, the quote
-    counts' parities, the word itself) is then the same after W[:b] as after P, so each later word gets the same text.
+    The Moses detokenizer joins `@-@` to the words on both sides and `@,@` / `@.@` to the numbers on both sides, so
+    a word is held back while a later word could still change it; everything else about its text is decided by the
+    words before it. A printed piece is therefore never changed, and a line's pieces join to exactly
+    `moses.detokenize_line` of its words. Only a window of the line's last words is detokenized per word, the
+    dropped ones stood for by a short seed. The proof of both, which reads sacremoses' detokenizer (hence the
+    bounded version in the `text` extra), is in docs/runtime.md, "Why a printed piece never changes".
     """
 
     WINDOW = 64  # words; a window of at most 2 * WINDOW words is detokenized per word
@@ -208,7 +188,7 @@ class MosesLine:
 
     def _drop_words(self):
         """Drop the window's words before the last boundary b at least WINDOW words back where the seed is exact
-        (see the class's docstring); none when no such boundary is found."""
+        (docs/runtime.md: why a piece never changes); none when no such boundary is found."""
         words, quote = self.words, moses.moses(self.vocab).detokenizer.IS_OPEN_QUOTE
         for b in range(len(words) - self.WINDOW, self.seed_len + 1, -1):
             if not (set(words[b - 2:b + 1]) & set(WIKITEXT_MARKERS)) and not quote.search(words[b - 1]):
