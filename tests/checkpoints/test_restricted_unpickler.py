@@ -160,3 +160,31 @@ def test_a_hostile_huggingface_vocab_pickle_is_refused_and_an_explicit_vocabular
     result = cli("convert", folder, "-o", tmp_path / "out", "--vocab", vocab_file)
     assert result.exit_code == 0, result.output
     assert load_model(tmp_path / "out").vocab.symbols == WORDS and not marker.exists()
+
+
+def test_every_pickle_goes_through_the_one_restricted_unpickler():
+    """One `find_class`, in `RestrictedUnpickler`: each use (torch checkpoints, vocabulary files) gives it an
+    allow-list, never its own resolution; and no module unpickles with Python's own unpickler."""
+    import ast
+
+    from helpers.paths import ROOT
+
+    from txl_deploy.checkpoints.torch_files import Unpickler as TorchUnpickler
+    from txl_deploy.checkpoints.unpickler import AllowList, RestrictedUnpickler
+    from txl_deploy.checkpoints.vocab_files import VocabUnpickler
+
+    resolvers, direct = [], []
+    for path in sorted((ROOT / "txl_deploy").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), where)):
+            if isinstance(node, ast.FunctionDef) and node.name == "find_class":
+                resolvers.append(where)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "pickle" \
+                    and node.attr in ("load", "loads", "Unpickler") and where != "txl_deploy/checkpoints/unpickler.py":
+                direct.append(f"{where}:{node.lineno}")
+    assert resolvers == ["txl_deploy/checkpoints/unpickler.py"]
+    assert direct == []
+    for use in (TorchUnpickler, VocabUnpickler):
+        assert issubclass(use, RestrictedUnpickler) and "find_class" not in vars(use)
+        assert isinstance(use.allow, AllowList)
+    assert TorchUnpickler.allow is not VocabUnpickler.allow

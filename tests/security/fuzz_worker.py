@@ -31,8 +31,8 @@ import onnx  # noqa: F401  (imported before the limit, as every reader below nee
 import torch  # noqa: F401  (imported before the limit: the pickle readers need it)
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.safe_pickle import torch_load
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
+from txl_deploy.checkpoints.torch_files import torch_load
 from txl_deploy.checkpoints.vocab_files import read_vocab_file
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data, weight_file_bytes

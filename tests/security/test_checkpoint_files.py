@@ -10,7 +10,7 @@ from audit import Watch
 from crafted_files import Reduce, legacy_torch_file
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.safe_pickle import torch_load
+from txl_deploy.checkpoints.torch_files import torch_load
 from txl_deploy.errors import CheckpointError
 
 

@@ -30,7 +30,7 @@ WORKER = textwrap.dedent("""
     import crafted_files as cf
     from txl_deploy.checkpoints import load_model
     from txl_deploy.checkpoints.huggingface import read_weights
-    from txl_deploy.checkpoints.safe_pickle import torch_load
+    from txl_deploy.checkpoints.torch_files import torch_load
     from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
     from txl_deploy.checkpoints.vocab_files import read_vocab_file
     from txl_deploy.contract.metadata import read_onnx_info

@@ -2,7 +2,7 @@
 
 Two shapes of checkpoint:
 - `model.pt`, `torch.save(model)` of the whole `mem_transformer.MemTransformerLM`. It is read with the restricted
-  unpickler (`safe_pickle`): the modules come back as inert attribute holders; the hyper-parameters are their
+  unpickler (`torch_files`): the modules come back as inert attribute holders; the hyper-parameters are their
   pickled attributes and the weights their `_parameters` / `_modules`.
 - a bare state_dict (`torch.save(model.state_dict())` or a `.safetensors` file with the same names) plus a JSON
   config (see `config_from_kwargs` and `detect.find_config`).
@@ -18,7 +18,8 @@ import dataclasses
 
 from txl_deploy.checkpoints.keymap import Rule, infer_ties, normalise, rename, strip_prefix
 from txl_deploy.checkpoints.native import LoadedModel
-from txl_deploy.checkpoints.safe_pickle import attr, module_tree_state_dict, pickled_class, submodule
+from txl_deploy.checkpoints.torch_files import module_tree_state_dict, submodule
+from txl_deploy.checkpoints.unpickler import attr, pickled_class
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
 

@@ -1,29 +1,10 @@
 """Format detection: any supported checkpoint -> one `LoadedModel` (config + state_dict in our names + vocabulary).
 
-Folders are recognised by their `config.json`; files by what they hold once read (safely, see `safe_pickle`):
-
-| format           | what it is                                                               | mapping table           |
-|------------------|--------------------------------------------------------------------------|-------------------------|
-| `txl-deploy`     | our folder: config.json (`format: txl-deploy`), model.safetensors, vocab | identity                |
-| `huggingface`    | config.json (`model_type: transfo-xl`) + model.safetensors / .bin        | `huggingface.HF_RULES`  |
-| `cmu`            | original `model.pt`: a pickled `mem_transformer.MemTransformerLM`        | `cmu.CMU_RULES`         |
-| `nvidia`         | DeepLearningExamples dict with `model_config` + `model_state`            | `nvidia.NVIDIA_RULES`   |
-|                  | or their work directory: `checkpoint_best.pt`, else `checkpoint_last.pt` |                         |
-| `cmu-state-dict` | a state_dict in the original names (.pt or .safetensors) + a JSON config | `cmu.CMU_RULES`         |
-| `tensorflow`     | original TF V2 checkpoint (`model.ckpt-N`) or the published folder layout | `tensorflow.convert.to_state_dict` |
-
-The config of a bare state_dict comes from `config=` (a path, a dict or a TxlConfig; `--config FILE` on the
-command line), else from `<name>.json` beside the weights (`model.json` for `model.pt`), else from `config.json`
-in the same folder. It holds either our TxlConfig fields or the original `MemTransformerLM` constructor arguments
-(`n_token`, `n_layer`, `n_head`, `d_model`, `d_head`, `d_inner`, `d_embed`, `div_val`, `cutoffs`, `tie_weight`,
-`tie_projs`, `pre_lnorm`, `tgt_len`, `mem_len`, `clamp_len`, `same_length`, ...; unknown keys are an error).
-
-The vocabulary (`vocab_files.attach_vocab`, one step for every format): `vocab=` (`--vocab FILE`: any file
-`vocab_files.read_vocab_file` reads), else the one the checkpoint carries (ours, NVIDIA's, a TensorFlow corpus
-cache), else the first of `vocab.json`, `vocab.txt`, `vocab.pkl`, `vocab.bin`, `cache.pt` beside it. Without one the
-model still loads, with `vocab` None. Its kind: `vocab_kind=` (`--vocab-kind`), else the file's (our vocab.json),
-else the corpus's (enwik8: bytes, text8: text8), else what its symbols show; its tokenizer: `tokenizer=`, else the
-file's, else what its symbols show.
+Folders are recognised by their `config.json`, files by what they hold once read (safely: `torch_files`), and each
+format's reader maps its names to ours (`txl-deploy`: identity; `huggingface`, `cmu`, `cmu-state-dict`, `nvidia`:
+their `*_RULES`; `tensorflow`: `tensorflow.convert`). A bare state_dict's config comes from `config=`, else
+`<name>.json` beside it, else `config.json`; every format gets its vocabulary through the one step
+`vocab_files.attach_vocab`. The formats, the config's keys and where a vocabulary is looked for: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -33,9 +14,10 @@ from pathlib import Path
 from txl_deploy.checkpoints import cmu, huggingface, nvidia
 from txl_deploy.checkpoints import native as ours
 from txl_deploy.checkpoints.native import LoadedModel, read_json_object
-from txl_deploy.checkpoints.safe_pickle import pickled_class, torch_load
 from txl_deploy.checkpoints.tensorflow.convert import load_checkpoint as load_tf_checkpoint
 from txl_deploy.checkpoints.tensorflow.discovery import is_tf_checkpoint
+from txl_deploy.checkpoints.torch_files import torch_load
+from txl_deploy.checkpoints.unpickler import pickled_class
 from txl_deploy.checkpoints.vocab_files import attach_vocab
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError

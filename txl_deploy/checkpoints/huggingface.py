@@ -19,7 +19,7 @@ from pathlib import Path
 from txl_deploy.checkpoints.cmu import _config, check_supported
 from txl_deploy.checkpoints.keymap import Rule, normalise, rename
 from txl_deploy.checkpoints.native import LoadedModel
-from txl_deploy.checkpoints.safe_pickle import torch_load
+from txl_deploy.checkpoints.torch_files import torch_load
 from txl_deploy.errors import CheckpointError
 
 

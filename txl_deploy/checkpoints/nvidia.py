@@ -18,7 +18,7 @@ from __future__ import annotations
 from txl_deploy.checkpoints.cmu import _config, config_fields_from_kwargs
 from txl_deploy.checkpoints.keymap import Rule, normalise, rename, strip_prefix
 from txl_deploy.checkpoints.native import LoadedModel
-from txl_deploy.checkpoints.safe_pickle import attr, pickled_class
+from txl_deploy.checkpoints.unpickler import attr, pickled_class
 from txl_deploy.errors import CheckpointError
 from txl_deploy.vocab import Vocab, choose_kind
 

@@ -9,13 +9,10 @@
 | `cache.pt`   | the original PyTorch code's corpus cache (`torch.save` of a `Corpus`)        | `VocabUnpickler` |
 | `cache.pkl`  | the original TensorFlow code's corpus cache (a pickled `Corpus`)             | `VocabUnpickler` |
 
-The pickles are read by one restricted unpickler (`VocabUnpickler`). It builds plain containers only (dict, list,
-tuple, set, OrderedDict, Counter, bytes); classes of the pipelines that wrote the files (the corpus and vocabulary
-classes of the original code, sacremoses' Moses objects, transformers' Trie and AddedToken) come back as inert
-placeholders that hold their pickled state, are never constructed from their code and have no behaviour; compiled
-`re` patterns stay the text of the pattern (`re._compile` is never called); tensors and numpy arrays of the encoded
-corpus are skipped, their data never read. Any other global refuses the file before anything in it runs. Only
-data is taken from what comes back: the symbols in id order, the special symbols and the tokenizer's settings.
+The pickles are read by the restricted unpickler with this use's allow-list (`VOCAB_PICKLES`): plain containers,
+the classes of the pipelines that wrote the files as inert placeholders, compiled `re` patterns as their text,
+tensors and numpy arrays of the encoded corpus skipped unread; only data is taken from what comes back (the symbols
+in id order, the special symbols, the tokenizer's settings). The rules: docs/security.md.
 
 `find_vocab(folder)` looks for `VOCAB_FILES` beside a checkpoint in that order; `attach_vocab` is the one step
 `load_any` takes to give a loaded checkpoint its vocabulary.
@@ -23,8 +20,6 @@ data is taken from what comes back: the symbols in id order, the special symbols
 
 from __future__ import annotations
 
-import _compat_pickle
-import collections
 import io
 import pickle
 import struct
@@ -32,8 +27,15 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl_deploy.checkpoints import safe_pickle
-from txl_deploy.checkpoints.safe_pickle import RefusedGlobal, pickled_class
+from txl_deploy.checkpoints.unpickler import (
+    PLAIN,
+    AllowList,
+    RefusedGlobal,
+    RestrictedUnpickler,
+    inert_class,
+    one_line,
+    pickled_class,
+)
 from txl_deploy.errors import CheckpointError, TxlError
 from txl_deploy.vocab import DATASET_KINDS, Vocab, choose_kind, detect_tokenizer, kind_note
 
@@ -63,48 +65,38 @@ _TORCH_DATA = {("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_t
 
 def _skipped(*args, **kwargs):
     """An encoded split of the corpus (a tensor, a numpy array or its parts): never rebuilt, its data never read."""
-    return safe_pickle.inert_class("skipped", "Data")()
+    return inert_class("skipped", "Data")()
 
 
 def _pattern_text(pattern, flags=0):
     """A compiled `re` pattern (pickled as `re._compile(pattern, flags)`): kept as its text, never compiled, so a
     pattern written to take forever costs nothing."""
-    return safe_pickle.inert_class("re", "Pattern")(pattern, flags)
+    return inert_class("re", "Pattern")(pattern, flags)
 
 
-_PLAIN = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("collections", "Counter"): collections.Counter,
-    ("builtins", "dict"): dict, ("builtins", "list"): list, ("builtins", "tuple"): tuple,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytes"): safe_pickle.data_only(bytes), ("builtins", "bytearray"): safe_pickle.data_only(bytearray),
-    ("_codecs", "encode"): safe_pickle.latin1_encode,  # how protocol 2 spells bytes
-    ("re", "_compile"): _pattern_text,
-}
+def _names() -> dict:
+    names = {**PLAIN, ("re", "_compile"): _pattern_text}
+    names.update({name: _skipped for name in _NUMPY_DATA | _TORCH_DATA})
+    return names
 
 
-class VocabUnpickler(safe_pickle.Unpickler):
-    """The restricted unpickler of vocabulary files (see the module's docstring): plain containers, inert
-    placeholders, skipped data, and a refusal (RefusedGlobal) for any other global. Needs no torch."""
+def _inert(module: str, name: str) -> bool:
+    return ((module, name) in CORPUS_CLASSES or (module, name) in TOKENIZER_CLASSES
+            or module.split(".")[0] in TOKENIZER_MODULES
+            or (module == "torch" and name.endswith("Storage")))  # named in a storage's persistent id, never read
 
-    def find_class(self, module, name):
-        # Python 2 pickles name `__builtin__`, `copy_reg`, ...
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-        if (module, name) in _PLAIN:
-            return _PLAIN[(module, name)]
-        if (module, name) in CORPUS_CLASSES or (module, name) in TOKENIZER_CLASSES or (
-                module.split(".")[0] in TOKENIZER_MODULES and safe_pickle.is_class_name(name)):
-            return safe_pickle.inert_class(module, name)
-        if (module, name) in _NUMPY_DATA or (module, name) in _TORCH_DATA or (
-                module == "torch" and name.endswith("Storage") and safe_pickle.is_class_name(name)):
-            return _skipped  # torch names a storage's class in its persistent id; the storage is never read
-        raise RefusedGlobal(module, name)
+
+# What a vocabulary pickle may name (the module's docstring); needs no torch.
+VOCAB_PICKLES = AllowList(_names, inert=_inert)
+
+
+class VocabUnpickler(RestrictedUnpickler):
+    """The restricted unpickler with `VOCAB_PICKLES`; a tensor's storage (torch.save files) is never read."""
+
+    allow = VOCAB_PICKLES
 
     def persistent_load(self, pid):
-        return None  # a tensor's storage (torch.save files): never read
+        return None
 
 
 # -- reading one file -------------------------------------------------------------------------------------------------
@@ -161,7 +153,7 @@ def unpickle_vocab_file(path):
     except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, LookupError, OSError,
             MemoryError, RecursionError, ArithmeticError, NotImplementedError, struct.error, zipfile.BadZipFile) as e:
         raise CheckpointError(path, f"truncated or corrupt vocabulary pickle ({type(e).__name__}: "
-                                    f"{safe_pickle.one_line(e, 120)})") from None
+                                    f"{one_line(e, 120)})") from None
 
 
 def _unpickle_archive(path: Path, f):
