@@ -4,8 +4,8 @@ bound sacremoses to the releases it was checked against, and the installed one l
 from __future__ import annotations
 
 import importlib.metadata
-import tomllib
 
+import tomllib
 from helpers.paths import ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
