@@ -1,26 +1,11 @@
 """The exported graphs' inputs, outputs and memory pairing, declared once (as optimum's export configs do).
 
-The exporter, the verifier, every runtime and the Triton writer read names, shapes and the pairing
-(input `mem_k.i` -> output `new_k.i` or `next_mem_k.i`) from here. No torch.
-
-The memory is what makes Transformer-XL stateful. In the graphs it is a fixed ring buffer of `mem_len` slots
-per layer holding the *projected* keys and values of the cached hidden states (they never change once written,
-so a decode step does not re-project the memory through `qkv_net`), plus one per-row counter:
-
-- `mem_k.i`   [B, n_head, d_head, mem_len] float: keys of layer i, stored pre-transposed so q @ K is a MatMul;
-- `mem_v.i`   [B, n_head, mem_len, d_head] float: values of layer i;
-- `mem_count` [B] int64: tokens this row has consumed since its reset. The token at stream position p lives in
-  slot p % mem_len, the number of valid slots is min(mem_count, mem_len), so step 0 is an all-zero state:
-  no zero-size tensor, and the shapes never change (TensorRT profiles, CUDA graphs, Triton implicit state).
-
-Two layouts of the same computation (`state` in the export metadata):
-- `incremental`: outputs only the entries of this segment (`new_k.i` [B, H, d_head, Q], `new_v.i` [B, H, Q, d_head]);
-  the runtime writes them into its ring buffer in place, so no step copies the whole memory.
-- `full`: outputs the whole next state (`next_mem_k.i`, `next_mem_v.i`, `next_mem_count`), for consumers that
-  swap state tensors (Triton's implicit state, ping-pong device buffers).
-
-`out_positions` [B, P] int64 selects the segment positions whose log-probabilities are computed: a prefill that
-needs only the last position asks for one and never materialises [B, Q, V].
+The exporter, the verifier, every runtime and the Triton writer read names, shapes and the pairing (input
+`mem_k.i` -> output `new_k.i` or `next_mem_k.i`) from here, so none of them spells the contract again. No torch.
+The memory is a ring of `mem_len` slots per layer holding the projected keys (pre-transposed) and values, plus a
+per-row `mem_count`; a graph is `incremental` (this segment's entries out) or `full` (the whole next state out),
+and `out_positions` picks the positions whose log-probabilities are computed. The contract, slot by slot:
+docs/graph-contract.md.
 """
 
 from __future__ import annotations
