@@ -24,7 +24,7 @@ from txl_deploy.serving.http.batch_steps import BatchSteps, internal_error
 from txl_deploy.serving.http.engine import EngineCore, Job
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import LOADING, PARKING, Session
-from txl_deploy.serving.rows import RowPool, row_bytes, row_store
+from txl_deploy.serving.rows import RowPool, SeparateStates, row_bytes, row_store
 
 __all__ = ["EngineBroken", "Job", "Scheduler"]
 
@@ -44,7 +44,7 @@ class Scheduler(EngineCore, BatchSteps):
         self.rt = runtime
         self.backend = runtime.backend
         self.mem_len = runtime.mem_len
-        self.rows = row_store(self.backend, int(max_batch) + int(max_sessions))
+        self.rows, max_sessions = _row_store(self.backend, int(max_batch), int(max_sessions))
         super().__init__(runtime.vocab, runtime.n_token, max_batch, max_sessions, session_ttl, max_queue)
         self.clusters = Clusters.of(runtime.config)  # the adaptive softmax's, as TxlRuntime.generate samples
         # head first, tails as the decisions ask, where the backend has the parts (docs/serving.md)
@@ -302,6 +302,27 @@ class Scheduler(EngineCore, BatchSteps):
         if now - self._last_expiry >= 1.0:
             self._last_expiry = now
             self.sessions.expire()
+
+
+def _row_store(backend, max_batch: int, max_sessions: int):
+    """(the store of every stream's memory, the sessions it leaves room for). A row per running request and per
+    session; but a backend whose programs run batches of at most `backend.max_batch` rows (an ExecuTorch program's
+    memory plan) holds its pool in one state of at most that many, so the sessions get what the requests leave."""
+    limit = getattr(backend, "max_batch", None)
+    wanted = max_batch + max_sessions
+    rows = row_store(backend, wanted if limit is None else min(wanted, int(limit)))
+    if not isinstance(rows, RowPool):  # one state of one row per stream: the batch limit bounds no pool
+        return (rows if rows.size == wanted else SeparateStates(backend, wanted)), max_sessions
+    if rows.size >= wanted:
+        return rows, max_sessions
+    if max_batch >= rows.size:
+        raise InputError(f"this model runs batches of at most {rows.size} rows (as it was exported): "
+                         f"--max-batch {max_batch} leaves no row for a session; pass --max-batch {rows.size // 2} "
+                         "or export it for larger batches")
+    logger.warning("this model runs batches of at most %d rows (as it was exported): serving %d running requests "
+                   "and at most %d sessions (not %d); export it for larger batches to hold more", rows.size,
+                   max_batch, rows.size - max_batch, max_sessions)
+    return rows, rows.size - max_batch
 
 
 def _mib(n: int) -> str:
