@@ -90,6 +90,19 @@ def read_saved_state(source, backend, max_rows: int | None = None) -> SavedState
                      f"{type(source).__name__}")
 
 
+def state_bytes(backend, arrays: dict, last_log_probs: np.ndarray | None = None) -> bytes:
+    """The bytes of the .npz `TxlRuntime.save_state(path)` writes, for `arrays` (this backend's state tensors of
+    some rows) and their next-token log-probs [rows, n_token]: what a server hands out for a parked session, and
+    `read_saved_state` (or `TxlRuntime.load_state`) reads back."""
+    members = dict(arrays)
+    members[FINGERPRINT], members[BACKEND] = np.array(backend.fingerprint()), np.array(backend.name)
+    if last_log_probs is not None:
+        members[LAST_LOG_PROBS] = np.asarray(last_log_probs, dtype=np.float32)
+    buf = io.BytesIO()
+    np.savez(buf, **members)
+    return buf.getvalue()
+
+
 def max_archive_bytes(backend, rows: int = 1) -> int:
     """The largest saved state of `rows` rows for this backend, in bytes: its tensors, its last log-probs and the
     margin for the archive's headers. What a server may accept as one conversation's state."""

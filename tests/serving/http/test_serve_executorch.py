@@ -6,7 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from txl_deploy.cli.serve import serve as serve_command
+from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.serving.http.scheduler import Scheduler
 
 pytest.importorskip("executorch", reason="pip install 'txl-deploy[executorch]'")
 
@@ -23,3 +26,27 @@ def test_a_completion_from_a_pte_is_generate(tiny_pte, make_server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["text"] == want and body["usage"]["completion_tokens"] == 12
+
+
+def test_a_pte_serves_with_the_cli_defaults(tiny_pte, make_server):
+    """A program runs batches of at most the rows it was exported for (its memory plan); `serve`'s defaults ask
+    for more (16 running requests + 64 sessions): the pool is the program's largest batch, and the sessions get
+    the rows the running requests leave."""
+    defaults = {p.name: p.default for p in serve_command.params}
+    srv = make_server(model=tiny_pte, threads=None, max_batch=defaults["max_batch"],
+                      max_sessions=defaults["max_sessions"])
+    engine = srv.engine
+    limit = engine.backend.max_batch
+    assert defaults["max_batch"] + defaults["max_sessions"] > limit  # the case: more rows asked than it runs
+    assert engine.rows.size == limit and engine.sessions.max_sessions == limit - defaults["max_batch"]
+    assert httpx.post(srv.url + "/v1/sessions", json={"id": "s"}).status_code == 201
+    r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                   json={"prompt": "w1 w2", "max_tokens": 4, "session_id": "s", **SAMPLED})
+    assert r.status_code == 200, r.text
+
+
+def test_a_pte_refuses_more_running_requests_than_its_batch(tiny_pte):
+    with TxlRuntime.load(tiny_pte) as rt:
+        limit = rt.backend.max_batch
+        with pytest.raises(InputError, match=f"batches of at most {limit} rows"):
+            Scheduler(rt, max_batch=limit, max_sessions=1)

@@ -30,6 +30,7 @@ from helpers.engine_gate import EventRecorder
 
 from txl_deploy.errors import TxlError
 from txl_deploy.runtimes import SamplingParams, TxlRuntime
+from txl_deploy.serving.http import batch_steps as batch_steps_module
 from txl_deploy.serving.http import scheduler as scheduler_module
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.scheduler import EngineBroken, Job, Scheduler
@@ -185,10 +186,10 @@ def test_parking_ends_a_session_only_once_its_bytes_exist(engine, tiny_onnx, mon
     engine.create_session("q")
     _turn(engine, "q", A, 3)
 
-    def disk_full(rt, state):
+    def disk_full(backend, arrays, last_log_probs=None):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(scheduler_module, "_npz_bytes", disk_full)
+    monkeypatch.setattr(scheduler_module, "state_bytes", disk_full)
     with pytest.raises(OSError):
         engine.park("q")
     monkeypatch.undo()
@@ -512,13 +513,13 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_engine_goes_on(make_
         assert r.json()["choices"][0]["token_ids"] == _stream_tokens(tiny_onnx, [(A, 3)])[0]
 
         # a fault outside the backend call (the sampler): that request fails, the engine goes on
-        class Faulty(scheduler_module.Completion):
+        class Faulty(batch_steps_module.Completion):
             def next(self, log_probs):
                 if self.generated == 2:
                     raise KeyError("injected fault in the sampler")
                 return super().next(log_probs)
 
-        monkeypatch.setattr(scheduler_module, "Completion", Faulty)
+        monkeypatch.setattr(batch_steps_module, "Completion", Faulty)
         r = c.post("/v1/completions", json={"prompt": B, "max_tokens": 5, "temperature": 0})
         assert r.status_code == 500
         assert "KeyError" in _openai_error(r.json(), "server_error", "internal_error")["message"]

@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import conversations, streams
+from helpers.tiny import TINY_VOCAB, make_tiny_model
 
 from txl_deploy.runtimes import SamplingParams, TxlRuntime
 
@@ -247,3 +248,40 @@ def test_a_session_takes_its_stop_string_tokens_into_memory(make_server, tiny_on
     assert parked.status_code == 200
     with np.load(io.BytesIO(parked.content), allow_pickle=False) as z:
         streams.assert_state_equal({k: z[k] for k in z.files}, want)
+
+
+
+@pytest.fixture(scope="module")
+def full_context_ckpt(tmp_path_factory):
+    """The tiny model without same_length: a position sees its memory and every earlier position of its segment,
+    as the demo model and the paper's models do. Served through PyTorch (no export needed)."""
+    from txl_deploy.checkpoints import save_checkpoint
+    from txl_deploy.vocab import Vocab
+
+    path = tmp_path_factory.mktemp("ckpt") / "full-context"
+    save_checkpoint(path, make_tiny_model(same_length=False), Vocab(TINY_VOCAB))
+    return path
+
+
+@pytest.mark.parametrize("same_length", [False, True], ids=["full-context", "same-length"])
+def test_a_session_equals_its_turns_not_the_conversation_resent_whole(make_server, full_context_ckpt, same_length):
+    """What docs/serving.md promises, and what it does not: a session is its turns fed in their pieces. The same
+    tokens re-sent as one prompt are cut into other segments: equal up to rounding while they fit the memory
+    (mem_len 12); once they outgrow it, each position's context depends on where its segment starts, so the
+    numbers differ beyond rounding, except for a same_length model (every position sees mem_len tokens back)."""
+    srv = make_server() if same_length else make_server(model=full_context_ckpt)
+
+    def next_log_probs(session, turns):
+        httpx.post(srv.url + "/v1/sessions", json={"id": session})
+        for turn in turns:
+            _complete(srv, session, turn, 0)  # max_tokens 0: the prompt is fed, nothing generated
+        return srv.engine.sessions.get(session).last_log_probs
+
+    short = [5, 9, 13, 2, 7], [11, 3, 8, 1]
+    turns, whole = next_log_probs("short-turns", short), next_log_probs("short-whole", [short[0] + short[1]])
+    np.testing.assert_allclose(turns, whole, rtol=0, atol=1e-5)
+    turns, whole = next_log_probs("long-turns", [A, B]), next_log_probs("long-whole", [A + B])
+    if same_length:
+        np.testing.assert_allclose(turns, whole, rtol=0, atol=1e-5)
+    else:
+        assert np.abs(turns - whole).max() > 1e-3

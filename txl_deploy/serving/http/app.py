@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import json
 import logging
 import re
@@ -38,9 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes.sampling import SamplingParams
 from txl_deploy.serving.http import protocol
-from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally, endpoint_label
+from txl_deploy.serving.http.engine import Job
+from txl_deploy.serving.http.guard import Guard, key_error, key_matches
+from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally
 from txl_deploy.serving.http.protocol import ApiError, CompletionRequest, SessionCreate, error_body
-from txl_deploy.serving.http.scheduler import Job
 
 logger = logging.getLogger(__name__)
 
@@ -95,84 +95,6 @@ class _Events:
         if kind == "token":
             self.tally.token()
         self.mailbox.post(self.queue, (kind, payload))
-
-
-class _Guard:
-    """Outermost ASGI layer: checks the API key on /v1 (401 before any of the body is read), bounds every request
-    body (413 before the app sees it) and counts requests by endpoint (the route's template) and status. The body is
-    read here, up to the bound, and replayed to the app; later receives (the client's disconnect) pass through."""
-
-    def __init__(self, app, settings: ServeSettings, metrics: Metrics, state_limit: Callable[[], int]):
-        self.app, self.settings, self.metrics, self.state_limit = app, settings, metrics, state_limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = endpoint_label(self.app.router.routes, scope)
-        limit = self.state_limit() if endpoint.endswith("/restore") else self.settings.max_body_bytes
-        status = {"code": 500}
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            key = self.settings.api_key
-            guarded = path == "/v1" or path.startswith("/v1/")
-            if guarded and key is not None and not _key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
-                return await _send_json(counted_send, 401, _key_error().body(), {"WWW-Authenticate": "Bearer"})
-            body = bytearray()
-            declared = dict(scope["headers"]).get(b"content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                return await self._too_large(counted_send, limit)
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    status["code"] = 499
-                    return
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-                if len(body) > limit:
-                    return await self._too_large(counted_send, limit)
-            replayed = False
-
-            async def replay():
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": bytes(body), "more_body": False}
-                return await receive()
-
-            await self.app(scope, replay, counted_send)
-        finally:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
-
-    async def _too_large(self, send, limit):
-        await _send_json(send, 413, error_body(f"the request body is larger than this server accepts ({limit:,} "
-                                               "bytes)", code="request_too_large"))
-
-
-async def _send_json(send, status: int, content: dict, headers: dict | None = None):
-    body = json.dumps(content).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _key_error() -> ApiError:
-    return ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>", type="authentication_error",
-                    code="invalid_api_key")
-
-
-def _key_matches(header: bytes, api_key: str) -> bool:
-    """Whether an Authorization header's value is `Bearer <api_key>`. The key is compared in constant time, so how
-    long a refusal takes says nothing about how much of a guess was right."""
-    scheme, _, key = header.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), api_key.encode())
 
 
 def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_load_error: Callable | None = None):
@@ -232,11 +154,11 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         return state["engine"]
 
     def authorized(request: Request):
-        # _Guard has checked already; this holds for the routes when the app is run without it
+        # Guard has checked already; this holds for the routes when the app is run without it
         if settings.api_key is None:
             return
-        if not _key_matches(request.headers.get("authorization", "").encode("latin-1"), settings.api_key):
-            raise _key_error()
+        if not key_matches(request.headers.get("authorization", "").encode("latin-1"), settings.api_key):
+            raise key_error()
 
     guarded = [Depends(authorized)]
 
@@ -382,7 +304,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         per = getattr(eng, "bytes_per_session", None) or settings.max_body_bytes
         return per + STATE_OVERHEAD_BYTES
 
-    return _Guard(app, settings, metrics, state_limit)
+    return Guard(app, settings, metrics, state_limit)
 
 
 def _check_id(session_id: str):

@@ -10,15 +10,16 @@ servers answer head and tail requests (the Python backend; `TxlTritonClient(lazy
 the head of the next distribution only, and the request's sampler decides on it (`Sampler.start`), fetching in one
 more request only the tail clusters its decision needs (`Choice.reveal`); `Completion.decided` then gives the
 token and its log-probs. The tokens are the non-lazy path's (the same sampler, with the model's clusters, on the
-same distribution), the log-probs the parts' numbers. A session keeps nothing extra here: its conversation holds
-the head of its next distribution and the server the hidden vector its tails come from, so a request that
-continues it without a prompt decides from there exactly as the request before would have gone on.
+same distribution), the log-probs the parts' numbers. A session then holds only the head of its next distribution
+(`Session.last_head`; its conversation keeps it too, and the server the hidden vector its tails come from), so a
+request that continues it without a prompt decides from there exactly as the request before would have gone on.
 
 A session is a conversation kept open between requests. Its Triton sequence id is derived from the session id,
 so the client's rendezvous hashing always sends it to the same server (and every frontend with the same server
 list would pick the same one); parking returns the Triton model's parked state (`Conversation.park`), restoring
 resumes it on the server its id routes to. A session whose server was lost answers 404 saying so.
 
+Admission, the order of a park and a restore, and the 503 of a stopped engine are the shared core's (engine.py).
 Sessions go through the same states as the local engine's (`sessions.py`): a restoring session is `loading` until
 its conversation is resumed (nothing may use it or delete it meanwhile), a parking one keeps its conversation until
 the parked bytes are in hand, and a new conversation under a session's sequence id waits until the one of an
@@ -40,9 +41,9 @@ import numpy as np
 
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.serving.http.completion import Completion
+from txl_deploy.serving.http.engine import EngineClosed, EngineCore, Job
 from txl_deploy.serving.http.protocol import ApiError
-from txl_deploy.serving.http.scheduler import Job, admit
-from txl_deploy.serving.http.sessions import GONE, Session, SessionStore
+from txl_deploy.serving.http.sessions import Session
 from txl_deploy.serving.triton.client import ServingError, TxlTritonClient, split_url
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
 
@@ -55,7 +56,7 @@ def sequence_id(session_id: str) -> int:
     return (int.from_bytes(digest, "big") >> 1) | 1
 
 
-class FleetEngine:
+class FleetEngine(EngineCore):
     def __init__(self, urls, model: str = "txl", vocab=None, max_batch: int = 16, max_sessions: int = 64,
                  session_ttl: float | None = 3600.0, max_queue: int = 64, timeout: float = 60.0, lazy: bool = False):
         """urls: the Triton servers' gRPC addresses (grpc://HOST:PORT). lazy: decode from the head and only the
@@ -76,18 +77,12 @@ class FleetEngine:
         if lazy and not self.lazy:
             logger.info("lazy decoding needs an adaptive softmax's head and tail clusters (a model that publishes "
                         "txl_deploy.cutoffs); model %r has none, so every step asks for the full distribution", model)
-        self.vocab, self.n_token = self.client.vocab, self.client.n_token or len(self.client.vocab)
+        super().__init__(self.client.vocab, self.client.n_token or len(self.client.vocab), max_batch, max_sessions,
+                         session_ttl, max_queue)  # on_batch stays silent: Triton batches
         self.mem_len = int(self.client.params.get(PARAM_PREFIX + "mem_len", 0) or 0) or None
         self.bytes_per_session = None  # held on the Triton servers (their repository's README says how much)
-        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
-        self.sessions = SessionStore(int(max_sessions), session_ttl, self._dropped)
-        self.on_batch = lambda n: None  # Triton batches; nothing to report here
-        self.draining = False
-        self.failure: BaseException | None = None  # what stopped the engine, if anything did
-        self.on_failure = lambda e: None
         self._stopped = False
-        self._lock = threading.Lock()
-        self._queued = self._running = 0
+        self._running = 0
         self._workers = ThreadPoolExecutor(self.max_batch, thread_name_prefix="txl-serve-fleet")
         self._closer = ThreadPoolExecutor(1, thread_name_prefix="txl-serve-close")
         self._closing: dict[int, Future] = {}  # sequence id -> the close of a gone session's conversation
@@ -105,10 +100,6 @@ class FleetEngine:
         return engine
 
     @property
-    def queue_depth(self) -> int:
-        return self._queued
-
-    @property
     def running(self) -> int:
         return self._running
 
@@ -116,14 +107,10 @@ class FleetEngine:
     def alive(self) -> bool:
         return self.failure is None and not self._stopped
 
-    def start(self):
-        pass
-
-    def stop(self, timeout: float = 30.0):
+    def _shut_down(self, timeout: float):
         with self._lock:
-            self.draining = True
-            self._stopped = True
             self._idle.wait_for(lambda: self._queued + self._running == 0, timeout)
+            self._stopped = True
         self._workers.shutdown(wait=False, cancel_futures=True)
         for id_ in self.sessions.all_ids():
             try:
@@ -134,30 +121,11 @@ class FleetEngine:
         self.client.close()
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def _not_running(self) -> ApiError:
-        if self.failure is not None:
-            return ApiError(503, f"the engine stopped on an internal error ({type(self.failure).__name__}): this "
-                                 "server takes no more requests", type="server_error", code="engine_failed")
-        return ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
-
-    def submit(self, job: Job):
-        job.params.check_vocabulary(self.n_token)
-        with self._lock:
-            if self.failure is not None:
-                raise self._not_running()
-            admit(job, self.sessions, self.draining, self._queued, self.max_queue)
-            self._queued += 1
+    def _enqueue(self, job: Job):
         try:
             self._workers.submit(self._run, job)
         except RuntimeError:  # the workers were shut down meanwhile (the server stops)
-            with self._lock:
-                self._queued -= 1
-            if job.session is not None:
-                self.sessions.release(job.session)
-            raise self._not_running() from None
-
-    def cancel(self, job: Job):
-        job.cancelled = True
+            raise EngineClosed() from None
 
     def _conversation(self, session: Session | None):
         if session is None:
@@ -185,10 +153,7 @@ class FleetEngine:
                 return
             self.failure = error
         logger.error("the engine stopped", exc_info=error)
-        try:
-            self.on_failure(error)
-        except Exception:  # noqa: BLE001 - the engine has stopped either way
-            logger.exception("on_failure failed")
+        self._notify_failure(error)
 
     def _serve(self, job: Job):
         with self._lock:
@@ -220,8 +185,11 @@ class FleetEngine:
                     fed += 1
             if job.session is not None:
                 job.session.tokens += fed
-                # lazily the head: what a next request continues from is the conversation's (`latest_head`)
-                job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
+                job.session.forget_next()
+                if self.lazy:  # what a next request continues from is the conversation's (`latest_head`)
+                    job.session.last_head = np.array(log_probs, dtype=np.float32)
+                else:
+                    job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
             if not job.cancelled:
                 last = ("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
                                  "completion_tokens": completion.generated})
@@ -229,7 +197,7 @@ class FleetEngine:
             last = ("error", ApiError(502, f"the Triton fleet failed this request: {e}", type="server_error",
                                       code="upstream_error"))
             if job.session is not None:  # its memory is in an unknown state (or gone with its server)
-                job.session.last_log_probs = None
+                job.session.forget_next()
         except TxlError as e:
             last = ("error", e if isinstance(e, ApiError) else ApiError(400, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug must fail the request, not hang it
@@ -267,13 +235,7 @@ class FleetEngine:
         except (ServingError, InputError):
             pass  # the server forgets it at its idle timeout
 
-    # -- sessions -------------------------------------------------------------------------------------------
-    def create_session(self, id_: str | None = None) -> Session:
-        return self.sessions.create(id_)
-
-    def delete_session(self, id_: str):
-        self.sessions.remove(id_, f"was deleted; {GONE}")
-
+    # -- sessions: conversations on the servers ---------------------------------------------------------------
     def _dropped(self, session: Session, why: str):
         # under the store's lock: the conversation is ended by the closer thread, and remembered until it is
         if session.handle is not None:
@@ -292,41 +254,31 @@ class FleetEngine:
         if future is not None:
             future.result()
 
-    def park(self, id_: str) -> bytes:
-        """The session's memory as the Triton model's parked state (bytes); the session ends once they are in hand.
-        A session with nothing to park (400) or whose park failed (502) stays as it was."""
-        session = self.sessions.begin_park(id_)
-        parked = False
+    def _park_bytes(self, session: Session) -> bytes:
+        """The Triton model's parked state of the session's conversation. A session with nothing to park (400) or
+        whose park failed (502) stays as it was."""
+        conv = session.handle
+        if conv is None or not conv.started:
+            raise ApiError(400, f"session {session.id!r} has no memory yet: nothing to park (the session is kept)",
+                           param="session_id")
         try:
-            conv = session.handle
-            if conv is None or not conv.started:
-                raise ApiError(400, f"session {id_!r} has no memory yet: nothing to park (the session is kept)",
-                               param="session_id")
-            try:
-                blob = conv.park()
-            except ServingError as e:
-                raise ApiError(502, f"the Triton fleet could not park the session: {e}", type="server_error",
-                               code="upstream_error") from None
-            session.handle = None  # ended on its server by the park itself
-            parked = True
-            return blob
-        finally:
-            self.sessions.end_park(session, parked)
+            blob = conv.park()
+        except ServingError as e:
+            raise ApiError(502, f"the Triton fleet could not park the session: {e}", type="server_error",
+                           code="upstream_error") from None
+        session.handle = None  # ended on its server by the park itself
+        return blob
 
-    def restore(self, id_: str | None, blob: bytes) -> Session:
-        """A session from parked bytes, `loading` until its conversation is resumed on its server."""
-        session = self.sessions.create(id_, loading=True)
+    def _check_state(self, blob: bytes) -> bytes:
+        return blob  # read by the server it is resumed on, as the untrusted input it is
+
+    def _load_state(self, session: Session, blob: bytes):
+        """Resume the conversation on the server the session's id routes to."""
+        seq = sequence_id(session.id)
+        self._settle(seq)
         try:
-            seq = sequence_id(session.id)
-            self._settle(seq)
-            try:
-                conv = self.client.resume(blob, sequence_id=seq)
-            except (ServingError, InputError) as e:
-                raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
-            session.handle = conv
-            session.last_log_probs = conv.last_log_probs
-        except BaseException:
-            self.sessions.discard(session, f"could not be restored; {GONE}")
-            raise
-        self.sessions.loaded(session)
-        return session
+            conv = self.client.resume(blob, sequence_id=seq)
+        except (ServingError, InputError) as e:
+            raise ApiError(400, f"not a state of this model: {e}", code="invalid_state") from None
+        session.handle = conv
+        session.last_log_probs = conv.last_log_probs  # the full distribution a parked state holds

@@ -5,10 +5,10 @@ SIGTERM (or Ctrl-C): uvicorn stops accepting connections, the app answers 503 to
 /health turns 503, running streams go on to their end for at most `drain_timeout` seconds, then the engine stops
 and the process exits 0.
 
-An engine that stops on an internal error (see scheduler.py) has answered every request it held; /health answers
-503 and new requests get 503 while the server shuts down, and `serve` raises `EngineFailed`, so the process exits 1
-and a supervisor (systemd's Restart=on-failure, a Kubernetes pod) starts it again. `BackgroundServer` keeps
-serving those 503s instead, for its caller to look at.
+An engine that stops on an internal error (docs/serving.md: limits, errors, shutdown) has answered every request it
+held; /health answers 503 and new requests get 503 while the server shuts down, and `serve` raises `EngineFailed`,
+so the process exits 1 and a supervisor (systemd's Restart=on-failure, a Kubernetes pod) starts it again.
+`BackgroundServer` keeps serving those 503s instead, for its caller to look at.
 """
 
 from __future__ import annotations

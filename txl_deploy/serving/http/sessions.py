@@ -23,6 +23,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
+
 from txl_deploy.serving.http.protocol import ApiError, new_id
 
 GONE = "its memory is gone (a request never starts an empty one): create a new session"
@@ -34,13 +36,26 @@ _DOING = {RUNNING: "is running a request", LOADING: "is being restored", PARKING
 
 
 class Session:
-    __slots__ = ("id", "created", "used", "state", "handle", "tokens", "last_log_probs")
+    __slots__ = ("id", "created", "used", "state", "handle", "tokens", "last_log_probs", "last_head")
 
     def __init__(self, id_: str, now: float, state: str = IDLE):
         self.id, self.created, self.used, self.state = id_, now, now, state
         self.handle = None  # the engine's: a row of the batched memory, or a Triton conversation
         self.tokens = 0  # tokens the memory has consumed
-        self.last_log_probs = None  # next-token log-probs after the last request (continuing without a prompt)
+        # What a request without a prompt continues from, after the last request: the full next-token distribution
+        # (float32 [n_token], what a parked state holds), or over a lazy Triton fleet only the adaptive softmax's
+        # head of it ([shortlist + clusters]; the conversation keeps it, its server the hidden vector for the tails).
+        self.last_log_probs: np.ndarray | None = None
+        self.last_head: np.ndarray | None = None
+
+    @property
+    def continuable(self) -> bool:
+        """A request may continue the session without a prompt: its memory ends at a known distribution."""
+        return self.last_log_probs is not None or self.last_head is not None
+
+    def forget_next(self):
+        """The memory's next distribution is unknown (a request was cut short, or failed part way)."""
+        self.last_log_probs = self.last_head = None
 
     @property
     def busy(self) -> bool:

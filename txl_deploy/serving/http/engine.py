@@ -1,0 +1,208 @@
+"""The engine the HTTP app talks to, and what its two kinds share: admission, the sessions' lifecycle, shutdown.
+
+`Scheduler` (scheduler.py) runs the model in this process; `FleetEngine` (fleet.py) runs it on Triton servers.
+Both are an `EngineCore`: the checks a request passes before it queues, the 503 a stopped engine answers, and the
+order of a park (the bytes first, then the session ends) and a restore (the state checked, a `loading` session,
+then its memory in place) live here once; each engine says how it queues a request, where a session's memory
+lives and how it stops. The session states themselves are sessions.py's.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from typing import Callable
+
+import numpy as np
+
+from txl_deploy.serving.http.protocol import ApiError
+from txl_deploy.serving.http.sessions import GONE, Session, SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+class Job:
+    """One completion request as the engine sees it. `emit(kind, payload)` is called from the engine's thread:
+    ("token", TokenOut), ("done", {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", ApiError)."""
+
+    def __init__(self, prompt: np.ndarray, params, emit: Callable[[str, object], None], session_id: str | None = None):
+        self.prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        self.params, self.emit, self.session_id = params, emit, session_id
+        self.cancelled = False
+        self.session: Session | None = None
+        self.handle = None  # the row
+        self.fed = 0  # prompt tokens fed
+        self.pending: int | None = None  # a sampled token not fed yet
+        self.log_probs = None  # next-token log-probs [n_token] after the last call
+        self.parts = None  # lazy decoding: (hidden [d_model], head [H]) after the last call, in place of log_probs
+        self.finishing = False  # only the last token is left to feed (sessions), nothing more to send
+        self.completion = None  # the request's Completion, once admitted
+        self.admitted = 0.0
+        self.touched = False  # the memory has taken tokens of this request
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt.size
+
+
+class EngineClosed(Exception):
+    """Raised by `_enqueue` when the engine stopped taking work after the admission checks passed."""
+
+
+class EngineCore(abc.ABC):
+    """Requests (`submit`, `cancel`), sessions (`create_session`, `delete_session`, `park`, `restore`) and
+    `start`/`stop`, as the HTTP app calls them from any thread."""
+
+    def __init__(self, vocab, n_token: int, max_batch: int, max_sessions: int, session_ttl: float | None,
+                 max_queue: int):
+        self.vocab, self.n_token = vocab, int(n_token)
+        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
+        self.sessions = SessionStore(int(max_sessions), session_ttl, self._dropped)
+        self.on_batch: Callable[[int], None] = lambda n: None  # rows per decode call, where the engine batches
+        self.on_failure: Callable[[BaseException], None] = lambda e: None
+        self.draining = False
+        self.failure: BaseException | None = None  # what stopped the engine, if anything did
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    # -- what each engine says ----------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """The engine takes requests (started, and neither stopped nor failed)."""
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> int:
+        """Requests running now."""
+
+    @abc.abstractmethod
+    def _enqueue(self, job: Job):
+        """Hand an admitted job to the engine, under the lock; raise EngineClosed if it takes no more."""
+
+    @abc.abstractmethod
+    def _park_bytes(self, session: Session) -> bytes:
+        """The parking session's memory as bytes (ApiError 400 if it has none yet)."""
+
+    @abc.abstractmethod
+    def _check_state(self, blob: bytes):
+        """Parked bytes, checked before a session is made for them (ApiError 400); what `_load_state` takes."""
+
+    @abc.abstractmethod
+    def _load_state(self, session: Session, state):
+        """Put a checked state into the `loading` session's memory (its handle set)."""
+
+    @abc.abstractmethod
+    def _dropped(self, session: Session, why: str):
+        """The store ended the session (any thread, under its lock): free its memory."""
+
+    @abc.abstractmethod
+    def _shut_down(self, timeout: float):
+        """Finish or answer what runs and waits (at most `timeout` seconds), then end."""
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def start(self):
+        pass
+
+    def submit(self, job: Job):
+        """Queue a request, or raise ApiError at once (503 stopped or draining, 429 queue full, 404/409 session,
+        400 nothing to continue)."""
+        job.params.check_vocabulary(self.n_token)
+        # Under the lock: an engine that ends takes the lock to do so, so whatever was queued before is answered.
+        with self._lock:
+            if not self.alive:
+                raise self._not_running()
+            self._check_admission(job)
+            self._queued += 1
+            try:
+                self._enqueue(job)
+            except EngineClosed:
+                self._queued -= 1
+                if job.session is not None:
+                    self.sessions.release(job.session)
+                raise self._not_running() from None
+
+    def _check_admission(self, job: Job):
+        """The checks a request passes before it is queued, under the lock; on success `job.session` is the
+        acquired session, if the request names one."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
+                           code="draining")
+        if self._queued >= self.max_queue:
+            raise ApiError(429, f"the server is busy: {self._queued} requests are waiting (--max-queue "
+                                f"{self.max_queue}); retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        if job.session_id is not None:
+            job.session = self.sessions.acquire(job.session_id)
+            if not job.prompt.size and not job.session.continuable:
+                self.sessions.release(job.session)
+                raise ApiError(400, f"session {job.session_id!r} has no text yet: send a prompt", param="prompt")
+        elif not job.prompt.size:
+            raise ApiError(400, "the prompt is empty (only a session can be continued without one)", param="prompt")
+
+    def _dequeued(self):
+        """A queued job left the queue (to run, or answered)."""
+        with self._lock:
+            self._queued -= 1
+
+    def cancel(self, job: Job):
+        """The client went away: the job ends at the engine's next look at it."""
+        job.cancelled = True
+
+    def _not_running(self) -> ApiError:
+        """The 503 a request gets from an engine that does not take requests."""
+        if self.failure is not None:
+            return ApiError(503, f"the engine stopped on an internal error ({type(self.failure).__name__}): this "
+                                 "server takes no more requests", type="server_error", code="engine_failed")
+        return ApiError(503, "the engine is not running", type="server_error", code="engine_stopped")
+
+    def stop(self, timeout: float = 30.0):
+        """Stop taking requests, let the running and waiting ones finish (at most `timeout` seconds), then end."""
+        with self._lock:
+            self.draining = True
+        self._shut_down(timeout)
+
+    def _notify_failure(self, error: BaseException):
+        """Tell the owner (the server exits on it) that the engine stopped on `error`."""
+        try:
+            self.on_failure(error)
+        except Exception:  # noqa: BLE001 - the engine has stopped either way
+            logger.exception("on_failure failed")
+
+    # -- sessions -----------------------------------------------------------------------------------------------
+    def create_session(self, id_: str | None = None) -> Session:
+        return self.sessions.create(id_)
+
+    def delete_session(self, id_: str):
+        self.sessions.remove(id_, f"was deleted; {GONE}")
+
+    def park(self, id_: str) -> bytes:
+        """The session's memory as bytes; then the session ends. It ends only once the bytes exist: if they cannot
+        be made (or it has no memory yet: 400), it stays as it was. Blocks: call it from a worker thread."""
+        session = self.sessions.begin_park(id_)
+        parked = False
+        try:
+            blob = self._park_bytes(session)
+            parked = True
+            return blob
+        finally:
+            self.sessions.end_park(session, parked)
+
+    def restore(self, id_: str | None, blob: bytes) -> Session:
+        """A new session from parked bytes; refused (400) when they are not a state of this model. The session is
+        `loading` (nothing may use it or take it away) until its memory holds the state. Blocks: call it from a
+        worker thread."""
+        state = self._check_state(blob)
+        session = self.sessions.create(id_, loading=True)
+        try:
+            self._load_state(session, state)
+        except BaseException:
+            self.sessions.discard(session, f"could not be restored; {GONE}")
+            raise
+        self.sessions.loaded(session)
+        return session
