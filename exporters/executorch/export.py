@@ -29,7 +29,7 @@ from txl_deploy.checkpoints import LoadedModel, load_model
 from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.pte_file import sidecar_path, write_sidecar
-from txl_deploy.errors import ExportError, InputError, TxlError
+from txl_deploy.errors import ExportError, InputError, TxlError, install_hint
 from txl_deploy.exporters.executorch.stream import RingStepper, module_call, program_call
 from txl_deploy.exporters.onnx.export import DEFAULT_MAX_SEGMENT, ExportResult
 from txl_deploy.exporters.onnx.stream import verification_segments
@@ -181,7 +181,8 @@ def _verify_reduced(method, spec, model, fp32_step, precision, max_segment, eval
 def _require_executorch() -> None:
     missing = [name for name in ("executorch", "torchao") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ExportError(f"the ExecuTorch export needs {' and '.join(missing)}: pip install 'txl-deploy[executorch]'")
+        raise ExportError(f"the ExecuTorch export needs {' and '.join(missing)}: "
+                          f"{install_hint('executorch')}")
 
 
 def export_executorch(source, out_path, *, precision: str = "fp32", mem_len: int | None = None,
