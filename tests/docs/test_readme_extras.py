@@ -4,8 +4,8 @@ declares, and nothing that is not one."""
 from __future__ import annotations
 
 import re
-import tomllib
 
+import tomllib
 from helpers.paths import ROOT
 
 ROW = re.compile(r"^\| `(?P<extra>[a-z0-9-]+)` \|", re.MULTILINE)
