@@ -27,7 +27,7 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
     cfg = info.config
     d = {
         "path": path, "format": kind.format(precision=info.precision, state=info.export.get("state", "incremental")),
-        "config": cfg.to_dict(), "parameters": parameter_count(cfg, weight_bytes, info.precision),
+        "config": cfg.to_dict(), "parameters": info.export.get("parameters"),
         "vocab_size": len(info.vocab) if info.vocab is not None else None,
         "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": vocab_source,
         "vocab_tokenizer": info.vocab.tokenizer if info.vocab is not None else None,
@@ -36,10 +36,7 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
                                     "fp16": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=2)},
         "notes": [note for note in [kind_note(info.vocab)] if note], "weight_bytes": weight_bytes,
         "max_segment": info.max_segment,
+        **({"precision_report": info.export["precision_report"]} if info.export.get("precision_report") else {}),
     }
     return d, cfg.replace(mem_len=info.mem_len), weight_bytes, info.max_segment, info.precision
 
-
-def parameter_count(cfg, weight_bytes: int, precision: str) -> int:
-    """Parameters of an exported graph: its file bytes over bytes per weight (fp32 4, fp16 2; approximate)."""
-    return int(weight_bytes // (2 if precision == "fp16" else 4)) if precision in ("fp32", "fp16") else 0
