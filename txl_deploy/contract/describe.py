@@ -3,6 +3,8 @@ program's sidecar) and file sizes alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import weight_file_bytes
 from txl_deploy.contract.pte_file import read_pte_info, sidecar_path
@@ -40,3 +42,16 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
     }
     return d, cfg.replace(mem_len=info.mem_len), weight_bytes, info.max_segment, info.precision
 
+
+
+LEVELS = {"word": "word-level", "char": "character-level", "bytes": "byte-level", "text8": "character-level (text8)"}
+
+
+def headline(info, path) -> str:
+    """The model in one line, for a page's title: what it was exported from, what it reads, how big it is, e.g.
+    `kjv-char: a character-level Transformer-XL, 4 layers, 1.94M parameters, fp32`."""
+    cfg = info.config
+    name = info.export.get("source") or Path(path).stem
+    level = f"{LEVELS.get(info.vocab.kind, info.vocab.kind)} " if info.vocab is not None else ""
+    size = f", {info.export['parameters'] / 1e6:.3g}M parameters" if info.export.get("parameters") else ""
+    return f"{name}: a {level}Transformer-XL, {cfg.n_layer} layers{size}, {info.precision}"
