@@ -38,7 +38,8 @@ def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, m
     """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
-    graphs use). --memory adds the expected peak memory of an export and of the runtime.
+    graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak
+    memory of an export and of the runtime; --list-vocab lists the vocabulary instead.
 
     \b
     Example:
@@ -74,7 +75,11 @@ def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, m
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
                "parameters:  not recorded in this file (exported by an older txl-deploy)")
     if d.get("precision_report"):
-        for line in _precision_lines(d["precision_report"]):
+        try:
+            lines = _precision_lines(d["precision_report"])
+        except (AttributeError, KeyError, TypeError, ValueError):  # the file's metadata is not to be trusted
+            lines = ["precision:   its stored report against fp32 is unreadable"]
+        for line in lines:
             click.echo(line)
     if d["vocab_size"] is not None:
         # a word vocabulary read by a Moses tokenizer is not split on whitespace, as the kind's description says

@@ -29,7 +29,7 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
     cfg = info.config
     d = {
         "path": path, "format": kind.format(precision=info.precision, state=info.export.get("state", "incremental")),
-        "config": cfg.to_dict(), "parameters": info.export.get("parameters"),
+        "config": cfg.to_dict(), "parameters": recorded_parameters(info),
         "vocab_size": len(info.vocab) if info.vocab is not None else None,
         "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": vocab_source,
         "vocab_tokenizer": info.vocab.tokenizer if info.vocab is not None else None,
@@ -44,6 +44,13 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
 
 
 
+def recorded_parameters(info) -> int | None:
+    """The model's parameter count the export recorded (as `info` counts a checkpoint's), or None: a file from
+    before it was recorded, or a value that is not a count (the metadata is the file's to claim)."""
+    value = info.export.get("parameters")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 LEVELS = {"word": "word-level", "char": "character-level", "bytes": "byte-level", "text8": "character-level (text8)"}
 
 
@@ -53,5 +60,6 @@ def headline(info, path) -> str:
     cfg = info.config
     name = info.export.get("source") or Path(path).stem
     level = f"{LEVELS.get(info.vocab.kind, info.vocab.kind)} " if info.vocab is not None else ""
-    size = f", {info.export['parameters'] / 1e6:.3g}M parameters" if info.export.get("parameters") else ""
+    parameters = recorded_parameters(info)
+    size = f", {parameters / 1e6:.3g}M parameters" if parameters else ""
     return f"{name}: a {level}Transformer-XL, {cfg.n_layer} layers{size}, {info.precision}"
