@@ -94,7 +94,8 @@ def kl_divergence(ref: np.ndarray, got: np.ndarray) -> float:
     position's divergence is then clipped at 0 for the float64 rounding that is left."""
     p_log, q_log = _log_normalized(ref), _log_normalized(got)
     p = np.exp(p_log)
-    terms = np.where(p > 0, p * (p_log - q_log), 0.0)  # 0 * log 0 = 0 where ref rules a symbol out
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both rule a symbol out: dropped just below
+        terms = np.where(p > 0, p * (p_log - q_log), 0.0)  # 0 * log 0 = 0 where ref rules a symbol out
     return float(np.maximum(terms.sum(axis=-1), 0.0).sum())
 
 
