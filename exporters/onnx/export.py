@@ -57,7 +57,8 @@ def _torch_export(cached, batch: int, segment: int, positions: int, opset: int):
 
 def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int | None = None,
                 same_length: bool | None = None, opset: int = DEFAULT_OPSET, state: str = "incremental",
-                max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True, force: bool = False, threads: int | None = None, consume: bool = False) -> ExportResult:
+                max_segment: int = DEFAULT_MAX_SEGMENT, verify: bool = True, force: bool = False, threads: int | None = None, consume: bool = False,
+                intermediate: bool = False) -> ExportResult:
     """Export `source` (a checkpoint path or a LoadedModel) to `out_path`.
 
     mem_len: memory length of the exported graph (default: the checkpoint's); may exceed the training memory.
@@ -70,6 +71,8 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     threads: ONNX Runtime's CPU threads in that check (TxlRuntime.load); torch's are the caller's to set.
     consume: `source` is a LoadedModel the caller no longer needs; its tensors are released as soon as the export
     is done with them (a path is always consumed). Keeping them costs one more copy of the weights at the peak.
+    intermediate: `out_path` is a scratch file a caller converts and removes (a reduced precision's fp32 graph):
+    its path is logged at debug level only, so that a user is never told of a file that is gone afterwards.
 
     Memory: the model holds the checkpoint's own tensors (memory-mapped where the format allows), the weights are
     streamed into an external data file while the graph is written, and the verification runs the reference body
@@ -79,7 +82,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     from txl_deploy.model.cached_step import CachedTxl  # imports torch
-    from txl_deploy.model.weights import build_model, weights_sha256  # imports torch
+    from txl_deploy.model.weights import build_model, model_parameters, weights_sha256  # imports torch
 
     out_path = check_writable(out_path, force)
     if opset not in SUPPORTED_OPSETS:
@@ -115,7 +118,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         "state": state, "max_segment": max_segment, "opset": opset, "precision": "fp32",
         "r_table_size": r_table_size(config.clamp_len, mem_len, max_segment),
         "source": os.path.basename(str(loaded.path).rstrip("/")), "source_format": loaded.source_format,
-        "weights_sha256": weights_hash,
+        "weights_sha256": weights_hash, "parameters": model_parameters(model),
         "txl_deploy_version": __version__, "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "io": {"inputs": [s.name for s in cached.spec.inputs()], "outputs": [s.name for s in cached.spec.outputs()]},
@@ -188,7 +191,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         place_external_data(tmp, out_path, force)
         if PARTS_KEY in info.export:
             move_parts(tmp, out_path, force)
-    logger.info(f"wrote {out_path}")
+    logger.log(logging.DEBUG if intermediate else logging.INFO, f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
 
 

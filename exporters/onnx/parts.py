@@ -135,7 +135,7 @@ def _write_parts(model, head_module, tails, out_path: Path, *, opset, force, ver
     # The head: the main graph's inputs and dynamic axes.
     args, dynamic = step_example(head_module, p.dtype, batch=2, segment=3, positions=2)
     head_path = out_path.with_name(contract.head_name(out_path))
-    logger.info(f"exporting the adaptive softmax's head and {cfg.n_clusters} tails beside {out_path.name}")
+    logger.info(f"exporting the adaptive softmax's head and {cfg.n_clusters} tails as graphs of their own")
     # Each program is handed to _save without a name here, so that it is freed as soon as its file is written.
     _save(_export(head_module, args, spec.input_names(), head_output_names(spec), dynamic, opset), head_path,
           force, "the body + head graph")

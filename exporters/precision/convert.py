@@ -218,6 +218,7 @@ def export_reduced(source, out_path, *, precision: str, calib=None, eval_text=No
         fp32 = Path(work) / "fp32.onnx"
         export_onnx(loaded, fp32, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset,
                     state=state, max_segment=max_segment, verify=verify, force=True,
-                    threads=options.get("threads"), consume=consume or not isinstance(source, LoadedModel))
+                    threads=options.get("threads"), consume=consume or not isinstance(source, LoadedModel),
+                    intermediate=True)
         return reduce_onnx(fp32, out_path, precision=precision, calib=calib, eval_data=eval_text, verify=verify,
                            force=force, **options)

@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, InputError
@@ -116,7 +117,8 @@ def write_site(model_path, out_dir, ort_web=None, force: bool = False, title: st
     model_path, out_dir = Path(model_path), Path(out_dir)
     check_writable(out_dir, force)
     spec = graph_spec(model_path)
-    vocab = read_onnx_info(model_path).vocab
+    info = read_onnx_info(model_path)
+    vocab = info.vocab
     template = _template_dir()
     local = find_ort_web(ort_web) if ort_web is not None else None
     with atomic_path(out_dir, force=force) as tmp:
@@ -142,7 +144,7 @@ def write_site(model_path, out_dir, ort_web=None, force: bool = False, title: st
         importmap = {"imports": {"onnxruntime-web": ort["module"]},
                      "integrity": {ort["module"]: ort["module_integrity"]}}
         page = (template / "index.html").read_text(encoding="utf-8")
-        fills = {"TITLE": _html(title or f"{spec['name']}: Transformer-XL in the browser"),
+        fills = {"TITLE": _html(title or headline(info, model_path)),
                  "IMPORTMAP": json.dumps(importmap, indent=1),
                  "ORT_MODULE": _html(ort["module"]), "ORT_MODULE_INTEGRITY": ort["module_integrity"],
                  "SITE_CONFIG": json.dumps({"ort": ort}, indent=1).replace("</", "<\\/"),
@@ -151,8 +153,9 @@ def write_site(model_path, out_dir, ort_web=None, force: bool = False, title: st
             page = page.replace(f"@@{key}@@", value)
         (tmp / "index.html").write_text(page, encoding="utf-8")
     size = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
-    where = f"a local copy of onnxruntime-web {ort['version']}" if local else \
-        f"onnxruntime-web {ORT_WEB_VERSION} from {ORT_WEB_CDN} (integrity-checked)"
+    where = f"a local copy of onnxruntime-web {ort['version']} (in its ort/ folder)" if local else \
+        (f"onnxruntime-web {ORT_WEB_VERSION} from {ORT_WEB_CDN} (integrity-checked), so the browser needs "
+         "access to it; for a device without, write the site with a local copy: --ort-web DIR")
     logger.info(f"wrote {out_dir}/ ({size / 1e6:.1f} MB): index.html, txl.js, app.js, model.onnx, model.json, vocab.json; "
                 f"the page loads {where}")
     logger.info(f"serve it over HTTP, e.g. `python -m http.server -d {out_dir} 8000`, and open http://localhost:8000/")

@@ -21,10 +21,9 @@ import numpy as np
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.contract.ring import write_segment
-from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.errors import CheckpointError, InputError, install_hint
 from txl_deploy.runtimes.backend import Backend, contract_layout
 
-EXTRA = "pip install 'txl-deploy[executorch]'"
 THREADS_NOTE = ("threads={threads} is not applied: ExecuTorch has one thread pool per process, which cannot be "
                 "resized while the {others} other open .pte runtime(s) use it; this one runs with their {current} "
                 "thread(s) (close them first, or open every .pte with the same threads=)")
@@ -42,7 +41,7 @@ def _import_runtime():
         from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
         from executorch.runtime import Runtime  # optional (the executorch extra)
     except ImportError as e:
-        raise InputError(f"running a .pte needs ExecuTorch: {EXTRA} ({e})") from None
+        raise InputError(f"running a .pte needs ExecuTorch: {install_hint('executorch')} ({e})") from None
     return torch, Runtime, portable_lib
 
 

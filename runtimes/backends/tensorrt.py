@@ -26,7 +26,7 @@ from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.engine_file import import_tensorrt, load_engine
 from txl_deploy.contract.metadata import ExportInfo
-from txl_deploy.errors import CheckpointError, InputError, TxlError
+from txl_deploy.errors import CheckpointError, InputError, TxlError, install_hint
 from txl_deploy.runtimes.backend import Backend, check_state
 from txl_deploy.vocab import Vocab
 
@@ -38,7 +38,7 @@ def _cudart():
         try:
             from cuda import cudart  # cuda-python < 12.6
         except ImportError:
-            raise TxlError("cuda-python is not installed; `pip install txl-deploy[tensorrt]`") from None
+            raise TxlError(f"cuda-python is not installed; `{install_hint('tensorrt')}`") from None
     return cudart
 
 

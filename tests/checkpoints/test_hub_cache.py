@@ -18,7 +18,7 @@ from helpers.reference_models import build_hf_from, original_kwargs
 from helpers.word_models import WIKITEXT_SYMBOLS
 
 from txl_deploy.checkpoints.hub import fetch_snapshot
-from txl_deploy.errors import CheckpointError
+from txl_deploy.errors import CheckpointError, install_hint
 
 OWNER, NAME = "someone", "tiny-transfo-xl"
 REPO = f"hf://{OWNER}/{NAME}"
@@ -179,7 +179,7 @@ def test_a_bad_reference_is_one_line(reference, command):
 
 def test_without_huggingface_hub_the_error_names_the_extra(offline_cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import huggingface_hub raises ImportError
-    assert_one_line_error(cli("convert", REPO, "-o", "out"), "pip install 'txl-deploy[hub]'")
+    assert_one_line_error(cli("convert", REPO, "-o", "out"), install_hint("hub"))
 
 
 def test_when_the_hub_cannot_be_reached_the_cache_is_read_with_a_warning(offline_cache, monkeypatch, caplog):

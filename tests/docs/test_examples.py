@@ -9,9 +9,9 @@ A shell block with any other command (pip, docker, a script) must carry such a c
 or before a block of another language, is an error. docs/development.md tells writers the same.
 
 How a block runs: in a fresh folder of its own, as if it were the checkout root of a reader who followed the
-README. The folder holds `model.onnx` (what the README's quickstart block exported: that block runs first, once),
-`heldout.txt` (the first 4,096 characters of the demo's held-out text) and, for shell blocks,
-`txl_deploy/assets/demo/` (Python blocks find the demo through `txl_deploy.assets`; a `txl_deploy/` folder without
+README. The folder holds `model.onnx` (what the README's quickstart block exported: that block runs first, once)
+and, for shell blocks, `txl_deploy/assets/demo/`, and nothing the checkout root lacks: an example that reads a
+file of its own (a `heldout.txt`) fails here as it fails for a reader (Python blocks find the demo through `txl_deploy.assets`; a `txl_deploy/` folder without
 the package beside a Python script would shadow the installed package). A block that writes `model.onnx` itself
 (`-o model.onnx`) starts without one. Python blocks run as a script in a fresh interpreter (this one), shell blocks
 command by command in bash, with this environment's `txl-deploy` first on PATH. A failure names the file and line.
@@ -35,10 +35,9 @@ import pytest
 from helpers.doc_examples import PAGES, Block, all_blocks, is_cli, parse, parse_text
 from helpers.paths import ROOT
 
-from txl_deploy.assets import DEMO_DIR, demo_heldout_path
+from txl_deploy.assets import DEMO_DIR
 from txl_deploy.cli.main import main as cli_group
 
-HELDOUT_CHARS = 4096
 TIMEOUT_S = 600
 
 WRITES_MODEL = re.compile(r"(?:^|\s)(?:-o|--output)(?:\s+|=)model\.onnx(?:\s|$)", re.MULTILINE)
@@ -158,11 +157,9 @@ def _setup_block() -> Block:
 
 @pytest.fixture(scope="session")
 def example_home(tmp_path_factory) -> Path:
-    """What every example's folder starts from: heldout.txt, a copy of the demo assets, and model.onnx as the
-    README's quickstart exports it. That block runs here, once; its own test reports how it went."""
+    """What every example's folder starts from: a copy of the demo assets, and model.onnx as the README's
+    quickstart exports it. That block runs here, once; its own test reports how it went."""
     home = tmp_path_factory.mktemp("docs-examples")
-    text = demo_heldout_path().read_text(encoding="utf-8")[:HELDOUT_CHARS]
-    (home / "heldout.txt").write_text(text, encoding="utf-8")
     shutil.copytree(DEMO_DIR, home / "checkout" / "txl_deploy" / "assets" / "demo")
     setup = _setup_block()
     work = _folder(setup, home, home / "readme")
@@ -190,7 +187,6 @@ def _bin_dir(home: Path) -> Path:
 def _folder(block: Block, home: Path, parent: Path) -> Path:
     work = parent / "work"
     work.mkdir(parents=True)
-    shutil.copy(home / "heldout.txt", work)
     if not WRITES_MODEL.search(block.code):
         shutil.copy(home / "model.onnx", work)
     if block.kind == "shell":
@@ -236,3 +232,9 @@ def test_example_runs(block, example_home, tmp_path):
             f"{_setup_block().where}, which exports the model.onnx every example starts from, failed")
         failure = _run(block, _folder(block, example_home, tmp_path), example_home)
     assert failure is None, failure
+
+
+def test_an_example_reading_a_file_the_checkout_lacks_fails(example_home, tmp_path):
+    """The folders stand for the checkout root: a file a reader would not have there is not there either."""
+    blocks, _ = parse_text("```bash\ntxl-deploy eval model.onnx --text heldout.txt\n```\n", "page.md")
+    assert _run(blocks[0], _folder(blocks[0], example_home, tmp_path), example_home) is not None

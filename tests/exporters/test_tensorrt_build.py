@@ -12,7 +12,7 @@ from txl_deploy.cli import main
 from txl_deploy.config import TxlConfig
 from txl_deploy.contract import engine_file
 from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
-from txl_deploy.errors import CheckpointError, TxlError
+from txl_deploy.errors import CheckpointError, TxlError, install_hint
 from txl_deploy.exporters.tensorrt import build as trt_build
 
 
@@ -84,7 +84,7 @@ def test_missing_tensorrt_is_a_clear_error_and_writes_nothing(tmp_path, no_tenso
     model = _onnx(tmp_path / "m.onnx")
     result = _cli(model, "-o", tmp_path / "m.engine")
     assert result.exit_code == 2
-    assert "pip install txl-deploy[tensorrt]" in result.output and "NVIDIA GPU" in result.output
+    assert install_hint("tensorrt") in result.output and "NVIDIA GPU" in result.output
     assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import time
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from txl_deploy.exporters.web.site import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRIT
 from txl_deploy.runtimes import TxlRuntime
 
 PROMPT = "And God said"
+DEMO_TITLE = "kjv-char: a character-level Transformer-XL, 4 layers, 1.94M parameters, fp32"
 TOL = {"fp32": 1e-4, "fp16": 1e-2, "int4": 0.25}
 
 
@@ -74,6 +76,8 @@ def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
     assert importmap["integrity"][cdn + ORT_MODULE] == ORT_WEB_INTEGRITY[ORT_MODULE] == config["module_integrity"]
     assert config["wasm_integrity"] == ORT_WEB_INTEGRITY[ORT_WASM]
     assert 'value="0.8"' in page and "top-k" in page and PROMPT in page and "@@" not in page
+    # titled by what the model is, not by its file's name
+    assert f"<title>{DEMO_TITLE}</title>" in page and f"<h1>{DEMO_TITLE}</h1>" in page
 
 
 def test_pinned_hashes_are_those_of_the_npm_release():
@@ -108,6 +112,7 @@ def test_cli(demo_exports, tiny_onnx, tmp_path):
     r = CliRunner().invoke(main, ["web-demo", str(demo_exports["fp32"]), "-o", str(tmp_path / "s")])
     assert r.exit_code == 0, r.output
     assert "integrity-checked" in r.output and (tmp_path / "s" / "index.html").is_file()
+    assert "for a device without, write the site with a local copy: --ort-web DIR" in r.output  # where it comes from
     r = CliRunner().invoke(main, ["web-demo", str(demo_exports["fp32"]), "-o", str(tmp_path / "s")])
     assert r.exit_code == 2 and "already exists" in r.output
     bad = tmp_path / "bad.onnx"
@@ -138,6 +143,40 @@ def served(browser, demo_exports, tmp_path_factory):
     server.stop()
     with pytest.raises(OSError):  # the server this test started no longer answers
         urllib.request.urlopen(server.url + "fp32/index.html", timeout=5)
+
+
+def test_page_without_the_cdn_says_what_failed_and_what_to_do(browser, demo_exports, tmp_path):
+    """The default site loads onnxruntime-web from the CDN; where that cannot be reached (this browser resolves no
+    host but 127.0.0.1, and the CDN is blocked outright too), the page says so within seconds, and how to make a
+    site with its own copy, instead of loading for ever."""
+    write_site(demo_exports["fp32"], tmp_path / "cdn")
+    server = SiteServer(tmp_path)
+    browser.send("Network.enable")
+    browser.send("Network.setBlockedURLs", urls=["*cdn.jsdelivr.net*"])
+    try:
+        try:
+            browser.evaluate("window.__txlLeft = true")
+        except RuntimeError:
+            pass  # nothing loaded yet
+        browser.send("Page.navigate", url=server.url + "cdn/index.html")
+        start, state = time.monotonic(), None
+        while time.monotonic() - start < 30 and state != "error":
+            time.sleep(0.2)
+            try:
+                state = browser.evaluate("window.__txlLeft ? null : document.body.dataset.state")
+            except RuntimeError:  # the navigation replaced the document meanwhile
+                pass
+        waited = time.monotonic() - start
+        status = browser.evaluate("document.getElementById('status').textContent")
+        assert state == "error", status
+        assert waited < 10, f"the page took {waited:.1f} s to say it"
+        assert status.startswith("error: onnxruntime-web could not be loaded from https://cdn.jsdelivr.net/"), status
+        assert "--ort-web node_modules/onnxruntime-web" in status and f"onnxruntime-web@{ORT_WEB_VERSION}" in status
+        assert browser.evaluate("document.getElementById('generate').disabled")
+        assert browser.evaluate("document.title") == DEMO_TITLE
+    finally:
+        browser.send("Network.setBlockedURLs", urls=[])
+        server.stop()
 
 
 def _wrap_segments(mem_len=128, seed=0, n_token=73):

@@ -18,7 +18,7 @@ import pytest
 from helpers.cli import assert_one_line_error, cli
 from helpers.streams import assert_reset_rows_restarts_only_those_rows, assert_state_equal, one_pass, stream
 
-from txl_deploy.errors import InputError
+from txl_deploy.errors import InputError, install_hint
 from txl_deploy.runtimes import TxlRuntime
 
 pytest.importorskip("executorch", reason="pip install 'txl-deploy[executorch]'")
@@ -210,7 +210,7 @@ def test_without_executorch_loading_a_pte_says_which_extra(tiny_pte):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "pip install 'txl-deploy[executorch]'" in r.stdout and r.stdout.count("\n") == 1, r.stdout
+    assert install_hint("executorch") in r.stdout and r.stdout.count("\n") == 1, r.stdout
 
 
 # -- command line ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ memory one stream needs."""
 
 from __future__ import annotations
 
+from txl_deploy.model.weights import model_parameters
+
 
 def describe_checkpoint(loaded) -> dict:
     """What `txl-deploy info` shows of a checkpoint. Builds the model, so every tensor's shape is checked."""
@@ -12,7 +14,7 @@ def describe_checkpoint(loaded) -> dict:
         "path": loaded.path,
         "format": loaded.source_format,
         "config": cfg.to_dict(),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": model_parameters(model),
         "vocab_size": len(loaded.vocab) if loaded.vocab is not None else None,
         "vocab_kind": loaded.vocab.kind if loaded.vocab is not None else None,
         "vocab_source": loaded.vocab_source,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from txl_deploy.checkpoints.huggingface import CONFIG_FILE, WEIGHT_FILES
 from txl_deploy.checkpoints.vocab_files import VOCAB_FILES
-from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.errors import CheckpointError, InputError, install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ _TRUE = {"1", "ON", "YES", "TRUE"}  # how huggingface_hub reads a boolean enviro
 
 # One set of weights, in the order the HuggingFace folder reader prefers them (an index brings the shards it
 # names), and one vocabulary, the first the search beside a checkpoint would find: what is fetched is what is read.
-EXTRA = "pip install 'txl-deploy[hub]'"
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ def _import_hub():
         import huggingface_hub.constants  # the hub extra (where its cache is, whether it is offline)
         import huggingface_hub.utils  # the hub extra (its exceptions and progress-bar switches, a submodule)
     except ImportError as e:
-        raise InputError(f"hf:// references need huggingface_hub: {EXTRA} ({e})") from None
+        raise InputError(f"hf:// references need huggingface_hub: {install_hint('hub')} ({e})") from None
     return huggingface_hub
 
 

@@ -13,7 +13,8 @@ from txl_deploy.cli.options import ModelReference, local_model, vocab_options
 from txl_deploy.contract.describe import describe_onnx, describe_pte
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.parts import Parts
-from txl_deploy.errors import CheckpointError
+from txl_deploy.contract.pte_file import read_pte_info
+from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
 from txl_deploy.vocab import DESCRIPTIONS
@@ -23,6 +24,8 @@ from txl_deploy.vocab import DESCRIPTIONS
 @click.argument("path", type=ModelReference(click.Path(path_type=Path)))
 @vocab_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--list-vocab", is_flag=True, help="List the vocabulary instead: each symbol's id and the symbol "
+              "(quoted as Python writes it, so a space or a newline shows), one per line (--json: a list).")
 @click.option("--memory", is_flag=True, help="Also estimate the memory an export and the ONNX Runtime runtime need, "
               "and the memory per stream of each precision, against what this machine has available now.")
 @click.option("--mem-len", type=click.IntRange(min=1), help="--memory: the memory length to size for "
@@ -31,20 +34,25 @@ from txl_deploy.vocab import DESCRIPTIONS
               help="--memory: streams run together.")
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
-def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batch, max_segment):
+def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, mem_len, batch, max_segment):
     """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
-    graphs use). --memory adds the expected peak memory of an export and of the runtime.
+    graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak
+    memory of an export and of the runtime; --list-vocab lists the vocabulary instead.
 
     \b
     Example:
       txl-deploy info model.pt --memory --mem-len 1600
       txl-deploy info wt103.onnx --memory --batch 8
       txl-deploy info model.pte
+      txl-deploy info model.onnx --list-vocab
       txl-deploy info hf://transfo-xl/transfo-xl-wt103
     """
     path = local_model(path)
+    if list_vocab:
+        _list_vocab(path, as_json, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
+        return
     if path.suffix == ".onnx" and path.is_file():
         d, cfg, weight_bytes, max_segment, precision = describe_onnx(path)
     elif path.suffix == ".pte" and path.is_file():
@@ -63,8 +71,16 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         return
     click.echo(f"path:        {d['path']}")
     click.echo(f"format:      {d['format']}")
+    # the model's trained tensors, as a checkpoint counts them; not the tables an export precomputes
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
-               "parameters:  not known from the file (quantized weights)")
+               "parameters:  not recorded in this file (exported by an older txl-deploy)")
+    if d.get("precision_report"):
+        try:
+            lines = _precision_lines(d["precision_report"])
+        except (AttributeError, KeyError, TypeError, ValueError):  # the file's metadata is not to be trusted
+            lines = ["precision:   its stored report against fp32 is unreadable"]
+        for line in lines:
+            click.echo(line)
     if d["vocab_size"] is not None:
         # a word vocabulary read by a Moses tokenizer is not split on whitespace, as the kind's description says
         moses = d.get("vocab_tokenizer") not in (None, "whitespace")
@@ -96,6 +112,41 @@ def info(path, config, preset, vocab, vocab_kind, as_json, memory, mem_len, batc
         click.echo(f"note: {note}")
     if memory:
         _print_memory(d["memory_estimate"])
+
+
+def _list_vocab(path, as_json: bool, **how) -> None:
+    if path.suffix == ".onnx" and path.is_file():
+        table = read_onnx_info(path).vocab
+    elif path.suffix == ".pte" and path.is_file():
+        table = read_pte_info(path).vocab
+    else:
+        table = load_model(path, **how).vocab
+    if table is None:
+        raise InputError(f"{path}: has no vocabulary (pass --vocab FILE for a checkpoint without one beside it)")
+    if as_json:
+        click.echo(json.dumps(list(table.symbols), ensure_ascii=False))
+        return
+    for i, symbol in enumerate(table.symbols):
+        click.echo(f"{i}\t{symbol!r}")
+
+
+def _precision_lines(report: dict) -> list[str]:
+    """The stored check of a reduced graph against its fp32 graph: how it was made, how far it is."""
+    method, stream, accuracy = report.get("method") or {}, report.get("stream") or {}, report.get("accuracy")
+    how = method.get("format", "")
+    if method.get("block_size"):
+        how += f", {method.get('bits', 4)}-bit blocks of {method['block_size']}"
+    lines = [f"precision:   {report.get('precision')} ({how})" if how else f"precision:   {report.get('precision')}"]
+    if stream:
+        lines.append(f"  against fp32: KL divergence {stream['kl_divergence']:.3g} nats per position (tolerance "
+                     f"{stream.get('tolerance', float('nan')):g}), top-1 agreement {stream['top1_agreement']:.4f} "
+                     f"over {stream['tokens']} positions")
+    if accuracy:
+        name = accuracy["metric"].replace("_", " ")
+        lines.append(f"  {name} on {accuracy['tokens']:,} tokens of {accuracy.get('data', 'the evaluation text')}: "
+                     f"fp32 {accuracy['fp32']:.4f}, {report.get('precision')} {accuracy['reduced']:.4f} "
+                     f"({100 * accuracy['relative_change']:+.2f}%)")
+    return lines
 
 
 def _softmax_parts(path) -> dict | None:

@@ -30,7 +30,7 @@ from txl_deploy.cli import (
     web_demo,
 )
 from txl_deploy.cli.output import command_output
-from txl_deploy.errors import TxlError
+from txl_deploy.errors import TxlError, missing_package_hint
 
 COMMAND_MODULES = (convert, info, export, verify, generate, evaluate, bench, build_engine, triton_repo,
                    triton_server, serve, serve_client, web_demo, demo)
@@ -43,6 +43,12 @@ class _Group(click.Group):
         except TxlError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except ModuleNotFoundError as e:  # an optional dependency a command needs: name the extra that brings it
+            hint = missing_package_hint(e)
+            if hint is None:
+                raise
+            click.echo(f"error: {hint}", err=True)
+            sys.exit(TxlError.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)

@@ -17,7 +17,7 @@ from txl_deploy.cli.options import (
     use_tokenizer,
     with_tokenizer,
 )
-from txl_deploy.errors import InputError
+from txl_deploy.errors import InputError, install_hint
 from txl_deploy.runtimes import TxlRuntime
 
 API_KEY_ENV = "TXL_API_KEY"
@@ -102,7 +102,7 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
         from txl_deploy.serving.http.fleet import FleetEngine  # the serve extra
         from txl_deploy.serving.http.scheduler import Scheduler  # the serve extra
     except ImportError as e:
-        raise InputError(f"txl-deploy serve needs the serve extra: pip install 'txl-deploy[serve]' ({e})") from None
+        raise InputError(f"txl-deploy serve needs the serve extra: {install_hint('serve')} ({e})") from None
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     max_queue = 4 * max_batch if max_queue is None else max_queue
     options = dict(max_batch=max_batch, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue)

@@ -15,13 +15,15 @@ from txl_deploy.exporters.web.site import write_site
               help="Use this local onnxruntime-web (a folder where `npm install onnxruntime-web` ran, or the "
                    "package itself) and copy its runtime into the site, for devices without internet access. "
                    "[default: a pinned release from the jsDelivr CDN, checked by subresource-integrity hashes]")
-@click.option("--title", help="Page title. [default: the model's name]")
+@click.option("--title", help="Page title. [default: the model's description: its source, vocabulary, layers, "
+              "parameters and precision]")
 @click.option("--prompt", help="The prompt the page starts with. [default: a short one the vocabulary can spell]")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def web_demo(model, output, ort_web, title, prompt, force):
     """Write a static web site that runs MODEL.onnx in the browser with onnxruntime-web (WebAssembly, and WebGPU
     where the browser has it): the page streams generated text for a prompt, with temperature and top-k, and
-    shows the latency of every token. Any static HTTP server can serve it.
+    shows the latency of every token. Any static HTTP server can serve it. The output says where the page will
+    load onnxruntime-web from; a page that cannot load it says so, and what to do.
 
     \b
     Example:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from txl_deploy.errors import CheckpointError, TxlError
+from txl_deploy.errors import CheckpointError, TxlError, install_hint
 
 SIDECAR_FORMAT = "txl-deploy-tensorrt-engine"
 SIDECAR_VERSION = 1
@@ -26,7 +26,7 @@ class TensorRTMissing(TxlError):
     """TensorRT (or cuda-python) is not installed, or no NVIDIA GPU is usable."""
 
 
-INSTALL_HINT = ("install it with `pip install txl-deploy[tensorrt]` (TensorRT needs an NVIDIA GPU and NVIDIA's "
+INSTALL_HINT = (f"install it with `{install_hint('tensorrt')}` (TensorRT needs an NVIDIA GPU and NVIDIA's "
                 "libraries; on Jetson it comes with JetPack)")
 
 

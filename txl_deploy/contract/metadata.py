@@ -13,7 +13,7 @@ from pathlib import Path
 
 from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
-from txl_deploy.contract.onnx_file import read_metadata
+from txl_deploy.contract.onnx_file import read_metadata, unreadable
 from txl_deploy.errors import CheckpointError, TxlError
 from txl_deploy.vocab import UnknownKindError, Vocab
 
@@ -117,7 +117,7 @@ def read_onnx_info(path) -> ExportInfo:
     try:
         props, has_node = read_metadata(path)
     except Exception as e:  # ValueError from the wire reader, DecodeError from protobuf, OSError
-        raise CheckpointError(path, f"not a readable ONNX model ({type(e).__name__})") from None
+        raise CheckpointError(path, unreadable(e)) from None
     if not has_node:
         raise CheckpointError(path, "not a readable ONNX model (empty graph)")
     return ExportInfo.from_props(props, path)

@@ -52,13 +52,17 @@ def _key(field: int, wire_type: int = WIRE_LEN) -> bytes:
     return varint(field << 3 | wire_type)
 
 
+class CutShort(ValueError):
+    """The file ends inside a field: what a copy or download that stopped early leaves."""
+
+
 def _read_varint(f) -> int | None:
     shift, value = 0, 0
     while True:
         b = f.read(1)
         if not b:
             if shift:
-                raise ValueError("truncated varint")
+                raise CutShort("truncated varint")  # the file itself ended inside the number
             return None  # clean end of the message
         value |= (b[0] & 0x7F) << shift
         if not b[0] & 0x80:
@@ -68,6 +72,28 @@ def _read_varint(f) -> int | None:
             raise ValueError("varint longer than 10 bytes")
 
 
+def _file_size(f) -> int | None:
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # an in-memory file
+        return None
+
+
+def _damaged(f, end: int, problem: str, whole_fields: bool) -> ValueError:
+    """The error for a field that does not fit its message: CutShort when that message runs to the file's end and
+    fields before it were read whole (a file of something else than protobuf rarely gets that far)."""
+    return CutShort(problem) if whole_fields and end == _file_size(f) else ValueError(problem)
+
+
+def unreadable(e: Exception) -> str:
+    """Why a file is not a readable ONNX model, in words, for an error message."""
+    if isinstance(e, CutShort):
+        return ("not a readable ONNX model: it looks cut short (the file ends inside a field; was it copied or "
+                "downloaded completely?)")
+    detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"not a readable ONNX model ({type(e).__name__}{': ' + detail if detail else ''})"
+
+
 def wire_fields(f, start: int, end: int):
     """(field number, wire type, field offset, payload offset, payload end) of each field of the message in
     f[start:end], read lazily; a varint field's payload is empty (its value is not needed). The caller may seek
@@ -75,15 +101,18 @@ def wire_fields(f, start: int, end: int):
     pos = start
     while pos < end:
         f.seek(pos)
-        tag = _read_varint(f)
+        try:
+            tag = _read_varint(f)
+        except ValueError as e:
+            raise _damaged(f, end, str(e), pos > start) from None
         if tag is None:
-            raise ValueError("truncated message")
+            raise _damaged(f, end, "truncated message", pos > start)
         field, wire = tag >> 3, tag & 7
         if field == 0:
             raise ValueError("field number 0")
         if wire == 0:
             if _read_varint(f) is None:
-                raise ValueError("truncated varint")
+                raise _damaged(f, end, "truncated varint", pos > start)
             size = 0
         elif wire == 1:
             size = 8
@@ -92,12 +121,12 @@ def wire_fields(f, start: int, end: int):
         elif wire == WIRE_LEN:
             size = _read_varint(f)
             if size is None:
-                raise ValueError("truncated length")
+                raise _damaged(f, end, "truncated length", pos > start)
         else:  # groups (3, 4) are not in onnx.proto; 6 and 7 do not exist
             raise ValueError(f"wire type {wire}")
         payload = f.tell()
         if payload + size > end:
-            raise ValueError("field runs past the end of its message")
+            raise _damaged(f, end, "field runs past the end of its message", pos > start)
         at, pos = pos, payload + size
         yield field, wire, at, payload, pos
 
@@ -246,7 +275,7 @@ def external_data(model_path) -> list[ExternalData]:
     except CheckpointError:
         raise
     except (ValueError, OSError, RecursionError) as e:
-        raise CheckpointError(model_path, f"not a readable ONNX model ({type(e).__name__}: {e})") from None
+        raise CheckpointError(model_path, unreadable(e)) from None
     return refs
 
 

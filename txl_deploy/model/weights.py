@@ -79,3 +79,10 @@ def weights_sha256(state_dict) -> str:
         h.update(k.encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def model_parameters(model) -> int:
+    """The model's parameters as `info`, the exported files' metadata and the README count them: every trained
+    tensor (`nn.Parameter`). Buffers and the tables an export precomputes from the config (positional encodings)
+    are not parameters."""
+    return int(sum(p.numel() for p in model.parameters()))

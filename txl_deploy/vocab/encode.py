@@ -25,10 +25,20 @@ def byte_tables(symbols) -> tuple[np.ndarray, list]:
     return ids, values
 
 
+SHOWN_SYMBOLS = 16  # of a vocabulary, in an error about a symbol it lacks
+
+
 def _unknown(vocab, problem: str) -> int:
     if vocab.unk is None:
-        raise InputError(problem)
+        raise InputError(f"{problem}; {where_to_see(vocab)}")
     return vocab.index[vocab.unk]
+
+
+def where_to_see(vocab) -> str:
+    """The vocabulary's first symbols and how to list them all, for an error about a symbol it lacks."""
+    first = ", ".join(repr(s) for s in vocab.symbols[:SHOWN_SYMBOLS])
+    more = ", ..." if len(vocab.symbols) > SHOWN_SYMBOLS else ""
+    return f"its {len(vocab.symbols):,} symbols are {first}{more} (`txl-deploy info MODEL --list-vocab` lists them all)"
 
 
 def _lookup(vocab, piece: str, describe) -> int:
@@ -162,7 +172,8 @@ def encode_bytes(vocab, data: bytes) -> np.ndarray:
 def _missing_byte(data: bytes, at: int, value: int, vocab) -> str:
     held = int((vocab.byte_ids >= 0).sum())
     return (f"byte {value} (0x{value:02x}, {_character_at(data, at)} at byte {at}) is not in this model's byte "
-            f"vocabulary, which has no <unk>: it holds {held} of the 256 byte values (those its training text had)")
+            f"vocabulary, which has no <unk>: it holds {held} of the 256 byte values (those its training text had); "
+            "`txl-deploy info MODEL --list-vocab` lists them")
 
 
 def _character_at(data: bytes, at: int) -> str:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import re
 
-from txl_deploy.errors import InputError
+from txl_deploy.errors import InputError, install_hint
 from txl_deploy.vocab.kinds import LM1B_BOUNDARY
 
 # a comma or dot with a digit on both sides (the `23,000` and `1.80` of WikiText-103's number splitting)
 _NUMBER_SEPARATOR = re.compile(r"(?<=\d)[,.](?=\d)")
 # the split numbers joined again: " @,@ " -> ",", " @.@ " -> "." (left to right, not overlapping)
 _NUMBER_JOINS = ((" @,@ ", ","), (" @.@ ", "."))
-NEEDS_SACREMOSES = "needs sacremoses: pip install 'txl-deploy[text]'"
 
 
 class MosesText:
@@ -33,7 +32,7 @@ class MosesText:
             # late: sacremoses is the `text` extra; whitespace, character and byte vocabularies do without it
             import sacremoses
         except ImportError:
-            raise InputError(f"reading and writing text with the {tokenizer} tokenizer {NEEDS_SACREMOSES}") from None
+            raise InputError(f"reading and writing text with the {tokenizer} tokenizer needs sacremoses: {install_hint('text')}") from None
         self.normalizer = sacremoses.MosesPunctNormalizer(lang="en")
         self.tokenizer = sacremoses.MosesTokenizer(lang="en")
         self.detokenizer = sacremoses.MosesDetokenizer(lang="en")

@@ -1,17 +1,46 @@
 // The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
 // The model-specific part is txl.js; this file is only the page around it.
-import * as ort from "onnxruntime-web";
 import { Clusters, Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
 
 const $ = (id) => document.getElementById(id);
 const site = JSON.parse($("site-config").textContent);
 const params = new URLSearchParams(location.search);
+const SLOW_RUNTIME_MS = 8000; // then the page says where it is waiting for onnxruntime-web, and what else to do
+
+// What to do when onnxruntime-web cannot be loaded: from the CDN, a site with its own copy; a local copy, its files.
+function runtimeHint() {
+  if (site.ort.module.startsWith("./")) {
+    return "The site's ort/ folder is incomplete: write the site again with txl-deploy web-demo ... --ort-web DIR.";
+  }
+  return "Without access to the CDN, write the site with a local copy of onnxruntime-web: " +
+    `npm install onnxruntime-web@${site.ort.version}, then txl-deploy web-demo MODEL.onnx -o SITE ` +
+    "--ort-web node_modules/onnxruntime-web.";
+}
+
+// onnxruntime-web, imported here rather than at the top of this module: a runtime that cannot be fetched (no
+// network, the CDN blocked) would otherwise stop the whole page before it runs, leaving it loading for ever.
+async function loadRuntime() {
+  const slow = setTimeout(() => {
+    $("status").textContent = `still waiting for onnxruntime-web from ${site.ort.module} ... ${runtimeHint()}`;
+  }, SLOW_RUNTIME_MS);
+  try {
+    const ort = await import("onnxruntime-web");
+    // The wasm binary is fetched here, with its subresource-integrity hash, and handed to onnxruntime-web.
+    const wasm = await fetch(site.ort.wasm, { integrity: site.ort.wasm_integrity, mode: "cors" });
+    if (!wasm.ok) throw new Error(`${site.ort.wasm}: HTTP ${wasm.status}`);
+    ort.env.wasm.wasmBinary = await wasm.arrayBuffer();
+    return ort;
+  } catch (e) {
+    throw new Error(`onnxruntime-web could not be loaded from ${site.ort.module} (${e.message}). ${runtimeHint()}`);
+  } finally {
+    clearTimeout(slow);
+  }
+}
 
 async function start() {
-  // The wasm binary is fetched here, with its subresource-integrity hash, and handed to onnxruntime-web.
-  const wasm = await fetch(site.ort.wasm, { integrity: site.ort.wasm_integrity, mode: "cors" });
-  if (!wasm.ok) throw new Error(`${site.ort.wasm}: HTTP ${wasm.status}`);
-  ort.env.wasm.wasmBinary = await wasm.arrayBuffer();
+  $("status").textContent = `loading onnxruntime-web ${site.ort.version} from ${site.ort.module} ...`;
+  const ort = await loadRuntime();
+  $("status").textContent = "loading the model ...";
   ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
   const [spec, vocab] = await Promise.all([fetch("model.json").then((r) => r.json()),
                                            fetch("vocab.json").then((r) => r.json())]);
