@@ -18,6 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.io_spec import MEM_COUNT
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
@@ -25,7 +26,7 @@ from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.runtimes.registry import open_backend
-from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.runtimes.saved_state import read_saved_state
 from txl_deploy.vocab import CONTINUING
 

@@ -44,9 +44,10 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.arguments import is_real, whole
-from txl_deploy.runtimes.tail_bounds import MASS_MARGIN, Clusters, power_sum_bound
+from txl_deploy.runtimes.tail_bounds import MASS_MARGIN, power_sum_bound
 
 __all__ = ["Choice", "Clusters", "Sampler", "SamplingParams"]
 
@@ -326,7 +327,7 @@ class Sampler:
                            or params.frequency_penalty or params.no_repeat_ngram_size or
                            (params.min_tokens and params.stop_token_ids) or self.unk is not None)
         self.decisions = 0
-        self.tail_counts = np.zeros(0 if clusters is None else clusters.n, dtype=np.int64)
+        self.tail_counts = np.zeros(0 if clusters is None else clusters.n_clusters, dtype=np.int64)
 
     def scores(self, log_probs: np.ndarray) -> np.ndarray:
         """Steps 1-5 on one distribution [V]: the scores that temperature and the filters act on (float64)."""
@@ -379,9 +380,9 @@ class Sampler:
             n = self.params.logprobs or 0
             return Choice(self, decided=(tok, float(lp[tok]), top_logprobs(lp, n)))
         head = np.asarray(head_log_probs).reshape(-1)
-        if head.size != self.clusters.shortlist + self.clusters.n:
+        if head.size != self.clusters.head_size:
             raise InputError(f"head log-probs have {head.size} entries, the head {self.clusters.shortlist} "
-                             f"shortlist tokens and {self.clusters.n} clusters")
+                             f"shortlist tokens and {self.clusters.n_clusters} clusters")
         return Choice(self, steps=self._factored(head))
 
     def _choose_full(self, log_probs, commit=True) -> int:
@@ -466,8 +467,8 @@ class Sampler:
         ids = {0: np.arange(n_short)}
         raw = {0: head[:n_short]}
         proc = {0: self._steps(ids[0], raw[0], adj)}
-        hcol = np.array([float(head[c.head_column(i)]) for i in range(1, c.n + 1)])
-        bound = np.empty(c.n)  # B_i: every processed score of cluster i is <= it
+        hcol = np.array([float(head[c.head_column(i)]) for i in range(1, c.n_clusters + 1)])
+        bound = np.empty(c.n_clusters)  # B_i: every processed score of cluster i is <= it
         adj_bounds = []  # f_t(head_i) of the touched tokens of cluster i
         for i, (lo, hi) in enumerate(c.bounds, start=1):
             t = touched[(touched >= lo) & (touched < hi)]
@@ -484,7 +485,7 @@ class Sampler:
                 proc[i] = self._steps(ids[i], given[i], adj)
 
         def hidden():
-            return [i for i in range(1, c.n + 1) if i not in ids]
+            return [i for i in range(1, c.n_clusters + 1) if i not in ids]
 
         def known(what):
             parts = sorted(what)
@@ -622,7 +623,7 @@ class Sampler:
 
         while True:
             blocks = [final(k) if k in proc else np.array([0.0 if k in dead else mass[k - 1]])
-                      for k in range(c.n + 1)]
+                      for k in range(c.n_clusters + 1)]
             lens = [b.size for b in blocks]
             flat = np.concatenate(blocks)
             cum = np.cumsum(flat)

@@ -127,7 +127,7 @@ def test_the_trained_word_model_is_the_one_its_training_record_describes(word_rt
 @pytest.fixture(scope="module")
 def results(word_rt):
     clusters = sampling.Clusters.of(word_rt.config)
-    assert clusters is not None and clusters.n == 3, "the trained word model has three tail clusters"
+    assert clusters is not None and clusters.n_clusters == 3, "the trained word model has three tail clusters"
     out = {name: run_mode(word_rt, clusters, controls, seed=7) for name, controls in modes(clusters).items()}
     print("\nfraction of steps that needed tail 1, 2, 3 (kjv-words, "
           f"{N_TOKENS} tokens a mode):\n" + json.dumps({k: [round(f, 3) for f in v["fractions"]]

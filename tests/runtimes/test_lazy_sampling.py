@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import InputError
-from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, filtered_weights, top_logprobs
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, filtered_weights, top_logprobs
 
 LAYOUTS = [Clusters(20, [(20, 60)]), Clusters(30, [(30, 50), (50, 120)]),
            Clusters(16, [(16, 24), (24, 64), (64, 200)])]
@@ -30,8 +31,8 @@ def _rows(rng, clusters, n, tail_mass=0.15, sharp=1.0):
     for _ in range(n):
         short = -sharp * 1.1 * np.log(1 + rng.permutation(clusters.shortlist)) + rng.normal(0, 0.5, clusters.shortlist)
         lp_short = _log_softmax(short) + np.log1p(-tail_mass)
-        share = rng.dirichlet(np.ones(clusters.n))
-        head = np.empty(clusters.shortlist + clusters.n)
+        share = rng.dirichlet(np.ones(clusters.n_clusters))
+        head = np.empty(clusters.head_size)
         head[:clusters.shortlist] = lp_short
         tails = []
         for i, (lo, hi) in enumerate(clusters.bounds, start=1):
@@ -80,7 +81,7 @@ def test_lazy_path_chooses_the_full_paths_token_with_the_same_draws(mode):
         whole = Sampler(params, vocab, context, clusters=clusters)
         for head, tails, full in _rows(rng, clusters, 1000 // len(LAYOUTS) + 1):
             choice = _lazy(lazy, head, tails)
-            assert set(choice.revealed) <= set(range(1, clusters.n + 1))
+            assert set(choice.revealed) <= set(range(1, clusters.n_clusters + 1))
             tok = parts.choose_parts(head, tails)
             assert choice.token == tok == whole.choose(full)
             assert choice.logprob == float(full[tok])
@@ -151,7 +152,7 @@ def test_tails_are_skipped_where_the_bounds_allow():
         assert (sampler.tail_fractions() < most).all(), (mode, sampler.tail_fractions())
     # revealing everything is always right, never wrong: a tail of a flat head is needed
     flat = Sampler(SamplingParams(temperature=0), clusters.n_token, clusters=clusters)
-    head = np.full(clusters.shortlist + clusters.n, np.log(1 / (clusters.shortlist + clusters.n)), dtype=np.float32)
+    head = np.full(clusters.head_size, np.log(1 / clusters.head_size), dtype=np.float32)
     head[clusters.head_column(3)] = 0.0
     tails = [np.full(hi - lo, -np.log(hi - lo) + head[clusters.head_column(i)], dtype=np.float32)
              for i, (lo, hi) in enumerate(clusters.bounds, start=1)]
@@ -176,7 +177,7 @@ def test_layout_head_and_refusals():
         n_clusters, cutoffs, n_token = 2, [10, 30], 60
 
     c = Clusters.of(Config)
-    assert c.shortlist == 10 and c.bounds == [(10, 30), (30, 60)] and c.head_column(1) == 11 and c.head_column(2) == 10
+    assert c.shortlist == 10 and c.bounds == ((10, 30), (30, 60)) and c.head_column(1) == 11 and c.head_column(2) == 10
     Config.n_clusters, Config.cutoffs = 0, []
     assert Clusters.of(Config) is None
     rng = np.random.default_rng(0)

@@ -56,10 +56,10 @@ from typing import Callable
 import numpy as np
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
-from txl_deploy.runtimes.sampling import Clusters
 from txl_deploy.serving.http.completion import Completion, TokenOut
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import GONE, LOADING, PARKING, Session, SessionStore
@@ -112,7 +112,7 @@ class Scheduler:
             logger.info("lazy decoding needs an adaptive softmax's head and tail graphs (an ONNX export beside its "
                         "parts); this model has none, so every step computes the full distribution")
         # lazy decisions made, and per tail cluster how many rows it was computed for (TxlRuntime.tail_stats's form)
-        self.tail_stats = {"decisions": 0, "tails": [0] * (self.clusters.n if self.lazy else 0)}
+        self.tail_stats = {"decisions": 0, "tails": [0] * (self.clusters.n_clusters if self.lazy else 0)}
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_chunk = int(prefill_chunk or self.backend.max_segment)
         if not 1 <= self.prefill_chunk <= self.backend.max_segment:
