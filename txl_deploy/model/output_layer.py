@@ -31,9 +31,9 @@ class OutputLayer(nn.Module):
     """Adaptive input and adaptive softmax over shared, consumer-layout weights.
 
     Buffers: `out_weight_{i}` [d_emb_i, hi - lo] (the head's with n_clusters more columns: the cluster logits, in
-    the stored order, tail cluster i at column `layout.head_column(i)`), `out_bias_{i}`, `proj_{k}` [d_model, d_emb] (one
-    per distinct projection, tied ones once) and, untied only, `emb_weight_{i}` [rows, d_emb_i] as nn.Embedding
-    holds it.
+    the stored order, tail cluster i at column `layout.head_column(i)`), `out_bias_{i}`, `proj_{k}` [d_model,
+    d_emb] (one per distinct projection, tied ones once) and, untied only, `emb_weight_{i}` [rows, d_emb_i] as
+    nn.Embedding holds it.
     """
 
     def __init__(self, model: MemTransformerLM):

@@ -9,7 +9,7 @@ mixes lengths in a call. Each turn of the engine loop:
    a client that disconnects frees its row before the next step;
 2. admits waiting requests while fewer than `max_batch` run (they join between steps);
 3. runs ONE decode call for every row that has a token to feed (Q = 1: the token sampled last turn), then samples
-   each row's next token from the log-probs (the shared sampler, `runtimes/sampling.py`);
+   each row's next token from the log-probs (the shared sampler, `runtimes/sampling/`);
 4. runs ONE prompt call: the next chunk (at most `prefill_chunk` tokens) of the requests still feeding their prompt,
    those whose chunks have the same length together (usually every full chunk), the oldest request's group first.
    So a long prompt goes in between decode steps and the running streams wait at most one chunk per token.

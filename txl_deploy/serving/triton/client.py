@@ -427,7 +427,7 @@ class Conversation:
     def generate(self, prompt=None, max_new_tokens: int = 50, temperature: float = 0.0, top_k=None, top_p=None,
                  seed=None, stop=None, *, params: SamplingParams | None = None, **controls) -> Iterator[int]:
         """Yield new token ids as they are produced (temperature 0: greedy), continuing this conversation. The
-        sampling parameters are `TxlRuntime.generate`'s (the same sampler, runtimes/sampling.py): the classic ones,
+        sampling parameters are `TxlRuntime.generate`'s (the same sampler, runtimes/sampling/): the classic ones,
         the others by name, or one `params=SamplingParams(...)`; the stop token is yielded, then generation ends."""
         given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      stop=stop)

@@ -57,7 +57,7 @@ conversation's state; a resume_state is then read as untrusted (runtimes.saved_s
 the fingerprint checked before its data is read, one row at most).
 
 The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
-uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
+uses (runtimes/sampling/): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
 """
 
 import io
