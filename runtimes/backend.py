@@ -25,7 +25,7 @@ class Backend(abc.ABC):
     max_segment = 512
     precision = "fp32"
     threads = None  # CPU threads the backend was opened with (None: its library's default)
-    # The adaptive softmax's parts (contract.parts.Parts: shortlist, bounds, head_column) when this backend can
+    # The adaptive softmax's layout (contract.clusters.Clusters) when this backend can
     # compute the head and each tail separately (run_head, run_tail); None: only full distributions (run).
     clusters = None
 

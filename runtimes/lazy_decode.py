@@ -4,8 +4,8 @@ An adaptive-softmax word model's tails are most of a decode step's bytes (62% fo
 a sampler can often decide from the head alone (the shortlist holds most of the mass). `decide` starts every row's
 decision on its head log-probs (`Sampler.start`), gathers the rows that need tail cluster i into one batched
 `backend.run_tail(i, ...)` call, reveals each row's slice, and repeats until every row has decided. The tokens are
-the ones `Sampler.choose_parts` would pick with every tail at hand: the sampler's decision is the same algorithm,
-answered as it asks.
+the ones `Sampler.choose_parts` picks given the same head and tails: the sampler's decision is one algorithm,
+answered as it asks (docs/sampling.md).
 
 Used by `TxlRuntime.generate` and the HTTP server's batched decoder; a backend takes part when its `clusters` is
 set (see runtimes/backend.py: run_head, run_tail).
@@ -93,7 +93,7 @@ def full_log_probs(backend, hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
     tails = [backend.run_tail(i, np.ascontiguousarray(hidden, dtype=np.float32),
                               np.ascontiguousarray(head[:, clusters.head_column(i)], dtype=np.float32))
              for i in range(1, clusters.n_clusters + 1)]
-    return np.concatenate([head[:, :clusters.shortlist], *tails], axis=-1).astype(np.float32, copy=False)
+    return clusters.compose(head, tails)
 
 
 __all__ = ["Decision", "decide", "full_log_probs"]

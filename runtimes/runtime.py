@@ -18,6 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.io_spec import MEM_COUNT
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
@@ -25,7 +26,7 @@ from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.runtimes.registry import open_backend
-from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, generation_params
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.runtimes.saved_state import read_saved_state
 from txl_deploy.vocab import CONTINUING
 
@@ -45,7 +46,8 @@ class TxlRuntime:
     def __init__(self, backend: Backend, lazy: bool = True):
         self.backend = backend
         # generate() through the adaptive softmax's parts where the backend has them; False: every step computes
-        # the full distribution through the main graph (the same decisions, for comparing the two).
+        # the full distribution through the main graph (the same algorithm: docs/runtime.md says when the tokens
+        # are the same).
         self.lazy = bool(lazy)
         self._state = None
         self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
@@ -81,8 +83,10 @@ class TxlRuntime:
         see `set_tokenizer`) [default: the vocabulary's own, stored with the model].
 
         lazy: on a backend with the adaptive softmax's parts, `generate` computes each step's head and only the
-        tails its sampler asks for [default]; False computes every step's full distribution and makes the same
-        decisions from it (docs/runtime.md says where float rounding lets a sampled token differ). Also the `lazy`
+        tails its sampler asks for [default]; False computes every step's full distribution and runs the same
+        decision on the head derived from it: the same greedy tokens, and the same sampled ones whenever that head
+        and the tails are bit for bit what the parts compute; else a draw within float rounding of a boundary
+        between two tokens may go the other way (docs/runtime.md). Also the `lazy`
         attribute, which may be changed between calls."""
         rt = cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
                               max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
@@ -382,7 +386,7 @@ class TxlRuntime:
         stop: token ids that end generation (yielded, then stop).
         controls: the other token-level sampling parameters by name (min_p, repetition_penalty, presence_penalty,
         frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens, ban_unk=True to keep `<unk>` out of the
-        text; see runtimes/sampling.py), or all of them
+        text; see runtimes/sampling/), or all of them
         as one `params=SamplingParams(...)` (whose max_tokens and stop_token_ids then apply). Stop strings and
         log-probs belong to text responses: asking for them here is an error.
 
@@ -410,8 +414,8 @@ class TxlRuntime:
                 ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
             else:
                 self._check_can_continue()
-        # An adaptive softmax's decisions are the cluster-factored ones on every backend (runtimes/sampling.py), so
-        # the lazy path (head first, tails as asked) and the full path give the same tokens.
+        # An adaptive softmax's decisions are the cluster-factored ones on every backend (runtimes/sampling/), so the
+        # lazy path (head first, tails as asked) and the full path run one algorithm (docs/sampling.md).
         sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab,
                           clusters=Clusters.of(self.config))
         if self.lazy and self.backend.clusters is not None:

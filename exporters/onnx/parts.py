@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from txl_deploy.contract import parts as contract
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.onnx_file import write_inline
 from txl_deploy.contract.ring import write_ring
 from txl_deploy.errors import ExportError
@@ -174,22 +175,16 @@ def move_parts(tmp, out_path, force: bool) -> None:
         os.replace(tmp.parent / name, check_writable(dest, force))
 
 
-def assemble(head: np.ndarray, tails: list[np.ndarray], shortlist: int) -> np.ndarray:
-    """Full log-probs [..., V] from the head's log-probs and every tail's (`tails[i - 1]` for cluster i, each
-    already holding log p_head(i) + log p_i(t | i)): the main graph's composition."""
-    return np.concatenate([head[..., :shortlist], *tails], axis=-1)
-
-
-def run_tails(sessions, hidden: np.ndarray, head: np.ndarray, shortlist: int) -> list[np.ndarray]:
+def run_tails(sessions, hidden: np.ndarray, head: np.ndarray, layout: Clusters) -> list[np.ndarray]:
     """Every tail session on `hidden` [..., d_model] with its head column: [..., hi - lo] each."""
-    return [run_tail(sess, i, hidden, head, shortlist, len(sessions)) for i, sess in enumerate(sessions, start=1)]
+    return [run_tail(sess, i, hidden, head, layout) for i, sess in enumerate(sessions, start=1)]
 
 
-def run_tail(session, i: int, hidden: np.ndarray, head: np.ndarray, shortlist: int, n_clusters: int) -> np.ndarray:
+def run_tail(session, i: int, hidden: np.ndarray, head: np.ndarray, layout: Clusters) -> np.ndarray:
     """Tail cluster i's session on `hidden` [..., d_model] with its head column: [..., hi - lo]."""
     lead = hidden.shape[:-1]
     flat, flat_head = hidden.reshape(-1, hidden.shape[-1]), head.reshape(-1, head.shape[-1])
-    col = np.ascontiguousarray(flat_head[:, contract.head_column(shortlist, n_clusters, i)])
+    col = np.ascontiguousarray(flat_head[:, layout.head_column(i)])
     (lp,) = session.run(None, {contract.HIDDEN: flat, contract.HEAD_LOG_PROB: col})
     return lp.reshape(*lead, lp.shape[-1])
 
@@ -215,7 +210,7 @@ def verify_parts(model, cached, head_path, tail_paths, threads: int | None = Non
     if threads:
         opts.intra_op_num_threads = int(threads)
     cfg, spec, M = model.cfg, cached.spec, cached.mem_len
-    shortlist = cfg.cutoffs[0]
+    layout = Clusters.of(cfg)
     gen = torch.Generator().manual_seed(seed)
     lengths = [min(5, cached.max_segment), 1, 1, min(M + 3, cached.max_segment), 1]
     state = cached.empty_state(batch, dtype=next(model.parameters()).dtype)
@@ -240,7 +235,7 @@ def verify_parts(model, cached, head_path, tail_paths, threads: int | None = Non
             want = model.crit(ref_hidden).numpy()  # the full output layer on PyTorch's hidden states
             feeds = {k: v.numpy() for k, v in zip(names, [tokens, positions, *state])}
             hidden, head_lp, *parts_outs = head.run(None, feeds)
-            check(head_lp[..., :shortlist], want[..., :shortlist])
+            check(head_lp[..., :layout.shortlist], want[..., :layout.shortlist])
             for name, a, b in zip(head_output_names(spec)[2:], parts_outs, outs):
                 if not np.allclose(a, b.numpy(), atol=ATOL, rtol=RTOL):
                     raise ExportError(f"the head graph's {name} differs from PyTorch; nothing was written")
@@ -255,10 +250,10 @@ def verify_parts(model, cached, head_path, tail_paths, threads: int | None = Non
             else:
                 state = list(outs)
     del head
-    for i, (path, (lo, hi)) in enumerate(zip(tail_paths, contract.bounds(cfg.cutoffs, cfg.n_token)[1:]), start=1):
+    for i, (path, (lo, hi)) in enumerate(zip(tail_paths, layout.bounds), start=1):
         tail = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         for hidden, head_lp, want in streamed:
-            got = run_tail(tail, i, hidden, head_lp, shortlist, cfg.n_clusters)
+            got = run_tail(tail, i, hidden, head_lp, layout)
             check(got, want[..., lo:hi])
         del tail
     return {"passed": True, "max_abs_diff": worst, "segments": len(streamed),

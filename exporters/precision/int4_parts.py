@@ -46,7 +46,7 @@ def quantize_parts_int4(fp32_path, info, model_path, block_size: int, accuracy_l
     model_path = Path(model_path)
     sources = parts.files(fp32_path)  # present, in the fp32 graph's folder, the digests it lists
     targets = [model_path.with_name(contract.head_name(model_path))] + [
-        model_path.with_name(contract.tail_name(model_path, i)) for i in range(1, parts.n_clusters + 1)]
+        model_path.with_name(contract.tail_name(model_path, i)) for i in range(1, parts.layout.n_clusters + 1)]
     for i, (src, dst) in enumerate(zip(sources, targets)):
         what = "the head graph" if i == 0 else f"the tail {i} graph"
         part = onnx.load(str(src))
@@ -60,7 +60,7 @@ def quantize_parts_int4(fp32_path, info, model_path, block_size: int, accuracy_l
             raise ExportError(f"int4 {what}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0]})") from e
         check_strict(dst, f"the int4 {what}")  # what the model's graph passes: every exported file is checked
         del part
-    logger.info(f"int4: the adaptive softmax's head and {parts.n_clusters} tail graph(s) quantized "
+    logger.info(f"int4: the adaptive softmax's head and {parts.layout.n_clusters} tail graph(s) quantized "
                 f"(block {block_size}, accuracy_level {accuracy_level})")
     return {"head": {"file": targets[0].name, "sha256": contract.sha256(targets[0])},
             "tails": [{"file": t.name, "sha256": contract.sha256(t)} for t in targets[1:]], "precision": "int4"}

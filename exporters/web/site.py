@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
@@ -94,8 +95,8 @@ def graph_spec(model_path) -> dict:
     return {"name": Path(model_path).stem, "n_layer": c.n_layer, "n_head": c.n_head, "d_head": c.d_head,
             "mem_len": info.mem_len, "n_token": c.n_token, "state": info.state, "max_segment": info.max_segment,
             "precision": info.precision, "float_dtype": float_dtype,
-            # an adaptive softmax's cluster boundaries ([] for a plain softmax): the page samples it cluster by cluster
-            "cutoffs": [int(x) for x in c.cutoffs],
+            # an adaptive softmax's layout (None for a plain softmax): the page samples it cluster by cluster
+            "clusters": layout.to_dict() if (layout := Clusters.of(c)) is not None else None,
             # an incremental graph whose slot axis is dynamic takes a 1-slot memory for an empty stream
             "fresh_prefill": info.state == "incremental" and mem_k.shape.dim[3].HasField("dim_param")}
 

@@ -217,7 +217,7 @@ class OrtBackend(Backend):
             self.parts_error = e
             logger.warning(f"{e}; computing full distributions only")
             return
-        self._head, self._tails, self.clusters = sessions[0], sessions[1:], parts
+        self._head, self._tails, self.clusters = sessions[0], sessions[1:], parts.layout
         self._head_outputs = head_outputs
 
     def fingerprint(self) -> str:

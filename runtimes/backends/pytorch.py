@@ -16,7 +16,7 @@ import numpy as np
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.contract import io_spec
-from txl_deploy.contract import parts as parts_contract
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import InputError
@@ -68,7 +68,7 @@ class _TorchBase(Backend):
                                                     "weights_sha256": weights_sha256(model.state_dict())})
         self._fp = info.fingerprint()
         if self.config.n_clusters > 0 and isinstance(self, TorchEagerBackend):  # the reference for lazy decoding
-            self.clusters = parts_contract.Parts.of(self.config)
+            self.clusters = Clusters.of(self.config)
 
     def _tensor(self, a, copy=True):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here

@@ -10,6 +10,7 @@ from helpers.tiny import make_tiny_model
 
 torch = pytest.importorskip("torch")
 
+from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.model.output_layer import OutputLayer  # noqa: E402
 
 # (div_val, d_embed, cutoffs, tie_projs): adaptive with and without projections, div_val 1 and > 1, no clusters.
@@ -39,9 +40,14 @@ def test_same_numbers_as_the_reference_embedding_and_softmax(shape, tie_weight):
         full = layer(hidden)
         assert (full - model.crit(hidden)).abs().max() <= 1e-5
         head = layer.head(hidden)
-        assert head.shape[-1] == layer.shortlist + len(layer.bounds)
-        parts = [head[..., : layer.shortlist]] + [layer.tail(i, hidden, head) for i in range(1, len(layer.bounds) + 1)]
-        assert torch.equal(torch.cat(parts, dim=-1), full)  # the parts compose to the full layer, bit for bit
+        layout = layer.layout
+        if layout is None:  # a plain softmax: the head is the whole distribution
+            assert torch.equal(head, full)
+        else:
+            assert head.shape[-1] == layout.head_size
+            tails = [layer.tail(i, hidden, head) for i in range(1, layout.n_clusters + 1)]
+            # the parts compose the layer, bit for bit
+            assert torch.equal(torch.cat([head[..., : layout.shortlist], *tails], dim=-1), full)
     # The log-probs are a distribution over the whole vocabulary.
     assert torch.allclose(full.exp().sum(-1), torch.ones(3, 5), atol=1e-5)
 
@@ -49,13 +55,14 @@ def test_same_numbers_as_the_reference_embedding_and_softmax(shape, tie_weight):
 def test_bounds_and_head_columns_follow_the_stored_cluster_order():
     model = make_tiny_model()  # cutoffs [10, 30], n_token 60
     layer = OutputLayer(model)
-    assert layer.shortlist == 10
-    assert layer.bounds == [(10, 30), (30, 60)]
-    assert [layer.head_column(i) for i in (1, 2)] == [11, 10]  # tail cluster i reads head column -i
-    with pytest.raises(ValueError):
-        layer.head_column(0)
+    layout = layer.layout
+    assert layout.shortlist == 10
+    assert layout.bounds == ((10, 30), (30, 60))
+    assert [layout.head_column(i) for i in (1, 2)] == [11, 10]  # tail cluster i reads head column -i
+    with pytest.raises(InputError):
+        layout.head_column(0)
     plain = OutputLayer(make_tiny_model(cutoffs=[], tie_projs=[False], div_val=1))
-    assert plain.shortlist == 60 and plain.bounds == []
+    assert plain.layout is None
 
 
 def test_tied_weights_are_held_once_in_the_matmul_layout():

@@ -8,12 +8,13 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from helpers.cli import cli
 
 from txl_deploy.contract import parts as contract
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.errors import CheckpointError
-from txl_deploy.exporters.onnx.parts import assemble, run_tails
-from helpers.cli import cli
+from txl_deploy.exporters.onnx.parts import run_tails
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -26,10 +27,10 @@ def _sessions(folder, parts):
 def test_export_lists_the_parts_with_their_digests(tiny_onnx):
     info = read_onnx_info(tiny_onnx)
     parts = contract.Parts.from_export(info.export, info.config, tiny_onnx)
-    assert parts is not None and parts.n_clusters == info.config.n_clusters == 2
+    assert parts is not None and parts.layout.n_clusters == len(parts.tails) == info.config.n_clusters == 2
     assert parts.head.file == "tiny.head.onnx" and [t.file for t in parts.tails] == ["tiny.tail1.onnx",
                                                                                     "tiny.tail2.onnx"]
-    assert parts.bounds == ((10, 30), (30, info.config.n_token)) and parts.shortlist == 10
+    assert parts.layout == Clusters(10, ((10, 30), (30, info.config.n_token))) == Clusters.of(info.config)
     assert info.export["parts"]["verification"]["passed"]
     paths = parts.files(tiny_onnx)  # present, in the folder, digests as listed
     for path in paths:
@@ -59,15 +60,18 @@ def test_parts_assembled_equal_the_full_graph(tiny_onnx):
         want, *want_state = full.run(None, feeds)
         hidden, head_lp, *got_state = head.run(None, feeds)
         assert hidden.shape == (2, q, cfg.d_model) and head_lp.shape == (2, q, cfg.cutoffs[0] + 2)
-        tails_lp = run_tails(tails, hidden, head_lp, parts.shortlist)
-        assert [t.shape[-1] for t in tails_lp] == [hi - lo for lo, hi in parts.bounds]
-        np.testing.assert_allclose(assemble(head_lp, tails_lp, parts.shortlist), want, atol=1e-5, rtol=1e-5)
+        layout = parts.layout
+        tails_lp = run_tails(tails, hidden, head_lp, layout)
+        assert [t.shape[-1] for t in tails_lp] == [hi - lo for lo, hi in layout.bounds]
+        np.testing.assert_allclose(layout.compose(head_lp, tails_lp), want, atol=1e-5, rtol=1e-5)
         for a, b in zip(got_state, want_state):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
         # Each cluster's probability sits in its head column, in the original code's reversed order.
-        for i, (lo, hi) in enumerate(parts.bounds, start=1):
+        for i, (lo, hi) in enumerate(layout.bounds, start=1):
             mass = np.logaddexp.reduce(want[..., lo:hi], axis=-1)
-            np.testing.assert_allclose(mass, head_lp[..., parts.head_column(i)], atol=1e-5)
+            np.testing.assert_allclose(mass, head_lp[..., layout.head_column(i)], atol=1e-5)
+        derived = np.stack([layout.head_from_full(row) for row in want.reshape(-1, cfg.n_token)])
+        np.testing.assert_allclose(derived, head_lp.reshape(derived.shape), atol=1e-5)
         write_segment([state[n] for n in mems], want_state, state["mem_count"], spec.mem_len)
 
 
@@ -114,7 +118,7 @@ def test_each_tail_holds_only_its_own_clusters_weights(tiny_onnx):
     cfg = info.config
     parts = contract.Parts.from_export(info.export, cfg, tiny_onnx)
     main = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tiny_onnx)).graph.initializer}
-    for i, (path, (lo, hi)) in enumerate(zip(parts.files(tiny_onnx)[1:], parts.bounds), start=1):
+    for i, (path, (lo, hi)) in enumerate(zip(parts.files(tiny_onnx)[1:], parts.layout.bounds), start=1):
         d_emb = cfg.d_embed // cfg.div_val**i
         weights = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer if len(t.dims) >= 1]
         big = sorted(w.shape for w in weights if w.size > 1)

@@ -20,15 +20,15 @@ import pytest
 from helpers.browser import Browser, SiteServer, chromium, need, ort_web
 from helpers.word_models import export_wikitext_onnx
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.exporters.web.site import _template_dir, write_site
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams
-from txl_deploy.runtimes.tail_bounds import Clusters
 
 pytest.importorskip("torch")
 
 NODE = shutil.which("node") or shutil.which("nodejs")
-TINY_CLUSTERS = Clusters(shortlist=10, bounds=[(10, 30), (30, 60)])  # the tiny model's cutoffs [10, 30]
+TINY_CLUSTERS = Clusters(shortlist=10, bounds=((10, 30), (30, 60)))  # the tiny model's cutoffs [10, 30]
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +135,9 @@ import { readFileSync } from "node:fs";
 const { tables, cases } = JSON.parse(readFileSync(process.argv[2], "utf8"));
 const rows = tables.map(({ rows }) => rows.map((r) => Float32Array.from(r)));
 console.log(JSON.stringify(cases.map(({ table, fields, context }) => {
-  const { cutoffs, nToken } = tables[table];
+  const { clusters, nToken } = tables[table];
   const sampler = new Sampler(new SamplingParams(fields), nToken, context, null, null,
-                              Clusters.of({ cutoffs, n_token: nToken }));
+                              Clusters.of({ clusters, n_token: nToken }));
   return rows[table].map((row) => sampler.choose(row));
 })));
 """
@@ -175,7 +175,8 @@ def test_txl_js_samples_an_adaptive_softmax_as_the_python_sampler_does(tiny_onnx
     shutil.copyfile(_template_dir() / "txl.js", tmp_path / "txl.mjs")
     (tmp_path / "run.mjs").write_text(RUNNER)
     (tmp_path / "cases.json").write_text(json.dumps({
-        "tables": [{"rows": rows.tolist(), "cutoffs": cutoffs, "nToken": rows.shape[1]} for rows, cutoffs in tables],
+        "tables": [{"rows": rows.tolist(), "clusters": Clusters.from_cutoffs(cutoffs, rows.shape[1]).to_dict(),
+                    "nToken": rows.shape[1]} for rows, cutoffs in tables],
         "cases": cases}))
     r = subprocess.run([NODE, "run.mjs", "cases.json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -184,8 +185,7 @@ def test_txl_js_samples_an_adaptive_softmax_as_the_python_sampler_does(tiny_onnx
     for case, got in zip(cases, on_js):
         rows, cutoffs = tables[case["table"]]
         fields = _python_fields(case["fields"])
-        ends = [*cutoffs, rows.shape[1]]
-        clusters = Clusters(cutoffs[0], list(zip(ends[:-1], ends[1:])))
+        clusters = Clusters.from_cutoffs(cutoffs, rows.shape[1])
         factored = Sampler(SamplingParams(**{"max_tokens": 60, **fields}), rows.shape[1], context, clusters=clusters)
         plain = Sampler(SamplingParams(**{"max_tokens": 60, **fields}), rows.shape[1], context)
         want = [factored.choose(row) for row in rows]
@@ -205,14 +205,21 @@ def _python_fields(camel: dict) -> dict:
 def test_a_seeded_page_generates_txlruntimes_tokens_on_an_adaptive_model(page, tiny_onnx):
     """End to end: the page (onnxruntime-web, its own log-probs) and TxlRuntime.generate on the full graph, the
     same prompt, seed and controls, give the same tokens: the page samples the tiny model's clusters as Python."""
-    assert page.evaluate("fetch('model.json').then((r) => r.json()).then((s) => s.cutoffs)") == [10, 30]
-    refusals = page.evaluate("""import('./txl.js').then((m) => [[10, 30], [30, 10], [0, 30], [10, 60], [1.5], 'x']
-        .map((cutoffs) => {
-            try { return m.Clusters.of({ cutoffs, n_token: 60 }).bounds; } catch (e) { return e.message; }
-        }))""")
-    assert refusals[0] == [[10, 30], [30, 60]]
-    for cutoffs, message in zip(([30, 10], [0, 30], [10, 60], [1.5], "x"), refusals[1:]):
-        assert message.startswith("cutoffs must be increasing whole numbers inside (0, n_token=60), got "), cutoffs
+    listed = page.evaluate("fetch('model.json').then((r) => r.json()).then((s) => s.clusters)")
+    assert listed == TINY_CLUSTERS.to_dict() == {"shortlist": 10, "bounds": [[10, 30], [30, 60]],
+                                                 "head_columns": [11, 10]}
+    # the page reads the layout the exporter wrote, head columns included, and refuses one that is not a layout
+    bad = [dict(listed, bounds=[[10, 30], [31, 60]]), dict(listed, bounds=[[10, 60], [60, 60]]),
+           dict(listed, head_columns=[11, 11]), dict(listed, head_columns=[11, 12]), dict(listed, shortlist=1.5),
+           dict(listed, bounds=[[10, 30], [30, 59]]), "x"]
+    read = page.evaluate(f"""import('./txl.js').then((m) => [{json.dumps(dict(listed, head_columns=[10, 11]))},
+        ...{json.dumps(bad)}].map((clusters) => {{
+            try {{ const c = m.Clusters.of({{ clusters, n_token: 60 }}); return [c.bounds, c.headColumn(1)]; }}
+            catch (e) {{ return e.message; }}
+        }}))""")
+    assert read[0] == [[[10, 30], [30, 60]], 10]  # a head column is the metadata's, not recomputed on the page
+    for layout, message in zip(bad, read[1:]):
+        assert message.startswith("model.json's clusters are not an adaptive softmax's layout of 60 tokens: "), layout
     fields = dict(temperature=0.9, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3, seed=11, max_tokens=80)
     ids, _ = page.evaluate(f"txlDemo.generate('w1 w2', {json.dumps(_camel(fields))})")
     with TxlRuntime.load(tiny_onnx, lazy=False) as rt:

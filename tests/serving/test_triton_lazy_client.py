@@ -74,7 +74,7 @@ def test_lazy_client_generates_the_full_paths_tokens(server, tiny_onnx, controls
     lazy = TxlTritonClient(server.grpc_url, timeout=120, lazy=True)
     full = TxlTritonClient(server.grpc_url, timeout=120)
     try:
-        assert lazy.lazy and not full.lazy and lazy.clusters.bounds == [(10, 30), (30, 60)]
+        assert lazy.lazy and not full.lazy and lazy.clusters.bounds == ((10, 30), (30, 60))
         with lazy.conversation() as conv:
             got = list(conv.generate(prompt, max_new_tokens=n, **controls))
             received = conv.received

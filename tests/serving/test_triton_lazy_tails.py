@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from helpers.triton_stub import Request, Tensor, load_model_module, start_model
 
-from txl_deploy.serving.triton.protocol import HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT, cluster_bounds, head_column
+from txl_deploy.contract.clusters import Clusters
+from txl_deploy.serving.triton.protocol import HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT
 
 HEAD, TAILS = [HEAD_OUTPUT], [TAIL_OUTPUT]
 
@@ -39,15 +40,17 @@ def tail_request(corrid, clusters, dtype=np.int64):
 
 
 def test_cluster_bounds_cover_the_vocabulary_after_the_shortlist():
-    assert cluster_bounds([10, 30], 60) == [(10, 30), (30, 60)]
-    assert cluster_bounds([], 60) == []
-    assert [head_column([10, 30], i) for i in (1, 2)] == [11, 10]  # the original code's head_logprob[:, -i]
+    layout = Clusters.from_cutoffs([10, 30], 60)
+    assert layout.bounds == ((10, 30), (30, 60)) and layout.shortlist == 10 and layout.cutoffs == [10, 30]
+    assert Clusters.from_cutoffs([], 60) is None
+    assert [layout.head_column(i) for i in (1, 2)] == [11, 10]  # the original code's head_logprob[:, -i]
 
 
 def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
     from txl_deploy.runtimes import TxlRuntime
 
-    clusters = cluster_bounds([10, 30], 60)
+    layout = Clusters.from_cutoffs([10, 30], 60)
+    clusters = layout.bounds
     with TxlRuntime.load(tiny_onnx) as alone:
         assert alone.config.cutoffs == [10, 30] and alone.n_token == 60
         prompt = [5, 17, 42, 3]
@@ -61,7 +64,7 @@ def test_head_and_tails_are_the_full_distributions_own(model, tiny_onnx):
         np.testing.assert_allclose(head[HEAD_OUTPUT][0, :, :10], lp[:, :10], rtol=0, atol=1e-5)
         for i, (lo, hi) in enumerate(clusters, start=1):
             mass = np.log(np.exp(lp[:, lo:hi].astype(np.float64)).sum(-1))
-            col = head[HEAD_OUTPUT][0, :, head_column([10, 30], i)]
+            col = head[HEAD_OUTPUT][0, :, layout.head_column(i)]
             np.testing.assert_allclose(col, mass, rtol=0, atol=1e-5)
             assert (col[:, None] >= lp[:, lo:hi]).all()  # the bound a sampler relies on
         # tails of the latest distribution, in the order asked, without feeding anything

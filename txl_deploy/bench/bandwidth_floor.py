@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from txl_deploy.contract.clusters import pieces
 from txl_deploy.contract.metadata import read_onnx_info
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
 
     int8 graphs count one byte per matrix weight (biases, norms and tables are few bytes either way)."""
     bytes_per_value, memory_bytes_per_value = PRECISION_BYTES.get(precision, (4, 4))
-    from txl_deploy.model.mem_transformer import cluster_bounds  # imports torch
 
     D, H, Dh, Di, L = config.d_model, config.n_head, config.d_head, config.d_inner, config.n_layer
     T = table_size if table_size is not None else (min(config.clamp_len + 1, mem_len + 1) if config.clamp_len > 0
@@ -104,7 +104,7 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
     d_embed = config.d_embed
     if config.n_clusters:
         out += config.n_clusters * (d_embed + 1)
-    for i, (lo, hi) in enumerate(cluster_bounds(config)):
+    for i, (lo, hi) in enumerate(pieces(config.cutoffs, config.n_token)):
         d_i = d_embed // config.div_val**i if config.div_val > 1 else d_embed
         out += (hi - lo) * (d_i + 1)
         if config.div_val > 1 or D != d_embed:

@@ -32,9 +32,10 @@ from txl_deploy.bench.bandwidth_floor import graph_step_bytes
 from txl_deploy.bench.random_weights import INIT, char_vocab, random_model, shape_config
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.contract import parts as parts_contract
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.runtimes.lazy_decode import decide
-from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[
         weight, bias, proj = crit.cluster_params(0)
         if proj is not None:
             hidden = hidden @ proj.double()
-        rows = [clusters.head_column(i) - clusters.shortlist for i in range(1, clusters.n + 1)]
+        rows = [clusters.head_column(i) - clusters.shortlist for i in range(1, clusters.n_clusters + 1)]
         u = (hidden @ crit.cluster_weight.double().T)[:, rows]
         fit = HeadFit(hidden.numpy(), weight.double().numpy(), bias.double().numpy(), u.numpy())
         result = calibrate_head(fit, greedy, sampled)
@@ -194,7 +195,7 @@ def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed
     state = backend.state_from_arrays(arrays)
     fed = np.asarray(prompts, dtype=np.int64).reshape(batch, 1)
     last = np.zeros((batch, 1), dtype=np.int64)
-    tail_rows = np.zeros(clusters.n, dtype=np.int64)
+    tail_rows = np.zeros(clusters.n_clusters, dtype=np.int64)
     out = np.empty((batch, n_tokens), dtype=np.int64)
     start = time.perf_counter()
     for step in range(n_tokens):

@@ -160,9 +160,10 @@ def _softmax_parts(path) -> dict | None:
         status = "present and matching (lazy decoding available)"
     except CheckpointError as e:
         status = f"refused: {e}"
-    return {"head": parts.head.file, "shortlist": parts.shortlist, "status": status,
-            "tails": [{"file": t.file, "lo": lo, "hi": hi, "head_column": parts.head_column(i)}
-                      for i, (t, (lo, hi)) in enumerate(zip(parts.tails, parts.bounds), start=1)]}
+    layout = parts.layout
+    return {"head": parts.head.file, "shortlist": layout.shortlist, "status": status,
+            "tails": [{"file": t.file, "lo": lo, "hi": hi, "head_column": layout.head_column(i)}
+                      for i, (t, (lo, hi)) in enumerate(zip(parts.tails, layout.bounds), start=1)]}
 
 
 def _print_memory(m: dict) -> None:

@@ -128,7 +128,7 @@ def _logit_bias(ctx, param, values):
 
 
 def sampling_options(temperature: float):
-    """The token-level sampling parameters (runtimes/sampling.py's SamplingParams, which checks them), with
+    """The token-level sampling parameters (runtimes/sampling's SamplingParams, which checks them), with
     --max-new-tokens and --temperature defaulting as the command always did. The command gets `sampling`: a dict of
     SamplingParams keyword arguments (max_new_tokens is passed on as its own argument)."""
     options = [

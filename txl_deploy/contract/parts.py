@@ -11,8 +11,8 @@ parts are graphs of their own:
 - `NAME.tail<i>.onnx` for i = 1..n_clusters: inputs `hidden` [N, d_model] and `head_log_prob` [N] (the head column
   of cluster i); output `log_probs` [N, hi_i - lo_i], the full log-probabilities of the cluster's tokens.
 
-Tail cluster i's probability is the head column `shortlist + n_clusters - i` (the original code's order: the cluster
-rows are stored reversed). The main model's metadata (`export.parts`) lists every part's file name (a bare name in
+Where the clusters lie and which head column holds each is `contract.clusters.Clusters` (`Parts.layout`). The main
+model's metadata (`export.parts`) lists every part's file name (a bare name in
 the model's folder) and sha256, so a runtime refuses a part that does not belong to the model. No torch.
 """
 
@@ -22,6 +22,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import CheckpointError
 
 HIDDEN = "hidden"
@@ -40,17 +41,6 @@ def tail_name(model_path, i: int) -> str:
     return f"{Path(model_path).stem}.tail{i}.onnx"
 
 
-def head_column(shortlist: int, n_clusters: int, i: int) -> int:
-    """The head column holding log p(cluster i), i = 1..n_clusters."""
-    return shortlist + n_clusters - i
-
-
-def bounds(cutoffs, n_token: int) -> list[tuple[int, int]]:
-    """[lo, hi) of the head's shortlist (index 0) and of every tail cluster (1..n)."""
-    ends = [0] + list(cutoffs) + [n_token]
-    return list(zip(ends[:-1], ends[1:]))
-
-
 def sha256(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -67,33 +57,11 @@ class Part:
 
 @dataclass(frozen=True)
 class Parts:
-    """The parts a model's metadata lists: `head`, `tails[i - 1]` for cluster i, and where the clusters lie
-    (`bounds[i - 1]` = [lo, hi) of cluster i, the layout runtimes.sampling.Clusters describes). A backend that
-    computes the parts from a model it holds (the PyTorch reference) has no files: head and tails are None."""
+    """The part files a model's metadata lists: `head`, `tails[i - 1]` for cluster i, and the clusters' `layout`."""
 
-    head: Part | None
-    tails: tuple[Part | None, ...]
-    shortlist: int
-    bounds: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, config) -> "Parts":
-        """The layout of a model's clusters, without files."""
-        return cls(None, (None,) * config.n_clusters, int(config.cutoffs[0]),
-                   tuple(bounds(config.cutoffs, config.n_token))[1:])
-
-    @property
-    def n_clusters(self) -> int:
-        return len(self.tails)
-
-    n = n_clusters
-
-    @property
-    def n_token(self) -> int:
-        return self.bounds[-1][1]
-
-    def head_column(self, i: int) -> int:
-        return head_column(self.shortlist, self.n_clusters, i)
+    head: Part
+    tails: tuple[Part, ...]
+    layout: Clusters
 
     def to_dict(self) -> dict:
         return {"head": {"file": self.head.file, "sha256": self.head.sha256},
@@ -122,8 +90,7 @@ class Parts:
             if len(p.sha256) != 64 or any(c not in "0123456789abcdef" for c in p.sha256):
                 raise CheckpointError(path, "corrupt txl-deploy metadata (export.parts: a sha256 is not 64 hex "
                                             "digits)")
-        return cls(parts[0], tuple(parts[1:]), int(config.cutoffs[0]),
-                   tuple(bounds(config.cutoffs, config.n_token))[1:])
+        return cls(parts[0], tuple(parts[1:]), Clusters.of(config))
 
     def files(self, model_path) -> list[Path]:
         """The parts' paths (head first), each checked: present, a regular file in the model's folder (no link
@@ -144,4 +111,4 @@ class Parts:
 
 
 __all__ = ["HIDDEN", "HEAD_LOG_PROBS", "HEAD_LOG_PROB", "TAIL_LOG_PROBS", "Part", "Parts", "head_name",
-           "tail_name", "head_column", "bounds", "sha256"]
+           "tail_name", "sha256"]

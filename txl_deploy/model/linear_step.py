@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from txl_deploy.contract.clusters import Clusters, pieces
 from txl_deploy.model.cached_step import CachedTxl, scaled_qkv_weight
-from txl_deploy.model.mem_transformer import MemTransformerLM, cluster_bounds
+from txl_deploy.model.mem_transformer import MemTransformerLM
 
 
 def _linear(weight, bias=None) -> nn.Linear:
@@ -68,13 +69,13 @@ class LinearCachedTxl(nn.Module):
     def _input_layer(self, emb):
         cfg = self.cfg
         self.emb_scale = emb.emb_scale
-        self.emb_bounds = [(0, cfg.n_token)] if cfg.div_val == 1 else cluster_bounds(cfg)
+        self.emb_bounds = [(0, cfg.n_token)] if cfg.div_val == 1 else pieces(cfg.cutoffs, cfg.n_token)
         self.emb_tables = nn.ModuleList(copy.deepcopy(layer) for layer in emb.emb_layers)
         self.emb_projs = nn.ModuleList(_linear(proj) for proj in emb.emb_projs)  # F.linear(emb, proj)
 
     def _output_layer(self, crit):
         cfg = self.cfg
-        self.n_clusters, self.shortlist = cfg.n_clusters, (cfg.cutoffs[0] if cfg.n_clusters else cfg.n_token)
+        self.n_clusters, self.layout = cfg.n_clusters, Clusters.of(cfg)
         clusters = []
         for i in range(cfg.n_clusters + 1):
             weight, bias, proj = crit.cluster_params(i)
@@ -113,9 +114,9 @@ class LinearCachedTxl(nn.Module):
         head = F.log_softmax(logit(0), dim=-1)
         if self.n_clusters == 0:
             return head
-        out = [head[..., :self.shortlist]]
+        out = [head[..., :self.layout.shortlist]]
         for i in range(1, self.n_clusters + 1):
-            col = self.shortlist + self.n_clusters - i  # head column -i: the original cluster order
+            col = self.layout.head_column(i)  # head column -i: the original cluster order
             out.append(F.log_softmax(logit(i), dim=-1) + head[..., col:col + 1])
         return torch.cat(out, dim=-1)
 

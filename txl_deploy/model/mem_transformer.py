@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl_deploy.config import TxlConfig
+from txl_deploy.contract.clusters import Clusters, pieces
 
 
 def default_inv_freq(d_model: int, device=None) -> torch.Tensor:
@@ -121,11 +122,6 @@ class DecoderLayer(nn.Module):
         return self.pos_ff(self.dec_attn(h, mem, pos_emb, r_w_bias, r_r_bias, attn_mask))
 
 
-def cluster_bounds(cfg: TxlConfig) -> list[tuple[int, int]]:
-    ends = [0] + list(cfg.cutoffs) + [cfg.n_token]
-    return list(zip(ends[:-1], ends[1:]))
-
-
 class AdaptiveEmbedding(nn.Module):
     """Adaptive input (Baevski & Auli): cluster i embeds in d_embed // div_val**i and projects to d_model."""
 
@@ -140,7 +136,7 @@ class AdaptiveEmbedding(nn.Module):
             if cfg.d_model != cfg.d_embed:
                 self.emb_projs.append(nn.Parameter(torch.zeros(cfg.d_model, cfg.d_embed)))
         else:
-            for i, (lo, hi) in enumerate(cluster_bounds(cfg)):
+            for i, (lo, hi) in enumerate(pieces(cfg.cutoffs, cfg.n_token)):
                 d_emb_i = cfg.d_embed // cfg.div_val**i
                 self.emb_layers.append(nn.Embedding(hi - lo, d_emb_i))
                 self.emb_projs.append(nn.Parameter(torch.zeros(cfg.d_model, d_emb_i)))
@@ -154,7 +150,8 @@ class AdaptiveEmbedding(nn.Module):
             # Masked gather over every cluster instead of the original's nonzero()/index_copy: same values,
             # no data-dependent shapes, every cluster present in a traced graph.
             emb = 0
-            for (lo, hi), layer, proj in zip(cluster_bounds(self.cfg), self.emb_layers, self.emb_projs):
+            bounds = pieces(self.cfg.cutoffs, self.cfg.n_token)
+            for (lo, hi), layer, proj in zip(bounds, self.emb_layers, self.emb_projs):
                 in_cluster = (tokens >= lo) & (tokens < hi)
                 emb_i = F.linear(layer((tokens - lo).clamp(0, hi - lo - 1)), proj)
                 emb = emb + torch.where(in_cluster[..., None], emb_i, torch.zeros_like(emb_i))
@@ -176,7 +173,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         d_embed, d_proj = cfg.d_embed, cfg.d_model
         self.out_layers = nn.ModuleList()
         self.out_projs = nn.ParameterList()
-        bounds = cluster_bounds(cfg)
+        bounds = pieces(cfg.cutoffs, cfg.n_token)
         if cfg.n_clusters > 0:
             self.cluster_weight = nn.Parameter(torch.zeros(cfg.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(cfg.n_clusters))
@@ -194,7 +191,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     def cluster_params(self, i):
         """(weight, bias, proj or None) of cluster i, the head (i = 0) without its cluster rows."""
         if self.cfg.div_val == 1:
-            lo, hi = cluster_bounds(self.cfg)[i]
+            lo, hi = pieces(self.cfg.cutoffs, self.cfg.n_token)[i]
             weight, bias = self.out_layers[0].weight[lo:hi], self.out_layers[0].bias[lo:hi]
         else:
             weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
@@ -216,11 +213,11 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         head_weight = torch.cat([weight, self.cluster_weight], dim=0)
         head_bias = torch.cat([bias, self.cluster_bias], dim=0)
         head_logprob = F.log_softmax(self._logit(hidden, head_weight, head_bias, proj), dim=-1)
-        shortlist = self.cfg.cutoffs[0]
-        out = [head_logprob[..., :shortlist]]
+        layout = Clusters.of(self.cfg)
+        out = [head_logprob[..., :layout.shortlist]]
         for i in range(1, n_clusters + 1):
             tail_logprob = F.log_softmax(self._logit(hidden, *self.cluster_params(i)), dim=-1)
-            cluster_col = shortlist + n_clusters - i  # head column -i: the original cluster order
+            cluster_col = layout.head_column(i)  # head column -i: the original cluster order
             out.append(tail_logprob + head_logprob[..., cluster_col : cluster_col + 1])
         return torch.cat(out, dim=-1)
 

@@ -23,16 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl_deploy.model.mem_transformer import MemTransformerLM, cluster_bounds
+from txl_deploy.contract.clusters import Clusters, pieces
+from txl_deploy.model.mem_transformer import MemTransformerLM
 
 
 class OutputLayer(nn.Module):
     """Adaptive input and adaptive softmax over shared, consumer-layout weights.
 
     Buffers: `out_weight_{i}` [d_emb_i, hi - lo] (the head's with n_clusters more columns: the cluster logits, in
-    the stored order, tail cluster i at column `head_column(i)`), `out_bias_{i}`, `proj_{k}` [d_model, d_emb] (one
-    per distinct projection, tied ones once) and, untied only, `emb_weight_{i}` [rows, d_emb_i] as nn.Embedding
-    holds it.
+    the stored order, tail cluster i at column `layout.head_column(i)`), `out_bias_{i}`, `proj_{k}` [d_model,
+    d_emb] (one per distinct projection, tied ones once) and, untied only, `emb_weight_{i}` [rows, d_emb_i] as
+    nn.Embedding holds it.
     """
 
     def __init__(self, model: MemTransformerLM):
@@ -42,9 +43,8 @@ class OutputLayer(nn.Module):
         self.cfg = cfg
         self.emb_scale = cfg.d_model**0.5
         self.n_clusters = cfg.n_clusters
-        all_bounds = cluster_bounds(cfg)
-        self.shortlist = all_bounds[0][1]
-        self.bounds = all_bounds[1:]
+        self.layout = Clusters.of(cfg)  # None for a plain softmax
+        all_bounds = pieces(cfg.cutoffs, cfg.n_token)
         # Buffer names by source parameter: a projection that the embedding and the output share is registered
         # once and looked up by name, so `.to()`/`.half()` (which convert buffers one by one) keep it shared.
         self._proj_names: dict[int, str] = {}
@@ -92,12 +92,6 @@ class OutputLayer(nn.Module):
             self._proj_names[key] = name
         return self._proj_names[key]
 
-    def head_column(self, i: int) -> int:
-        """The head column holding tail cluster i's log-prob (i in 1..n_clusters): the original's column -i."""
-        if not 1 <= i <= self.n_clusters:
-            raise ValueError(f"tail cluster must be in 1..{self.n_clusters}, got {i}")
-        return self.shortlist + self.n_clusters - i
-
     # -- input -------------------------------------------------------------------------------------------------
     def embed(self, tokens, scaled: bool = True):
         """tokens [B, Q] -> [B, Q, d_model], scaled by sqrt(d_model) as AdaptiveEmbedding (`scaled=False`: for a
@@ -143,7 +137,7 @@ class OutputLayer(nn.Module):
 
     def tail(self, i, hidden, head_log_prob):
         """Full log-probs [..., hi - lo] of tail cluster i's tokens (i in 1..n_clusters)."""
-        col = self.head_column(i)
+        col = self.layout.head_column(i)
         return F.log_softmax(self._logit(i, hidden), dim=-1) + head_log_prob[..., col : col + 1]
 
     def forward(self, hidden):
@@ -151,7 +145,7 @@ class OutputLayer(nn.Module):
         head_log_prob = self.head(hidden)
         if self.n_clusters == 0:
             return head_log_prob
-        out = [head_log_prob[..., : self.shortlist]]
+        out = [head_log_prob[..., : self.layout.shortlist]]
         out += [self.tail(i, hidden, head_log_prob) for i in range(1, self.n_clusters + 1)]
         return torch.cat(out, dim=-1)
 

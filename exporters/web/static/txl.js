@@ -259,12 +259,12 @@ export class StreamDecoder {
   }
 }
 
-// -- sampling: txl_deploy/runtimes/sampling.py, step for step ----------------------------------------------------
+// -- sampling: txl_deploy/runtimes/sampling/, step for step -------------------------------------------------------
 // The same parameters, checked the same way (a bad value throws RangeError), the same steps in the same order, in
 // float64, with sums in the same order, and the same uniform numbers: `Pcg64` is numpy's default_rng(seed)
 // (SeedSequence, then PCG64 XSL-RR, random() = (next64 >> 11) / 2^53), so a seeded page samples the tokens that
 // TxlRuntime.generate and the HTTP server sample from the same log-probs. A model with an adaptive softmax (its
-// `Clusters`, from model.json's cutoffs) is sampled as Python samples it, by the cluster-factored decision of
+// `Clusters`, from model.json's clusters) is sampled as Python samples it, by the cluster-factored decision of
 // docs/sampling.md: decided on the head (the shortlist's log-probs and each tail cluster's log-sum-exp, computed
 // from the full row as Clusters.head_from_full computes it, numpy's pairwise sum included) and the tail clusters
 // it asks for, consuming the generator as Python does (one uniform per block draw, two more when a hidden
@@ -421,59 +421,71 @@ export function pairwiseSum(a, lo = 0, n = a.length - lo) {
   return pairwiseSum(a, lo, n2) + pairwiseSum(a, lo + n2, n - n2);
 }
 
-// The adaptive softmax's layout (txl_deploy/runtimes/tail_bounds.py's Clusters): tokens [0, shortlist) are in the
-// head, tail cluster i = 1..n covers bounds[i - 1] = [lo, hi).
+// The adaptive softmax's layout, read from model.json's `clusters` (written by the exporter: Clusters.to_dict of
+// txl_deploy/contract/clusters.py): tokens [0, shortlist) are in the head, tail cluster i = 1..n covers
+// bounds[i - 1] = [lo, hi), and its probability is head column headColumns[i - 1].
 export class Clusters {
-  constructor(shortlist, bounds) {
+  constructor(shortlist, bounds, headColumns) {
     this.shortlist = shortlist;
     this.bounds = bounds;
+    this.headColumns = headColumns;
   }
 
-  // The layout of a model.json (its `cutoffs` and `n_token`), or null for a plain softmax (no cutoffs).
+  // The layout a model.json lists (`clusters`, with its `n_token`), or null for a plain softmax (none listed).
+  // A layout that is not one (gaps, empty clusters, head columns outside the head or repeated) is refused.
   static of(spec) {
-    const cutoffs = spec.cutoffs ?? [];
-    if (!Array.isArray(cutoffs) || cutoffs.some((c, i) => !Number.isInteger(c) || c <= (i ? cutoffs[i - 1] : 0) ||
-                                                          c >= spec.n_token)) {
-      throw new RangeError(`cutoffs must be increasing whole numbers inside (0, n_token=${spec.n_token}), got ` +
-        JSON.stringify(cutoffs));
+    const c = spec.clusters ?? null;
+    if (c === null) return null;
+    const whole = (x) => Number.isInteger(x) && x >= 0;
+    const bounds = Array.isArray(c.bounds) ? c.bounds : [];
+    const ends = [0, c.shortlist, ...bounds.map((b) => (Array.isArray(b) ? b[1] : NaN))];
+    const columns = Array.isArray(c.headColumns ?? c.head_columns) ? (c.headColumns ?? c.head_columns) : [];
+    const head = c.shortlist + bounds.length;
+    const ok = whole(c.shortlist) && bounds.length > 0 && ends.at(-1) === spec.n_token &&
+      bounds.every((b, k) => Array.isArray(b) && b.length === 2 && b[0] === ends[k + 1]) &&
+      ends.every((e, k) => whole(e) && (k === 0 || e > ends[k - 1])) &&
+      columns.length === bounds.length && new Set(columns).size === columns.length &&
+      columns.every((col) => Number.isInteger(col) && col >= c.shortlist && col < head);
+    if (!ok) {
+      throw new RangeError(`model.json's clusters are not an adaptive softmax's layout of ${spec.n_token} tokens: ` +
+        JSON.stringify(c).slice(0, 120));
     }
-    if (cutoffs.length === 0) return null;
-    const ends = [...cutoffs, spec.n_token];
-    return new Clusters(ends[0], ends.slice(1).map((hi, i) => [ends[i], hi]));
+    return new Clusters(c.shortlist, bounds.map((b) => [b[0], b[1]]), [...columns]);
   }
 
   get n() { return this.bounds.length; }
 
   get nToken() { return this.bounds[this.n - 1][1]; }
 
-  // Cluster i's column in the head (the cluster logits follow the shortlist in reverse order).
-  headColumn(i) { return this.shortlist + this.n - i; }
+  // Cluster i's column in the head, as the metadata lists it.
+  headColumn(i) { return this.headColumns[i - 1]; }
 
-  // The head [shortlist + n] of a full distribution [V]: the shortlist's log-probs and per cluster the log of its
-  // tokens' total probability, as Clusters.head_from_full computes it (float64, a max-shifted log-sum-exp).
+  // The head [shortlist + n] of a full distribution [V] as Clusters.head_from_full computes it: the shortlist's
+  // log-probs and per cluster the log of its tokens' total probability (a max-shifted log-sum-exp with numpy's
+  // pairwise sum), each rounded to float32 as the head graph's output is.
   headFromFull(logProbs) {
     if (logProbs.length !== this.nToken) {
       throw new RangeError(`log-probs have ${logProbs.length} entries, the vocabulary ${this.nToken}`);
     }
     const head = new Float64Array(this.shortlist + this.n);
-    for (let j = 0; j < this.shortlist; j++) head[j] = logProbs[j];
+    for (let j = 0; j < this.shortlist; j++) head[j] = Math.fround(logProbs[j]);
     this.bounds.forEach(([lo, hi], k) => {
       let top = -Infinity;
       for (let t = lo; t < hi; t++) if (logProbs[t] > top || Number.isNaN(logProbs[t])) top = logProbs[t];
       if (!Number.isFinite(top)) { head[this.headColumn(k + 1)] = top; return; }
       const e = new Float64Array(hi - lo);
       for (let t = lo; t < hi; t++) e[t - lo] = Math.exp(logProbs[t] - top);
-      head[this.headColumn(k + 1)] = top + Math.log(pairwiseSum(e));
+      head[this.headColumn(k + 1)] = Math.fround(top + Math.log(pairwiseSum(e)));
     });
     return head;
   }
 }
 
-// Relative slack on a hidden cluster's mass bound (tail_bounds.MASS_MARGIN).
+// Relative slack on a hidden cluster's mass bound (runtimes/sampling/bounds.py's MASS_MARGIN).
 const MASS_MARGIN = 1e-4;
 const NOTHING_LEFT = "no token is left to choose: the sampling parameters exclude every token";
 
-// An upper bound of the sum of n probabilities (summing to at most 1) raised to 1/T (tail_bounds.power_sum_bound).
+// An upper bound of the sum of n probabilities (summing to at most 1) raised to 1/T (runtimes/sampling/bounds.py's power_sum_bound).
 const powerSumBound = (n, T) => (T <= 1 ? 1 : n ** (1 - 1 / T));
 
 // Of the clusters `can`, the one with the largest key (ties: the lowest i), as Python's max(can, key=(k, -i)).
@@ -606,7 +618,7 @@ export class Sampler {
     return s;
   }
 
-  // -- the cluster-factored decision (Sampler._factored, docs/sampling.md) ----------------------------------------
+  // -- the cluster-factored decision (sampling/factored.py, docs/sampling.md) -------------------------------------
   // A generator: yields the tail clusters it needs next, is sent a Map i -> their log-probs, returns the token.
   *factored(head) {
     const c = this.clusters;

@@ -18,7 +18,7 @@ import time
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.runtimes.sampling import Clusters
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.runtimes.saved_state import SavedState, read_saved_state, state_bytes
 from txl_deploy.serving.http.batch_steps import BatchSteps, internal_error
 from txl_deploy.serving.http.engine import EngineCore, Job
@@ -53,7 +53,7 @@ class Scheduler(EngineCore, BatchSteps):
             logger.info("lazy decoding needs an adaptive softmax's head and tail graphs (an ONNX export beside its "
                         "parts); this model has none, so every step computes the full distribution")
         # lazy decisions made, and per tail cluster how many rows it was computed for (TxlRuntime.tail_stats's form)
-        self.tail_stats = {"decisions": 0, "tails": [0] * (self.clusters.n if self.lazy else 0)}
+        self.tail_stats = {"decisions": 0, "tails": [0] * (self.clusters.n_clusters if self.lazy else 0)}
         self.prefill_chunk = int(prefill_chunk or self.backend.max_segment)
         if not 1 <= self.prefill_chunk <= self.backend.max_segment:
             raise InputError(f"prefill_chunk must be in [1, {self.backend.max_segment}] (the model's max_segment), "

@@ -33,8 +33,9 @@ from typing import Iterator
 import numpy as np
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import InputError, TxlError
-from txl_deploy.runtimes.sampling import Clusters, Sampler, SamplingParams, generation_params, unk_id
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params, unk_id
 from txl_deploy.runtimes.saved_state import read_state_metadata
 from txl_deploy.serving.triton.protocol import (
     CUTOFFS_PARAM,
@@ -46,7 +47,6 @@ from txl_deploy.serving.triton.protocol import (
     TAIL_OUTPUT,
     UNKNOWN_SEQUENCE,
     UNKNOWN_TO_MODEL,
-    cluster_bounds,
 )
 from txl_deploy.vocab import CONTINUING, Vocab
 
@@ -164,8 +164,7 @@ class TxlTritonClient:
         # Lazy decoding (protocol.HEAD_OUTPUT / TAIL_INPUT): generate() fetches each step's head and only the tails
         # its sampler asks for, where the model has an adaptive softmax and serves them (the python backend).
         cutoffs = json.loads(self.params.get(CUTOFFS_PARAM) or "[]")
-        self.clusters = (Clusters(int(cutoffs[0]), cluster_bounds(cutoffs, self.n_token))
-                         if cutoffs and self.n_token else None)
+        self.clusters = Clusters.from_cutoffs(cutoffs, self.n_token) if self.n_token else None
         self.lazy = bool(lazy) and self.clusters is not None
 
     @property
@@ -428,7 +427,7 @@ class Conversation:
     def generate(self, prompt=None, max_new_tokens: int = 50, temperature: float = 0.0, top_k=None, top_p=None,
                  seed=None, stop=None, *, params: SamplingParams | None = None, **controls) -> Iterator[int]:
         """Yield new token ids as they are produced (temperature 0: greedy), continuing this conversation. The
-        sampling parameters are `TxlRuntime.generate`'s (the same sampler, runtimes/sampling.py): the classic ones,
+        sampling parameters are `TxlRuntime.generate`'s (the same sampler, runtimes/sampling/): the classic ones,
         the others by name, or one `params=SamplingParams(...)`; the stop token is yielded, then generation ends."""
         given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      stop=stop)

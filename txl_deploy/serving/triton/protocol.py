@@ -20,14 +20,14 @@ STATE_FORMAT_VERSION = 1
 UNKNOWN_SEQUENCE = "must specify the START flag"
 UNKNOWN_TO_MODEL = "is unknown to this model instance"
 
-# Lazy adaptive-softmax decoding (python backend, models with an adaptive softmax: config `cutoffs`). The shortlist is
-# the token ids [0, cutoffs[0]); tail cluster i = 1..n covers [lo, hi) = cluster_bounds(...)[i - 1], the numbering
-# and head layout of the exported head graph and of runtimes/sampling.py's Clusters. A client that samples lazily
+# Lazy adaptive-softmax decoding (python backend, models with an adaptive softmax: config `cutoffs`). The layout
+# (shortlist, tail clusters 1..n, head columns) is `Clusters.from_cutoffs(cutoffs, n_token)` (contract/clusters.py),
+# the exported head graph's and the sampler's. A client that samples lazily
 # asks a step for the head instead of the full log-probs, and then, only when its decision needs them, for some tails
 # of the same distribution, in a request that feeds no tokens (the memory does not move). For a WikiText-103 model
 # that is 20,003 floats a token instead of 267,735, plus a tail now and then.
 #  HEAD_OUTPUT [1, P, shortlist + n] FP32: per position, the shortlist tokens' log-probs, then one column per tail
-#    cluster in the original code's order (`head_logprob[:, -i]`: cluster i at column shortlist + n - i), holding
+#    cluster in the original code's order (`Clusters.head_column(i)`), holding
 #    log p_head(i), the log of the probability that the token lies in cluster i (every token t of cluster i has
 #    log p(t) <= log p_head(i)).
 #  TAIL_INPUT [1, K] INT64: distinct tail clusters (1..n), taken from the conversation's latest next-token
@@ -40,14 +40,3 @@ TAIL_INPUT = "tail_clusters"
 TAIL_OUTPUT = "tail_log_probs"
 CUTOFFS_PARAM = PARAM_PREFIX + "cutoffs"  # JSON list; published by models with an adaptive softmax only
 
-
-def cluster_bounds(cutoffs, n_token: int) -> list[tuple[int, int]]:
-    """The token ids [lo, hi) of tail clusters 1..n (at index i - 1) of an adaptive softmax with these cutoffs
-    (none: no tails)."""
-    edges = [int(c) for c in cutoffs] + [int(n_token)]
-    return list(zip(edges[:-1], edges[1:])) if cutoffs else []
-
-
-def head_column(cutoffs, i: int) -> int:
-    """Tail cluster i's column in HEAD_OUTPUT."""
-    return int(cutoffs[0]) + len(cutoffs) - i

@@ -57,7 +57,7 @@ conversation's state; a resume_state is then read as untrusted (runtimes.saved_s
 the fingerprint checked before its data is read, one row at most).
 
 The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
-uses (runtimes/sampling.py): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
+uses (runtimes/sampling/): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
 """
 
 import io
@@ -87,6 +87,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 # txl_deploy is found through PYTHONPATH, applied just above.
+from txl_deploy.contract.clusters import Clusters  # noqa: E402
 from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.runtimes.lazy_decode import full_log_probs  # noqa: E402
@@ -94,7 +95,7 @@ from txl_deploy.runtimes.saved_state import max_archive_bytes, read_saved_state 
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
     HEAD_OUTPUT, RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, TAIL_INPUT, TAIL_OUTPUT,
-    UNKNOWN_TO_MODEL, cluster_bounds)
+    UNKNOWN_TO_MODEL)
 
 _previous_hook = sys.unraisablehook
 
@@ -186,7 +187,8 @@ class TritonPythonModel:
         self.backend = self.runtime.backend
         self.n_token = self.runtime.n_token
         # The adaptive softmax's tail clusters (none for a plain softmax): what head and tail requests refer to.
-        self.clusters = cluster_bounds(self.runtime.config.cutoffs, self.n_token)
+        self.clusters = Clusters.of(self.runtime.config)
+        self.n_clusters = self.clusters.n_clusters if self.clusters is not None else 0
         self.max_request_tokens = int(params.get("max_request_tokens") or self.backend.max_segment)
         # At most max_candidate_sequences conversations are live on one instance at a time (Triton's oldest
         # strategy); more held memories can only belong to sequences Triton has already dropped (idle timeout).
@@ -198,12 +200,12 @@ class TritonPythonModel:
         self.conversations = OrderedDict()  # corrid -> Conversation, least recently used first
         self.fingerprint = self.backend.fingerprint()
         # Head-only steps and tails on request run the softmax's own graphs where the backend has them (see above).
-        self.lazy = bool(self.clusters) and getattr(self.backend, "clusters", None) is not None
-        self.counts = {"head": 0, "full": 0, "tails": [0] * len(self.clusters)}  # rows run through each graph
+        self.lazy = self.clusters is not None and getattr(self.backend, "clusters", None) is not None
+        self.counts = {"head": 0, "full": 0, "tails": [0] * self.n_clusters}  # rows run through each graph
         self._metrics = self._make_metrics(args.get("model_name", ""), args.get("model_version", ""))
         if self.lazy:
             _log("info", "txl-deploy: head requests run the head graph only, tail requests their tail graphs")
-        elif self.clusters:
+        elif self.clusters is not None:
             why = getattr(self.backend, "parts_error", None)
             why = _message(why) if why is not None else f"none listed, or the {self.backend.name} backend runs none"
             _log("warn", f"txl-deploy: the model's softmax parts are not at hand ({why}): head and tail requests "
@@ -225,7 +227,7 @@ class TritonPythonModel:
             return {"families": (graphs, tails), "full": graphs.Metric(labels={**labels, "graph": "full"}),
                     "head": graphs.Metric(labels={**labels, "graph": "head"}),
                     "tails": [tails.Metric(labels={**labels, "cluster": str(i)})
-                              for i in range(1, len(self.clusters) + 1)]}
+                              for i in range(1, self.n_clusters + 1)]}
         except Exception as e:  # metrics are a report, never a reason not to serve
             _log("info", f"txl-deploy: no custom metrics ({_message(e)}); counts are logged at unload")
             return None
@@ -341,8 +343,8 @@ class TritonPythonModel:
             wanted = request.requested_output_names()
             want_state = SAVED_OUTPUT in wanted
             want_head = HEAD_OUTPUT in wanted
-            tails = self._check_tails(_input(request, TAIL_INPUT, max(len(self.clusters), 1), "clusters"))
-            if want_head and not self.clusters:
+            tails = self._check_tails(_input(request, TAIL_INPUT, max(self.n_clusters, 1), "clusters"))
+            if want_head and self.clusters is None:
                 raise ValueError(f"{HEAD_OUTPUT}: this model has no adaptive softmax (a plain softmax): ask for "
                                  "log_probs")
             want_full = "log_probs" in wanted or not (want_head or tails is not None)
@@ -439,14 +441,14 @@ class TritonPythonModel:
         """TAIL_INPUT -> the cluster indices asked for (int64 [K]), or None when the request asks for none."""
         if clusters is None:
             return None
-        if not self.clusters:
+        if self.clusters is None:
             raise ValueError(f"{TAIL_INPUT}: this model has no adaptive softmax, so no tail clusters")
         if clusters.ndim != 2 or clusters.shape[0] != 1 or clusters.shape[1] < 1:
             raise ValueError(f"{TAIL_INPUT} must be [1, K] with K >= 1, got shape {list(clusters.shape)}")
         if not np.issubdtype(clusters.dtype, np.integer):
             raise ValueError(f"{TAIL_INPUT} must be INT64 cluster indices, got {clusters.dtype}")
         ids = clusters.reshape(-1)
-        n = len(self.clusters)
+        n = self.n_clusters
         if int(ids.min()) < 1 or int(ids.max()) > n:
             raise ValueError(f"{TAIL_INPUT} must name tail clusters 1..{n}, got {ids.tolist()[:8]}")
         if np.unique(ids).size != ids.size:
@@ -454,20 +456,9 @@ class TritonPythonModel:
         return ids.astype(np.int64)
 
     def _head(self, log_probs):
-        """[1, P, V] log-probs -> [1, P, shortlist + n]: the shortlist's, then each cluster's log p_head(i), cluster
-        i at column shortlist + n - i (protocol.HEAD_OUTPUT).
-
-        The cluster's log-prob is the log-sum-exp of its tokens' in float64; it is >= every one of them (the max plus
-        the log of a sum >= 1, rounded to the nearest float32 of a value >= a float32), so a sampler's bound holds."""
-        lp = np.asarray(log_probs, dtype=np.float64)
-        cols = [lp[..., :self.clusters[0][0]]]
-        for lo, hi in reversed(self.clusters):
-            part = lp[..., lo:hi]
-            top = part.max(axis=-1, keepdims=True)
-            safe = np.where(np.isfinite(top), top, 0.0)  # a cluster the model rules out entirely stays -inf
-            with np.errstate(divide="ignore"):
-                cols.append(safe + np.log(np.exp(part - safe).sum(axis=-1, keepdims=True)))
-        return np.concatenate(cols, axis=-1).astype(np.float32)
+        """[1, P, V] log-probs -> [1, P, shortlist + n] (protocol.HEAD_OUTPUT): `Clusters.head_from_full`, each
+        cluster's log-prob >= every one of its tokens', so a sampler's bound holds."""
+        return self.clusters.head_from_full(log_probs)
 
     def _tails(self, conv, ids):
         """The log-probs of clusters `ids`' tokens in the conversation's latest next-token distribution [1, N]:
@@ -478,7 +469,7 @@ class TritonPythonModel:
             parts = []
             for i in ids:
                 i = int(i)
-                parts.append(self.backend.run_tail(i, hidden, head[:, self.backend.clusters.head_column(i)])[0])
+                parts.append(self.backend.run_tail(i, hidden, head[:, self.clusters.head_column(i)])[0])
                 self._count("tails", 1, i)
             return np.concatenate(parts).astype(np.float32, copy=False)[None]
         last = conv.last_log_probs
@@ -486,14 +477,14 @@ class TritonPythonModel:
             raise ValueError(f"{TAIL_INPUT}: conversation {conv.corrid} has no next-token distribution yet (feed "
                              "tokens, with the last position among out_positions)")
         flat = np.asarray(last, dtype=np.float32).reshape(-1)
-        return np.concatenate([flat[slice(*self.clusters[i - 1])] for i in ids])[None]
+        return np.concatenate([flat[slice(*self.clusters.bounds[i - 1])] for i in ids])[None]
 
     def _latest_full(self, conv):
         """The conversation's latest next-token log-probs [V] (None when not known). After a head-only step they are
         composed from the head and every tail (the full graph's composition) and kept: asked once, computed once."""
         if conv.last_hidden is not None:
             full = full_log_probs(self.backend, conv.last_hidden[None], conv.last_head[None])[0]
-            for i in range(1, len(self.clusters) + 1):
+            for i in range(1, self.n_clusters + 1):
                 self._count("tails", 1, i)
             conv.latest(np.array(full))
         return conv.last_log_probs
@@ -525,6 +516,6 @@ class TritonPythonModel:
             _log("info", f"txl-deploy: batched calls {self.states.viewed} without and {self.states.with_holes} with "
                          "hole rows")
         _log("info", f"txl-deploy: rows run through the full graph {self.counts['full']}, the head graph "
-                     f"{self.counts['head']}, tail clusters 1..{len(self.clusters)} {self.counts['tails']}")
+                     f"{self.counts['head']}, tail clusters 1..{self.n_clusters} {self.counts['tails']}")
         self.conversations.clear()
         self.runtime.close()
