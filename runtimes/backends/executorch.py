@@ -1,8 +1,8 @@
 """ExecuTorch backend: a `.pte` program (and its `.pte.json` sidecar) run by ExecuTorch's Python runtime.
 
 The program is the cached step with the `incremental` layout: it returns only this segment's keys and values, and
-the memory is a set of numpy ring buffers owned by this backend, written with `contract.ring.write_segment` after a
-run has succeeded, exactly as the ONNX Runtime backend does. ExecuTorch's bindings take torch tensors, which wrap
+the memory is a set of numpy ring buffers owned by this backend, written after a run has succeeded, exactly as the
+ONNX Runtime backend does (`host_rings`). ExecuTorch's bindings take torch tensors, which wrap
 the numpy buffers without a copy (`torch.from_numpy`).
 
 Threads: ExecuTorch runs XNNPACK's delegated ops on one thread pool for the whole process. `threads=N` resizes that
@@ -20,9 +20,8 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.pte_file import read_pte_info
-from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.runtimes.backend import Backend, contract_layout
+from txl_deploy.runtimes.host_rings import HostRingBackend
 
 EXTRA = "pip install 'txl-deploy[executorch]'"
 THREADS_NOTE = ("threads={threads} is not applied: ExecuTorch has one thread pool per process, which cannot be "
@@ -46,7 +45,7 @@ def _import_runtime():
     return torch, Runtime, portable_lib
 
 
-class ExecuTorchBackend(Backend):
+class ExecuTorchBackend(HostRingBackend):
     name = "executorch"
 
     def __init__(self, path, threads: int | None = None):
@@ -79,7 +78,6 @@ class ExecuTorchBackend(Backend):
         self.max_batch = int(meta.input_tensor_meta(0).sizes()[0])
         self.max_segment = min(self.max_segment, int(meta.input_tensor_meta(0).sizes()[1]))
         self.max_positions = int(meta.input_tensor_meta(1).sizes()[1])
-        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         self._names = names
         _OPEN.add(self)
 
@@ -108,41 +106,8 @@ class ExecuTorchBackend(Backend):
         base = f"kv-{self.info.fingerprint()}-float32"
         return base if self.precision == "fp32" else f"{base}-pte-{self.precision}"
 
-    # -- state ------------------------------------------------------------------------------------------------
-    def new_state(self, batch: int):
-        self._check_batch(batch)
-        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
-
-    def _check_batch(self, batch: int):
-        if batch > self.max_batch:
-            raise InputError(f"{self.path} was exported for batches of at most {self.max_batch} rows, got {batch}")
-
-    def state_batch(self, state) -> int:
-        return state[io_spec.MEM_COUNT].shape[0]
-
-    def state_arrays(self, state) -> dict:
-        return dict(state)
-
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, np.float32)
-
-    def state_from_arrays(self, arrays, copy=True):
-        batch, out = self.checked_arrays(arrays, copy)
-        self._check_batch(batch)
-        return out
-
-    def reset_rows(self, state, rows):
-        for a in state.values():
-            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
-
-    # -- compute ----------------------------------------------------------------------------------------------
-    def run(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=True)
-
-    def run_fixed(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=False)
-
-    def _run(self, state, tokens, out_positions, advance: bool):
+    # -- compute: the state and its commit are the base's ------------------------------------------------------
+    def _execute(self, state, tokens, out_positions, advance: bool):
         if out_positions.shape[1] > self.max_positions:
             raise InputError(f"{self.path} returns log-probs for at most {self.max_positions} positions per call, "
                              f"got {out_positions.shape[1]}")
@@ -159,11 +124,7 @@ class ExecuTorchBackend(Backend):
         except RuntimeError as e:  # ExecuTorch's error code (its own log on stderr says which kernel refused)
             raise InputError(f"the ExecuTorch program refused this input ({str(e).splitlines()[0][:200]})") from None
         log_probs = outs[0].numpy()
-        # Commit only after the run succeeded: a failed call leaves the memory as it was.
-        if advance:
-            write_segment([state[n] for n in self._mem_names], [o.numpy() for o in outs[1:]],
-                          state[io_spec.MEM_COUNT], self.mem_len)
-        return log_probs if log_probs.dtype == np.float32 else log_probs.astype(np.float32)
+        return log_probs.astype(np.float32, copy=False), [o.numpy() for o in outs[1:]] if advance else None
 
     def close(self):
         _OPEN.discard(self)

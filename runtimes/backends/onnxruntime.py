@@ -32,10 +32,9 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
-from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.runtimes.backend import Backend, contract_layout
 from txl_deploy.runtimes.backends.weight_pool import SHARED_MIN_BYTES, SharedWeights
+from txl_deploy.runtimes.host_rings import HostRingBackend
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def choose_providers(requested=None) -> list:
     return out
 
 
-class OrtBackend(Backend):
+class OrtBackend(HostRingBackend):
     name = "onnxruntime"
 
     def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None,
@@ -117,7 +116,6 @@ class OrtBackend(Backend):
             raise CheckpointError(path, f"graph's {io_spec.mem_k(0)} is not the [B, H, d_head, M] its metadata declares")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
-        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         # Incremental graphs take a 1-slot memory for streams that have consumed nothing (cached.CachedTxl).
         self.fresh_prefill = self.spec.state == "incremental" and isinstance(inputs[io_spec.mem_k(0)].shape[3], str)
         self._one_slot = {}
@@ -212,58 +210,37 @@ class OrtBackend(Backend):
     def fingerprint(self) -> str:
         return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
 
-    # -- state ------------------------------------------------------------------------------------------------
-    def new_state(self, batch: int):
-        arrays = {}
-        for s in self.spec.state_inputs():
-            arrays[s.name] = np.zeros(s.shape_for(batch), dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
+    # -- state: the base's host rings, or on the GPU two sets of device buffers ------------------------------------
+    def _adopt(self, arrays):
         return _DeviceState(self, arrays) if self.on_device else arrays
 
-    def state_batch(self, state) -> int:
-        if isinstance(state, _DeviceState):
-            return state.batch
-        return state[io_spec.MEM_COUNT].shape[0]
-
-    def state_arrays(self, state) -> dict:
+    def _host(self, state) -> dict:
         return state.to_numpy() if isinstance(state, _DeviceState) else dict(state)
 
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, self.float_dtype)
-
-    def state_from_arrays(self, arrays, copy=True):
-        _, out = self.checked_arrays(arrays, copy)
-        return _DeviceState(self, out) if self.on_device else out
+    def state_batch(self, state) -> int:
+        return state.batch if isinstance(state, _DeviceState) else super().state_batch(state)
 
     def reset_rows(self, state, rows):
         if isinstance(state, _DeviceState):
             arrays = state.to_numpy()
-            self._zero_rows(arrays, rows)
+            super().reset_rows(arrays, rows)
             state.upload(arrays)
         else:
-            self._zero_rows(state, rows)
-
-    @staticmethod
-    def _zero_rows(arrays, rows):
-        for a in arrays.values():
-            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
+            super().reset_rows(state, rows)
 
     # -- compute ----------------------------------------------------------------------------------------------
-    def run(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=True)
-
     def run_fixed(self, state, tokens, out_positions):
         if isinstance(state, _DeviceState):
             raise NotImplementedError("a memory kept on the GPU always advances")
-        return self._run(state, tokens, out_positions, advance=False)
+        return super().run_fixed(state, tokens, out_positions)
 
     def run_head(self, state, tokens, out_positions):
         if self.clusters is None:
             if self.parts_error is not None:
                 raise self.parts_error
             return super().run_head(state, tokens, out_positions)
-        hidden, head = self._run(state, tokens, out_positions, advance=True, session=self._head, n_out=2,
-                                 output_names=self._head_outputs)
-        return hidden, head
+        return tuple(self._run(state, tokens, out_positions, advance=True, session=self._head, n_out=2,
+                               output_names=self._head_outputs))
 
     def run_tail(self, i, hidden, head_log_prob):
         if self.clusters is None:
@@ -275,9 +252,13 @@ class OrtBackend(Backend):
                                                                                                   np.float32)})
         return out
 
-    def _run(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1, output_names=None):
+    def _run(self, state, tokens, out_positions, advance: bool, **how):
         if isinstance(state, _DeviceState):
             return state.run(tokens, out_positions)
+        return super()._run(state, tokens, out_positions, advance, **how)
+
+    def _execute(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1,
+                 output_names=None):
         session, output_names = session or self.session, output_names or self.output_names
         feeds = dict(state)
         if self.fresh_prefill and not state[io_spec.MEM_COUNT].any():
@@ -285,16 +266,14 @@ class OrtBackend(Backend):
         feeds[io_spec.TOKENS], feeds[io_spec.OUT_POSITIONS] = tokens, out_positions
         outs = session.run(output_names if advance else output_names[:n_out], feeds)
         results = [o if o.dtype == np.float32 else o.astype(np.float32) for o in outs[:n_out]]
-        if not advance:
-            return results[0]
-        # Commit only after the run succeeded: a failed call leaves the memory as it was.
+        return (results[0] if n_out == 1 else results), outs[n_out:]
+
+    def _commit(self, state, new_entries):
         if self.spec.state == "incremental":
-            write_segment([state[n] for n in self._mem_names], outs[n_out:], state[io_spec.MEM_COUNT],
-                          self.mem_len)
-        else:
-            for name, value in zip(output_names[n_out:], outs[n_out:]):
+            super()._commit(state, new_entries)
+        else:  # a full-state graph returns the whole next memory
+            for name, value in zip(self.output_names[len(self.output_names) - len(new_entries):], new_entries):
                 state[_input_for(name)] = value
-        return results[0] if n_out == 1 else results
 
     def _empty_memory(self, batch: int) -> dict:
         """1-slot zero buffers standing in for an empty memory (allocated once per batch size)."""
