@@ -12,7 +12,13 @@ other is open (see `_set_pool`); ops that were not delegated run on portable ker
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import sys
+import tempfile
 import threading
+import types
 import warnings
 import weakref
 
@@ -22,6 +28,8 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.runtimes.host_rings import HostRingBackend
+
+logger = logging.getLogger(__name__)
 
 EXTRA = "pip install 'txl-deploy[executorch]'"
 THREADS_NOTE = ("threads={threads} is not applied: ExecuTorch has one thread pool per process, which cannot be "
@@ -38,11 +46,64 @@ def _import_runtime():
     """(torch, executorch.runtime.Runtime, the bindings module), or a one-line error naming the extra."""
     try:
         import torch  # optional (the executorch extra): ExecuTorch's bindings take and return torch tensors
-        from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
-        from executorch.runtime import Runtime  # optional (the executorch extra)
+
+        with _without_exir():
+            from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
+            from executorch.runtime import Runtime  # optional (the executorch extra)
     except ImportError as e:
         raise InputError(f"running a .pte needs ExecuTorch: {EXTRA} ({e})") from None
     return torch, Runtime, portable_lib
+
+
+@contextlib.contextmanager
+def _without_exir():
+    """Import ExecuTorch's runtime without its compiler, `executorch.exir`. The bindings import exir's one module
+    `_warnings` (a warning class), which runs exir's `__init__`: the whole compiler and torchao, seconds of imports
+    and lines of other libraries' noise on every run. A bare package stands in for exir while the bindings load
+    and is removed afterwards, so a later `import executorch.exir` (an export) imports the real one."""
+    if "executorch.exir" in sys.modules:
+        yield
+        return
+    import executorch  # optional (the executorch extra); its __init__ imports nothing
+
+    bare = types.ModuleType("executorch.exir")
+    bare.__path__ = [os.path.join(p, "exir") for p in executorch.__path__]
+    sys.modules["executorch.exir"] = bare
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n == "executorch.exir" or n.startswith("executorch.exir.")]:
+            del sys.modules[name]
+        if getattr(executorch, "exir", None) is bare:
+            del executorch.exir
+
+
+@contextlib.contextmanager
+def _native_output_logged(what: str):
+    """Run a load with the C++ runtime's own lines on stderr (XNNPACK's cpuinfo probing, written to file
+    descriptor 2) captured and logged at DEBUG (`-v`). If the load fails they go to stderr as they were: they
+    say which kernel or delegate refused. With DEBUG logging on, nothing is captured. The descriptor is the
+    process's: another thread's stderr during the load is captured too."""
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", "replace").strip()
+            if text and failed:
+                sys.stderr.write(text + "\n")
+            elif text:
+                logger.debug(f"ExecuTorch while loading {what}:\n{text}")
 
 
 class ExecuTorchBackend(HostRingBackend):
@@ -61,8 +122,9 @@ class ExecuTorchBackend(HostRingBackend):
         if threads is not None:
             self._set_pool(int(threads))
         try:
-            program = runtime.get().load_program(self.path)
-            self.method = program.load_method("forward")
+            with _native_output_logged(self.path):
+                program = runtime.get().load_program(self.path)
+                self.method = program.load_method("forward")
         except Exception as e:  # RuntimeError from the loader: not a program, or one built for other kernels
             raise CheckpointError(path, f"ExecuTorch cannot load it ({str(e).splitlines()[0][:200]})") from None
         if self.method is None:
