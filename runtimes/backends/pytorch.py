@@ -43,28 +43,36 @@ def _load(path, device, mem_len, overrides=None):
 class _TorchBase(Backend):
     @classmethod
     def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None, threads=None):
-        self = cls()
         if threads:
             import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
             torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
+        loaded, model, _ = _load(path, device, mem_len, overrides)
+        self = cls.from_model(model, loaded.vocab, max_segment)
+        if threads:
             self.threads = int(threads)
-        loaded, model, device = _load(path, device, mem_len, overrides)
-        self._init_common(loaded, model, device, max_segment)
+        return self
+
+    @classmethod
+    def from_model(cls, model, vocab=None, max_segment=None):
+        """A backend on a MemTransformerLM already built (its device and mem_len as they are): the ExecuTorch
+        export's fp32 side."""
+        self = cls()
+        self._init_common(vocab, model, next(model.parameters()).device, max_segment)
         self._prepare()
         return self
 
     def _prepare(self):
         """What a backend builds on top of the loaded reference model."""
 
-    def _init_common(self, loaded, model, device, max_segment):
+    def _init_common(self, vocab, model, device, max_segment):
         from txl_deploy.model.weights import weights_sha256  # imports torch
 
         self.model, self.device = model, device
-        self.config, self.vocab = model.cfg, loaded.vocab
+        self.config, self.vocab = model.cfg, vocab
         self.mem_len = model.cfg.mem_len
         self.max_segment = int(max_segment or 512)
-        info = ExportInfo(model.cfg, loaded.vocab, {"mem_len": self.mem_len,
+        info = ExportInfo(model.cfg, vocab, {"mem_len": self.mem_len,
                                                     "weights_sha256": weights_sha256(model.state_dict())})
         self._fp = info.fingerprint()
         if self.config.n_clusters > 0 and isinstance(self, TorchEagerBackend):  # the reference for lazy decoding
