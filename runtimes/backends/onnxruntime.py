@@ -255,7 +255,14 @@ class OrtBackend(HostRingBackend):
     def _run(self, state, tokens, out_positions, advance: bool, **how):
         if isinstance(state, _DeviceState):
             return state.run(tokens, out_positions)
-        return super()._run(state, tokens, out_positions, advance, **how)
+        try:
+            return super()._run(state, tokens, out_positions, advance, **how)
+        finally:
+            if tokens.shape[1] > 1:
+                # A prompt's temporaries (a 512-position chunk's attention and feed-forward, MBs each) are freed
+                # into the heap, which keeps them: hand them back, or the runtime holds the largest prompt's
+                # working set for good. Decode steps (one token) skip it; a trim costs far less than a prompt.
+                _return_free_memory()
 
     def _execute(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1,
                  output_names=None):
