@@ -177,7 +177,8 @@ class TxlRuntime:
         positions: only these segment positions' log-probabilities, [B, P] (a list of ints is the same for every
         row); the graph then applies its output layer there alone. Needs Q <= max_segment.
         advance=False (with positions): leave the memory as it was, so that the same segment can be asked for other
-        positions (the ONNX Runtime CPU and ExecuTorch backends; others raise InputError)."""
+        positions (backends whose memory is in host rings: ONNX Runtime on the CPU, ExecuTorch, torch-fast;
+        others raise InputError)."""
         with self._lock:
             tokens = self._check_tokens(tokens)
             if positions is None:

@@ -6,9 +6,10 @@ dynamic segment (1 to `max_segment`). It is traced from `LinearCachedTxl`, whose
 modules, so torchao's `quantize_` reaches every weight matrix and `torch.export` finds no tensor made in `forward`.
 Config, vocabulary and export settings go into the sidecar `<name>.pte.json` (`contract.pte_file`).
 
-Before anything is written, ExecuTorch's own runtime runs the program on multi-segment streams at several batch and
-segment shapes against the PyTorch reference (fp32: numpy.allclose's rule with atol 1e-4, rtol 1e-5, as the ONNX
-export; int8 and int4: the mean KL divergence from fp32, and bits per character on held-out text within 2%).
+Before anything is written, the program runs as users run it (`TxlRuntime` on the ExecuTorch backend) on
+multi-segment streams at several batch and segment shapes against the PyTorch reference (fp32: numpy.allclose's
+rule with atol 1e-4, rtol 1e-5, as the ONNX export; int8 and int4: the mean KL divergence from fp32, and bits per
+character on held-out text within 2%).
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.pte_file import sidecar_path, write_sidecar
 from txl_deploy.errors import ExportError, InputError, TxlError, install_hint
-from txl_deploy.exporters.executorch.stream import RingStepper, module_call, program_call
 from txl_deploy.exporters.onnx.export import DEFAULT_MAX_SEGMENT, ExportResult
 from txl_deploy.exporters.onnx.stream import verification_segments
 from txl_deploy.exporters.onnx.verify import REDUCED_KL, ReferenceStream, describe, judge
 from txl_deploy.exporters.precision.report import accuracy_report
 from txl_deploy.exporters.precision.token_data import check_long_enough, ids_from
 from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.executorch import ExecuTorchBackend
+from txl_deploy.runtimes.backends.pytorch import TorchCachedBackend
 from txl_deploy.runtimes.evaluation import streaming_eval
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ MAX_BATCH = 64  # rows one call takes; a phone app runs one or a few
 INT4_GROUP = 32  # weights per int4 scale (ExecuTorch's Llama recipe uses 32 for 8da4w)
 MAX_ACCURACY_CHANGE = 0.02  # the reduced-precision gate: held-out bits per character (perplexity) within 2% of fp32
 MAX_EVAL_TOKENS = 20_000  # held-out tokens evaluated by both sides
+RUNTIME = "TxlRuntime on ExecuTorch (Python runtime, XNNPACK)"  # what the verification ran, as recorded
 
 
 def quantize_method(precision: str) -> dict | None:
@@ -118,10 +122,11 @@ def _op_name(target) -> str:
     return f"{name}.{schema.overload_name}" if schema.overload_name else name
 
 
-def _load_method(path):
-    from executorch.runtime import Runtime  # optional (the executorch extra): ExecuTorch's Python runtime
-
-    return Runtime.get().load_program(str(path)).load_method("forward")
+def _program_runtime(path, info: ExportInfo) -> TxlRuntime:
+    """The program at `path` as users run it: TxlRuntime on the ExecuTorch backend, which reads the sidecar beside
+    it (written here without a verification; the one that ships is written once the checks pass)."""
+    write_sidecar(info, path, sidecar_path(path))
+    return TxlRuntime(ExecuTorchBackend(path))
 
 
 def check_shapes(mem_len: int, max_segment: int) -> list[tuple[int, list[int]]]:
@@ -131,43 +136,46 @@ def check_shapes(mem_len: int, max_segment: int) -> list[tuple[int, list[int]]]:
             (3, [min(5, max_segment)] * 3 + [min(8, max_segment)])]
 
 
-def _verify_fp32(method, spec, model, mem_len, max_segment, tolerance) -> dict:
+def _verify_fp32(runtime, model, mem_len, max_segment, tolerance) -> dict:
     reports = []
     for seed, (batch, segments) in enumerate(check_shapes(mem_len, max_segment)):
         reference = ReferenceStream(model, segments, batch, seed)
-        stepper = RingStepper(program_call(method), spec)
-        report = judge(reference.compare(stepper.step), "fp32", tolerance)
+        runtime.reset()
+        report = judge(reference.compare(runtime.step), "fp32", tolerance)
         logger.info("  " + describe(report))
         reports.append(report)
     worst = max(reports, key=lambda r: r["tolerance_used"])
     return {**worst, "passed": all(r["passed"] for r in reports),
             "shapes": [{"batch": r["batch"], "segments": r["segments"], "max_abs_diff": r["max_abs_diff"]}
-                       for r in reports], "runtime": "ExecuTorch (Python runtime, XNNPACK)"}
+                       for r in reports], "runtime": RUNTIME}
 
 
-def _verify_reduced(method, spec, model, fp32_step, precision, max_segment, eval_ids, seg, vocab_kind,
-                    tolerance, max_eval_tokens) -> dict:
-    segments = verification_segments(spec.mem_len, max_segment)
-    report = ReferenceStream(model, segments).compare(RingStepper(program_call(method), spec).step)
+def _verify_reduced(runtime, model, vocab, precision, max_segment, eval_ids, seg, vocab_kind, tolerance,
+                    max_eval_tokens) -> dict:
+    segments = verification_segments(runtime.mem_len, max_segment)
+    report = ReferenceStream(model, segments).compare(runtime.step)
     report.pop("tolerance_used")  # fp32's own rule: a reduced program is judged by the KL divergence
     limit = REDUCED_KL[precision] if tolerance is None else tolerance
     report.update(tolerance=limit, precision=precision, passed=bool(report["kl_divergence"] <= limit),
                   criterion=f"mean KL divergence <= {limit:g} nats", reference="fp32 PyTorch reference",
-                  runtime="ExecuTorch (Python runtime, XNNPACK)")
+                  runtime=RUNTIME)
     logger.info("  " + describe(report))
     accuracy = None
     if eval_ids is not None:
         ids, name = eval_ids[0][:max_eval_tokens], Path(eval_ids[1]).name
         results, argmax = {}, {}
-        for key, call in (("fp32", module_call(fp32_step)), ("reduced", program_call(method))):
-            stepper = RingStepper(call, spec)
+        # fp32: the reference model through the torch-fast backend (the same cached step, unquantized)
+        fp32 = TxlRuntime(TorchCachedBackend.from_model(model, vocab, max_segment))
+        for key, rt in (("fp32", fp32), ("reduced", runtime)):
+            rt.reset()
 
-            def step(tokens, stepper=stepper, key=key):
-                lp = stepper.step(tokens)
+            def step(tokens, rt=rt, key=key):
+                lp = rt.step(tokens)
                 argmax.setdefault(key, []).append(lp[0].argmax(-1))
                 return lp
 
             results[key] = streaming_eval(ids, step, seg)
+        fp32.close()
         agree = float(np.mean(np.concatenate(argmax["reduced"]) == np.concatenate(argmax["fp32"])))
         accuracy = accuracy_report({**results, "top1_agreement": agree}, vocab_kind)
         accuracy.update(data=name, limit=MAX_ACCURACY_CHANGE,
@@ -234,7 +242,6 @@ def export_executorch(source, out_path, *, precision: str = "fp32", mem_len: int
         loaded.state_dict = {}
     config = model.cfg
     step = LinearCachedTxl(model, mem_len, max_segment=max_segment).eval()
-    fp32_step = LinearCachedTxl(model, mem_len, max_segment=max_segment).eval() if eval_ids is not None else None
     export_meta = {
         "format": "executorch", "mem_len": mem_len, "clamp_len": config.clamp_len, "same_length": config.same_length,
         "checkpoint_settings": checkpoint_settings, "state": "incremental", "max_segment": max_segment,
@@ -273,18 +280,20 @@ def export_executorch(source, out_path, *, precision: str = "fp32", mem_len: int
         tmp.write_bytes(buffer)
         del buffer
         if verify:
-            logger.info("verifying with ExecuTorch's runtime against the PyTorch reference ...")
-            method = _load_method(tmp)
-            if precision == "fp32":
-                report = _verify_fp32(method, info.spec(), model, mem_len, max_segment, tolerance)
-            else:
-                kind = loaded.vocab.kind if loaded.vocab is not None else "word"
-                report = _verify_reduced(method, info.spec(), model, fp32_step, precision, max_segment, eval_ids,
-                                         seg, kind, tolerance, max_eval_tokens)
-                info.export["precision_report"] = {"precision": precision, "stream": {
-                    k: v for k, v in report.items() if k != "accuracy"}, "accuracy": report["accuracy"],
-                    "method": info.export["quantization"]}
-            del method
+            logger.info("verifying with TxlRuntime on ExecuTorch against the PyTorch reference ...")
+            runtime = _program_runtime(tmp, info)
+            try:
+                if precision == "fp32":
+                    report = _verify_fp32(runtime, model, mem_len, max_segment, tolerance)
+                else:
+                    kind = loaded.vocab.kind if loaded.vocab is not None else "word"
+                    report = _verify_reduced(runtime, model, loaded.vocab, precision, max_segment, eval_ids, seg,
+                                             kind, tolerance, max_eval_tokens)
+                    info.export["precision_report"] = {"precision": precision, "stream": {
+                        k: v for k, v in report.items() if k != "accuracy"}, "accuracy": report["accuracy"],
+                        "method": info.export["quantization"]}
+            finally:
+                runtime.close()
             info.verification = report
             _refuse_failed(report, precision)
         write_sidecar(info, tmp, tmp_sidecar)

@@ -1,8 +1,8 @@
 """ExecuTorch backend: a `.pte` program (and its `.pte.json` sidecar) run by ExecuTorch's Python runtime.
 
 The program is the cached step with the `incremental` layout: it returns only this segment's keys and values, and
-the memory is a set of numpy ring buffers owned by this backend, written with `contract.ring.write_segment` after a
-run has succeeded, exactly as the ONNX Runtime backend does. ExecuTorch's bindings take torch tensors, which wrap
+the memory is a set of numpy ring buffers owned by this backend, written after a run has succeeded, exactly as the
+ONNX Runtime backend does (`host_rings`). ExecuTorch's bindings take torch tensors, which wrap
 the numpy buffers without a copy (`torch.from_numpy`).
 
 Threads: ExecuTorch runs XNNPACK's delegated ops on one thread pool for the whole process. `threads=N` resizes that
@@ -12,7 +12,13 @@ other is open (see `_set_pool`); ops that were not delegated run on portable ker
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import sys
+import tempfile
 import threading
+import types
 import warnings
 import weakref
 
@@ -20,9 +26,10 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.pte_file import read_pte_info
-from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError, install_hint
-from txl_deploy.runtimes.backend import Backend, contract_layout
+from txl_deploy.runtimes.host_rings import HostRingBackend
+
+logger = logging.getLogger(__name__)
 
 THREADS_NOTE = ("threads={threads} is not applied: ExecuTorch has one thread pool per process, which cannot be "
                 "resized while the {others} other open .pte runtime(s) use it; this one runs with their {current} "
@@ -38,14 +45,67 @@ def _import_runtime():
     """(torch, executorch.runtime.Runtime, the bindings module), or a one-line error naming the extra."""
     try:
         import torch  # optional (the executorch extra): ExecuTorch's bindings take and return torch tensors
-        from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
-        from executorch.runtime import Runtime  # optional (the executorch extra)
+
+        with _without_exir():
+            from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
+            from executorch.runtime import Runtime  # optional (the executorch extra)
     except ImportError as e:
         raise InputError(f"running a .pte needs ExecuTorch: {install_hint('executorch')} ({e})") from None
     return torch, Runtime, portable_lib
 
 
-class ExecuTorchBackend(Backend):
+@contextlib.contextmanager
+def _without_exir():
+    """Import ExecuTorch's runtime without its compiler, `executorch.exir`. The bindings import exir's one module
+    `_warnings` (a warning class), which runs exir's `__init__`: the whole compiler and torchao, seconds of imports
+    and lines of other libraries' noise on every run. A bare package stands in for exir while the bindings load
+    and is removed afterwards, so a later `import executorch.exir` (an export) imports the real one."""
+    if "executorch.exir" in sys.modules:
+        yield
+        return
+    import executorch  # optional (the executorch extra); its __init__ imports nothing
+
+    bare = types.ModuleType("executorch.exir")
+    bare.__path__ = [os.path.join(p, "exir") for p in executorch.__path__]
+    sys.modules["executorch.exir"] = bare
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n == "executorch.exir" or n.startswith("executorch.exir.")]:
+            del sys.modules[name]
+        if getattr(executorch, "exir", None) is bare:
+            del executorch.exir
+
+
+@contextlib.contextmanager
+def _native_output_logged(what: str):
+    """Run a load with the C++ runtime's own lines on stderr (XNNPACK's cpuinfo probing, written to file
+    descriptor 2) captured and logged at DEBUG (`-v`). If the load fails they go to stderr as they were: they
+    say which kernel or delegate refused. With DEBUG logging on, nothing is captured. The descriptor is the
+    process's: another thread's stderr during the load is captured too."""
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", "replace").strip()
+            if text and failed:
+                sys.stderr.write(text + "\n")
+            elif text:
+                logger.debug(f"ExecuTorch while loading {what}:\n{text}")
+
+
+class ExecuTorchBackend(HostRingBackend):
     name = "executorch"
 
     def __init__(self, path, threads: int | None = None):
@@ -61,8 +121,9 @@ class ExecuTorchBackend(Backend):
         if threads is not None:
             self._set_pool(int(threads))
         try:
-            program = runtime.get().load_program(self.path)
-            self.method = program.load_method("forward")
+            with _native_output_logged(self.path):
+                program = runtime.get().load_program(self.path)
+                self.method = program.load_method("forward")
         except Exception as e:  # RuntimeError from the loader: not a program, or one built for other kernels
             raise CheckpointError(path, f"ExecuTorch cannot load it ({str(e).splitlines()[0][:200]})") from None
         if self.method is None:
@@ -78,7 +139,6 @@ class ExecuTorchBackend(Backend):
         self.max_batch = int(meta.input_tensor_meta(0).sizes()[0])
         self.max_segment = min(self.max_segment, int(meta.input_tensor_meta(0).sizes()[1]))
         self.max_positions = int(meta.input_tensor_meta(1).sizes()[1])
-        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         self._names = names
         _OPEN.add(self)
 
@@ -107,41 +167,8 @@ class ExecuTorchBackend(Backend):
         base = f"kv-{self.info.fingerprint()}-float32"
         return base if self.precision == "fp32" else f"{base}-pte-{self.precision}"
 
-    # -- state ------------------------------------------------------------------------------------------------
-    def new_state(self, batch: int):
-        self._check_batch(batch)
-        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
-
-    def _check_batch(self, batch: int):
-        if batch > self.max_batch:
-            raise InputError(f"{self.path} was exported for batches of at most {self.max_batch} rows, got {batch}")
-
-    def state_batch(self, state) -> int:
-        return state[io_spec.MEM_COUNT].shape[0]
-
-    def state_arrays(self, state) -> dict:
-        return dict(state)
-
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, np.float32)
-
-    def state_from_arrays(self, arrays, copy=True):
-        batch, out = self.checked_arrays(arrays, copy)
-        self._check_batch(batch)
-        return out
-
-    def reset_rows(self, state, rows):
-        for a in state.values():
-            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
-
-    # -- compute ----------------------------------------------------------------------------------------------
-    def run(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=True)
-
-    def run_fixed(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=False)
-
-    def _run(self, state, tokens, out_positions, advance: bool):
+    # -- compute: the state and its commit are the base's ------------------------------------------------------
+    def _execute(self, state, tokens, out_positions, advance: bool):
         if out_positions.shape[1] > self.max_positions:
             raise InputError(f"{self.path} returns log-probs for at most {self.max_positions} positions per call, "
                              f"got {out_positions.shape[1]}")
@@ -158,11 +185,7 @@ class ExecuTorchBackend(Backend):
         except RuntimeError as e:  # ExecuTorch's error code (its own log on stderr says which kernel refused)
             raise InputError(f"the ExecuTorch program refused this input ({str(e).splitlines()[0][:200]})") from None
         log_probs = outs[0].numpy()
-        # Commit only after the run succeeded: a failed call leaves the memory as it was.
-        if advance:
-            write_segment([state[n] for n in self._mem_names], [o.numpy() for o in outs[1:]],
-                          state[io_spec.MEM_COUNT], self.mem_len)
-        return log_probs if log_probs.dtype == np.float32 else log_probs.astype(np.float32)
+        return log_probs.astype(np.float32, copy=False), [o.numpy() for o in outs[1:]] if advance else None
 
     def close(self):
         _OPEN.discard(self)

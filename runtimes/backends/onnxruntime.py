@@ -23,30 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
-from txl_deploy.contract.onnx_file import (
-    GRAPH_INITIALIZER,
-    MODEL_GRAPH,
-    TENSOR_RAW_DATA,
-    WIRE_LEN,
-    external_data,
-    varint,
-    wire_fields,
-)
-from txl_deploy.contract.ring import write_segment
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.runtimes.backend import Backend, contract_layout
+from txl_deploy.runtimes.backends.weight_pool import SHARED_MIN_BYTES, SharedWeights
+from txl_deploy.runtimes.host_rings import HostRingBackend
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +62,7 @@ def choose_providers(requested=None) -> list:
     return out
 
 
-class OrtBackend(Backend):
+class OrtBackend(HostRingBackend):
     name = "onnxruntime"
 
     def __init__(self, path, providers=None, intra_op_threads: int | None = None, profile_prefix: str | None = None,
@@ -128,7 +116,6 @@ class OrtBackend(Backend):
             raise CheckpointError(path, f"graph's {io_spec.mem_k(0)} is not the [B, H, d_head, M] its metadata declares")
         self.float_dtype = np.float16 if inputs[io_spec.mem_k(0)].type == "tensor(float16)" else np.float32
         self.output_names = self.spec.output_names()
-        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         # Incremental graphs take a 1-slot memory for streams that have consumed nothing (cached.CachedTxl).
         self.fresh_prefill = self.spec.state == "incremental" and isinstance(inputs[io_spec.mem_k(0)].shape[3], str)
         self._one_slot = {}
@@ -223,58 +210,37 @@ class OrtBackend(Backend):
     def fingerprint(self) -> str:
         return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
 
-    # -- state ------------------------------------------------------------------------------------------------
-    def new_state(self, batch: int):
-        arrays = {}
-        for s in self.spec.state_inputs():
-            arrays[s.name] = np.zeros(s.shape_for(batch), dtype=np.int64 if s.dtype == "int64" else self.float_dtype)
+    # -- state: the base's host rings, or on the GPU two sets of device buffers ------------------------------------
+    def _adopt(self, arrays):
         return _DeviceState(self, arrays) if self.on_device else arrays
 
-    def state_batch(self, state) -> int:
-        if isinstance(state, _DeviceState):
-            return state.batch
-        return state[io_spec.MEM_COUNT].shape[0]
-
-    def state_arrays(self, state) -> dict:
+    def _host(self, state) -> dict:
         return state.to_numpy() if isinstance(state, _DeviceState) else dict(state)
 
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, self.float_dtype)
-
-    def state_from_arrays(self, arrays, copy=True):
-        _, out = self.checked_arrays(arrays, copy)
-        return _DeviceState(self, out) if self.on_device else out
+    def state_batch(self, state) -> int:
+        return state.batch if isinstance(state, _DeviceState) else super().state_batch(state)
 
     def reset_rows(self, state, rows):
         if isinstance(state, _DeviceState):
             arrays = state.to_numpy()
-            self._zero_rows(arrays, rows)
+            super().reset_rows(arrays, rows)
             state.upload(arrays)
         else:
-            self._zero_rows(state, rows)
-
-    @staticmethod
-    def _zero_rows(arrays, rows):
-        for a in arrays.values():
-            a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
+            super().reset_rows(state, rows)
 
     # -- compute ----------------------------------------------------------------------------------------------
-    def run(self, state, tokens, out_positions):
-        return self._run(state, tokens, out_positions, advance=True)
-
     def run_fixed(self, state, tokens, out_positions):
         if isinstance(state, _DeviceState):
             raise NotImplementedError("a memory kept on the GPU always advances")
-        return self._run(state, tokens, out_positions, advance=False)
+        return super().run_fixed(state, tokens, out_positions)
 
     def run_head(self, state, tokens, out_positions):
         if self.clusters is None:
             if self.parts_error is not None:
                 raise self.parts_error
             return super().run_head(state, tokens, out_positions)
-        hidden, head = self._run(state, tokens, out_positions, advance=True, session=self._head, n_out=2,
-                                 output_names=self._head_outputs)
-        return hidden, head
+        return tuple(self._run(state, tokens, out_positions, advance=True, session=self._head, n_out=2,
+                               output_names=self._head_outputs))
 
     def run_tail(self, i, hidden, head_log_prob):
         if self.clusters is None:
@@ -286,9 +252,20 @@ class OrtBackend(Backend):
                                                                                                   np.float32)})
         return out
 
-    def _run(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1, output_names=None):
+    def _run(self, state, tokens, out_positions, advance: bool, **how):
         if isinstance(state, _DeviceState):
             return state.run(tokens, out_positions)
+        try:
+            return super()._run(state, tokens, out_positions, advance, **how)
+        finally:
+            if tokens.shape[1] > 1:
+                # A prompt's temporaries (a 512-position chunk's attention and feed-forward, MBs each) are freed
+                # into the heap, which keeps them: hand them back, or the runtime holds the largest prompt's
+                # working set for good. Decode steps (one token) skip it; a trim costs far less than a prompt.
+                _return_free_memory()
+
+    def _execute(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1,
+                 output_names=None):
         session, output_names = session or self.session, output_names or self.output_names
         feeds = dict(state)
         if self.fresh_prefill and not state[io_spec.MEM_COUNT].any():
@@ -296,16 +273,14 @@ class OrtBackend(Backend):
         feeds[io_spec.TOKENS], feeds[io_spec.OUT_POSITIONS] = tokens, out_positions
         outs = session.run(output_names if advance else output_names[:n_out], feeds)
         results = [o if o.dtype == np.float32 else o.astype(np.float32) for o in outs[:n_out]]
-        if not advance:
-            return results[0]
-        # Commit only after the run succeeded: a failed call leaves the memory as it was.
+        return (results[0] if n_out == 1 else results), outs[n_out:]
+
+    def _commit(self, state, new_entries):
         if self.spec.state == "incremental":
-            write_segment([state[n] for n in self._mem_names], outs[n_out:], state[io_spec.MEM_COUNT],
-                          self.mem_len)
-        else:
-            for name, value in zip(output_names[n_out:], outs[n_out:]):
+            super()._commit(state, new_entries)
+        else:  # a full-state graph returns the whole next memory
+            for name, value in zip(self.output_names[len(self.output_names) - len(new_entries):], new_entries):
                 state[_input_for(name)] = value
-        return results[0] if n_out == 1 else results
 
     def _empty_memory(self, batch: int) -> dict:
         """1-slot zero buffers standing in for an empty memory (allocated once per batch size)."""
@@ -318,88 +293,6 @@ class OrtBackend(Backend):
         return self._one_slot[batch]
 
 
-# Tensors under this many bytes stay in their graph: the pool is for weights, and a graph's small constants (shapes,
-# indices, scalars) are read by ONNX Runtime's optimisers as they are.
-SHARED_MIN_BYTES = 1 << 16
-_IN_MEMORY = "txl-deploy: held by the backend"  # the location a pooled initializer names in the graph given to ORT
-
-
-class SharedWeights:
-    """The weights of a model and of its part graphs, each distinct tensor held once (numpy arrays).
-
-    `attach(path, opts)` reads the graph at `path` tensor by tensor (protobuf's wire format: the weights go straight
-    from the file, or from its external data file, into arrays, never through a whole ModelProto), merges every
-    tensor equal to one already held (same dtype, shape and bytes), and returns the graph without its weights,
-    for ONNX Runtime, with `opts` giving the session the held arrays in their place. Two calls of SessionOptions do
-    that: `add_external_initializers` lets the graph optimisers read the values (the graph refers to the arrays'
-    memory), `add_initializer` makes the session use the arrays as they are (without it the session copies
-    them). A tail graph's `Gemm(hidden, W, transB=1)` whose W [rows, d] is the transpose of a held [d, rows] (the
-    main graph's output weight, as its MatMul reads it) is given that array with transB=0.
-    The arrays must outlive every session given them: the backend keeps this pool as long as its sessions."""
-
-    def __init__(self, min_bytes: int = SHARED_MIN_BYTES):
-        import onnxruntime as ort  # optional (the cpu or gpu extra)
-
-        self.ort, self.min_bytes = ort, min_bytes
-        self._held = {}  # fingerprint -> [(array, OrtValue)]
-        self.read_bytes = 0  # bytes of the tensors read from files
-        self.held_bytes = 0  # bytes held once merged
-
-    def attach(self, path, opts) -> bytes:
-        model, arrays = _read_weights_apart(Path(path), self.min_bytes)
-        gemm_b = _only_gemm_b(model.graph)
-        given = {}
-        for name in list(arrays):
-            array = arrays.pop(name)
-            self.read_bytes += array.nbytes
-            held = self._find(array)
-            if held is None and name in gemm_b:
-                held = self._find(array.T)
-                if held is not None:  # the same weight, stored as the other operand layout: flip the Gemms
-                    _transpose_gemm_b(model.graph, name, held[0].shape)
-            given[name] = held if held is not None else self._hold(array)
-        names = list(given)
-        values = [given[n][1] for n in names]
-        opts.add_external_initializers(names, values)
-        for name, value in zip(names, values):
-            opts.add_initializer(name, value)
-        return model.SerializeToString()
-
-    def _find(self, array):
-        """The held (array, OrtValue) equal to `array` (a view is compared as its values), or None."""
-        return next((held for held in self._held.get(_fingerprint(array), ()) if np.array_equal(held[0], array)),
-                    None)
-
-    def _hold(self, array):
-        entry = (array, self.ort.OrtValue.ortvalue_from_numpy(array))
-        self._held.setdefault(_fingerprint(array), []).append(entry)
-        self.held_bytes += array.nbytes
-        return entry
-
-
-def _only_gemm_b(graph) -> set:
-    """Names of the graph's 2-D initializers used only as a Gemm's B (input 1)."""
-    uses = {}
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            uses.setdefault(name, []).append(node.op_type == "Gemm" and i == 1)
-    return {t.name for t in graph.initializer if len(t.dims) == 2 and uses.get(t.name) and all(uses[t.name])}
-
-
-def _transpose_gemm_b(graph, name: str, shape) -> None:
-    """Make `name` the transpose of what it was: its dims become `shape`, every Gemm reading it flips transB."""
-    for node in graph.node:
-        if node.op_type == "Gemm" and node.input[1] == name:
-            trans_b = next((a for a in node.attribute if a.name == "transB"), None)
-            if trans_b is None:
-                node.attribute.append(onnx.helper.make_attribute("transB", 1))
-            else:
-                trans_b.i = 1 - trans_b.i
-    tensor = next(t for t in graph.initializer if t.name == name)
-    del tensor.dims[:]
-    tensor.dims.extend(shape)
-
-
 def _return_free_memory() -> None:
     """Hand the memory the heap has freed back to the system (glibc's malloc_trim; elsewhere nothing to do)."""
     try:
@@ -407,94 +300,6 @@ def _return_free_memory() -> None:
     except (OSError, AttributeError):  # not glibc
         return
     trim(0)
-
-
-def _fingerprint(array) -> tuple:
-    """A cheap key of an array's content: its dtype, shape and corner elements (equal arrays have equal keys)."""
-    head = array[(slice(0, 8),) * array.ndim]
-    tail = array[(slice(-8, None),) * array.ndim]
-    return array.dtype.str, array.shape, np.ascontiguousarray(head).tobytes(), np.ascontiguousarray(tail).tobytes()
-
-
-def _read_weights_apart(path: Path, min_bytes: int):
-    """(the ModelProto at `path` with its initializers of `min_bytes` or more left without data, {name: array} of
-    those initializers' values). The file is read once, each weight straight into its array; external data is
-    read from the data file the tensor names (already checked to lie in the model's folder, `external_data`)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        out, arrays = bytearray(), {}
-        for field, wire, at, start, end in wire_fields(f, 0, size):
-            f.seek(at)
-            if field != MODEL_GRAPH or wire != WIRE_LEN:
-                out += f.read(end - at)
-                continue
-            graph = bytearray()
-            for g_field, g_wire, g_at, g_start, g_end in wire_fields(f, start, end):
-                tensor = None
-                if g_field == GRAPH_INITIALIZER and g_wire == WIRE_LEN and (
-                        g_end - g_start >= min_bytes or _is_external(f, g_start, g_end)):
-                    # Every tensor of external data is read here: the graph ONNX Runtime gets is bytes, with no
-                    # folder to find a data file in.
-                    tensor = _tensor_apart(f, path, g_start, g_end, arrays)
-                if tensor is None:
-                    f.seek(g_at)
-                    graph += f.read(g_end - g_at)
-                else:
-                    graph += varint(GRAPH_INITIALIZER << 3 | WIRE_LEN) + varint(len(tensor)) + tensor
-            out += varint(MODEL_GRAPH << 3 | WIRE_LEN) + varint(len(graph)) + bytes(graph)
-    return onnx.ModelProto.FromString(bytes(out)), arrays
-
-
-def _is_external(f, start: int, end: int) -> bool:
-    f.seek(start)
-    return TensorProto.FromString(f.read(end - start)).data_location == TensorProto.EXTERNAL
-
-
-def _tensor_apart(f, path: Path, start: int, end: int, arrays: dict):
-    """The TensorProto in f[start:end] without its data (None if it is not a plain numeric tensor of raw or
-    external data), its value read into `arrays`."""
-    fields = wire_fields(f, start, end)
-    header, raw = bytearray(), None
-    for field, wire, at, p_start, p_end in fields:
-        if field == TENSOR_RAW_DATA and wire == WIRE_LEN:
-            raw = (p_start, p_end)
-            continue
-        f.seek(at)
-        header += f.read(p_end - at)
-    tensor = TensorProto.FromString(bytes(header))
-    try:
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    except (KeyError, TypeError, ValueError):
-        return None
-    if dtype.kind not in "biuf" or dtype.itemsize not in (1, 2, 4, 8) or tensor.data_type in (
-            TensorProto.BFLOAT16, TensorProto.INT4, TensorProto.UINT4):
-        return None
-    n_bytes = int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
-    if tensor.data_location == TensorProto.EXTERNAL:
-        entries = {e.key: e.value for e in tensor.external_data}
-        if "location" not in entries or int(entries.get("length", n_bytes)) != n_bytes:
-            return None
-        source, offset = path.parent / entries["location"], int(entries.get("offset", 0))
-    elif raw is not None and raw[1] - raw[0] == n_bytes:
-        source, offset = None, raw[0]
-    else:
-        return None
-    array = np.empty(tuple(tensor.dims), dtype=dtype.newbyteorder("<"))
-    if source is None:
-        f.seek(offset)
-        got = f.readinto(memoryview(array.reshape(-1).view(np.uint8)))
-    else:
-        with open(source, "rb") as data:
-            data.seek(offset)
-            got = data.readinto(memoryview(array.reshape(-1).view(np.uint8)))
-    if got != n_bytes:
-        raise ValueError(f"{tensor.name}: {got} of its {n_bytes} bytes")
-    arrays[tensor.name] = array
-    tensor.ClearField("external_data")
-    tensor.data_location = TensorProto.EXTERNAL
-    entry = tensor.external_data.add()
-    entry.key, entry.value = "location", _IN_MEMORY
-    return tensor.SerializeToString()
 
 
 def _input_for(output_name: str) -> str:

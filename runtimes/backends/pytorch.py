@@ -18,9 +18,9 @@ from txl_deploy.checkpoints import load_model
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.metadata import ExportInfo
-from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import InputError
-from txl_deploy.runtimes.backend import Backend, contract_layout
+from txl_deploy.runtimes.backend import Backend
+from txl_deploy.runtimes.host_rings import HostRingBackend
 
 
 def _load(path, device, mem_len, overrides=None):
@@ -43,28 +43,36 @@ def _load(path, device, mem_len, overrides=None):
 class _TorchBase(Backend):
     @classmethod
     def from_checkpoint(cls, path, device=None, mem_len=None, max_segment=None, overrides=None, threads=None):
-        self = cls()
         if threads:
             import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
             torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
+        loaded, model, _ = _load(path, device, mem_len, overrides)
+        self = cls.from_model(model, loaded.vocab, max_segment)
+        if threads:
             self.threads = int(threads)
-        loaded, model, device = _load(path, device, mem_len, overrides)
-        self._init_common(loaded, model, device, max_segment)
+        return self
+
+    @classmethod
+    def from_model(cls, model, vocab=None, max_segment=None):
+        """A backend on a MemTransformerLM already built (its device and mem_len as they are): the ExecuTorch
+        export's fp32 side."""
+        self = cls()
+        self._init_common(vocab, model, next(model.parameters()).device, max_segment)
         self._prepare()
         return self
 
     def _prepare(self):
         """What a backend builds on top of the loaded reference model."""
 
-    def _init_common(self, loaded, model, device, max_segment):
+    def _init_common(self, vocab, model, device, max_segment):
         from txl_deploy.model.weights import weights_sha256  # imports torch
 
         self.model, self.device = model, device
-        self.config, self.vocab = model.cfg, loaded.vocab
+        self.config, self.vocab = model.cfg, vocab
         self.mem_len = model.cfg.mem_len
         self.max_segment = int(max_segment or 512)
-        info = ExportInfo(model.cfg, loaded.vocab, {"mem_len": self.mem_len,
+        info = ExportInfo(model.cfg, vocab, {"mem_len": self.mem_len,
                                                     "weights_sha256": weights_sha256(model.state_dict())})
         self._fp = info.fingerprint()
         if self.config.n_clusters > 0 and isinstance(self, TorchEagerBackend):  # the reference for lazy decoding
@@ -213,8 +221,9 @@ class TorchEagerBackend(_TorchBase):
         return state["rows"]
 
 
-class TorchCachedBackend(_TorchBase):
-    """`CachedTxl` in eager PyTorch: preallocated ring buffers updated in place."""
+class TorchCachedBackend(HostRingBackend, _TorchBase):
+    """`CachedTxl` in eager PyTorch: the contract's ring buffers as torch tensors on the model's device, updated in
+    place (the state methods and the commit are HostRingBackend's, through `_adopt` and `_host`)."""
 
     name = "torch-fast"
 
@@ -228,31 +237,25 @@ class TorchCachedBackend(_TorchBase):
     def fingerprint(self):
         return f"kv-{self._fp}-float32"
 
-    def new_state(self, batch):
-        names = [s.name for s in self.spec.state_inputs()]
-        return dict(zip(names, self.cached.empty_state(batch, device=self.device)))
-
-    def state_batch(self, state):
-        return state[io_spec.MEM_COUNT].shape[0]
-
     def run(self, state, tokens, out_positions):
+        if self.device.type == "cuda" and tokens.shape[1] == 1 and out_positions.shape[1] == 1:
+            graph = self._decode_graph(state)
+            if graph is not None:
+                return graph.replay(tokens, out_positions)
+        return super().run(state, tokens, out_positions)
+
+    def _execute(self, state, tokens, out_positions, advance):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         with torch.no_grad():
-            if self.device.type == "cuda" and tokens.shape[1] == 1 and out_positions.shape[1] == 1:
-                graph = self._decode_graph(state)
-                if graph is not None:
-                    return graph.replay(tokens, out_positions)
             x, pos = self._tensor(tokens), self._tensor(out_positions)
             count = state[io_spec.MEM_COUNT]
             if tokens.shape[1] > 1 and not bool(count.any()):
                 # A prompt into an empty memory attends a 1-slot stand-in, not mem_len masked slots (CachedTxl)
                 outs = self.cached(x, pos, *self._empty_memory(tokens.shape[0]), count)
-                self._write_ring(state, outs[1:])
-                log_probs = outs[0]
             else:
-                log_probs = self._step(x, pos, state)
-        return log_probs.float().cpu().numpy()
+                outs = self.cached(x, pos, *[state[n] for n in self._state_names])
+        return outs[0].float().cpu().numpy(), outs[1:]
 
     def _empty_memory(self, batch):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
@@ -266,7 +269,7 @@ class TorchCachedBackend(_TorchBase):
     def _step(self, tokens, out_positions, state):
         """One call of the cached model, ring write included: all on the device, no host sync (CUDA-graph safe)."""
         outs = self.cached(tokens, out_positions, *[state[n] for n in self._state_names])
-        self._write_ring(state, outs[1:])
+        self._commit(state, outs[1:])
         return outs[0]
 
     @property
@@ -292,24 +295,14 @@ class TorchCachedBackend(_TorchBase):
                 return None
         return self._graphs[key]
 
-    def _write_ring(self, state, new_entries):
-        mems = [state[n] for n in self._state_names[:-1]]  # io_spec order: mem_k.0, mem_v.0, ..., mem_count
-        write_segment(mems, new_entries, state[io_spec.MEM_COUNT], self.mem_len)
-
     def reset_rows(self, state, rows):
-        idx = self._tensor(np.asarray(rows, dtype=np.int64))
-        for t in state.values():
-            t[idx] = 0
+        super().reset_rows(state, self._tensor(np.asarray(rows, dtype=np.int64)))
 
-    def state_arrays(self, state):
+    def _adopt(self, arrays):
+        return {k: self._tensor(v, copy=False) for k, v in arrays.items()}  # the arrays are ours already
+
+    def _host(self, state):
         return {k: v.cpu().numpy() for k, v in state.items()}
-
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, np.float32)
-
-    def state_from_arrays(self, arrays, copy=True):
-        _, out = self.checked_arrays(arrays, copy)
-        return {k: self._tensor(v, copy=False) for k, v in out.items()}  # check_state copied them if asked to
 
 
 class _DecodeGraph:  # pragma: no cover - needs a GPU; the captured work is `_step`, which the CPU tests run

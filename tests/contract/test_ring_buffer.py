@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from txl_deploy.contract.ring import write_ring, write_segment
+from txl_deploy.contract.ring import segment_slots, write_ring, write_segment
 
 H, DH = 2, 3
 
@@ -47,6 +47,19 @@ def test_numpy_write_matches_the_definition(counts, q, M):
     assert got_k is k_mem and got_v is v_mem  # in place
     np.testing.assert_array_equal(k_mem, want[0])
     np.testing.assert_array_equal(v_mem, want[1])
+
+
+@pytest.mark.parametrize("counts, q, M", CASES)
+def test_segment_slots_are_exactly_the_slots_a_write_changes(counts, q, M):
+    """What a server keeps to undo a row's write (serving.rows) is what the write touches, no more, no less."""
+    k_mem, v_mem, k, v, count = _case(np.random.default_rng(q * 100 + M), counts, q, M)
+    k += 1000  # every new entry differs from every old one
+    before = k_mem.copy()
+    write_ring(k_mem, v_mem, k, v, count, M)
+    for b, n in enumerate(counts):
+        changed = np.flatnonzero((k_mem[b] != before[b]).any(axis=(0, 1)))
+        slots = segment_slots(n, q, M)
+        assert sorted(slots) == list(changed) and len(set(slots)) == len(slots)
 
 
 @pytest.mark.parametrize("counts, q, M", CASES)

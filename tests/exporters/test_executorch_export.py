@@ -73,6 +73,7 @@ def test_pte_matches_pytorch_and_carries_its_sidecar(tiny_pte):
     assert info.vocab is not None and info.vocab.kind == "word"
     v = info.verification
     assert v["passed"] and v["tolerance"] == 1e-4 and v["max_abs_diff"] < 1e-4
+    assert v["runtime"].startswith("TxlRuntime on ExecuTorch")  # checked as users run it, not by a path of its own
     assert [(s["batch"], max(s["segments"])) for s in v["shapes"]] == [(2, 14), (1, 1), (3, 8)]
     assert info.export["xnnpack_partitions"] >= 1
     assert "_log_softmax" in info.export["portable_ops"]  # recorded by name: what runs outside XNNPACK
@@ -80,16 +81,12 @@ def test_pte_matches_pytorch_and_carries_its_sidecar(tiny_pte):
 
 def test_pte_gives_the_onnx_graphs_log_probs(tiny_pte, tiny_onnx):
     """The same stream through the .pte (ExecuTorch, with the ring buffer kept outside) and the .onnx (ONNX Runtime)."""
-    from txl_deploy.exporters.executorch.export import _load_method
-    from txl_deploy.exporters.executorch.stream import RingStepper, program_call
     from txl_deploy.runtimes import TxlRuntime
 
-    info = pte_file.read_pte_info(tiny_pte)
-    stepper = RingStepper(program_call(_load_method(tiny_pte)), info.spec())
     tokens = np.random.default_rng(7).integers(0, 60, size=(4, 40))
-    with TxlRuntime.load(tiny_onnx) as rt:
+    with TxlRuntime.load(tiny_pte) as pte, TxlRuntime.load(tiny_onnx) as rt:
         for lo, hi in ((0, 16), (16, 17), (17, 30), (30, 31), (31, 40)):  # past mem_len 12: the ring wraps
-            got, want = stepper.step(tokens[:, lo:hi]), rt.step(tokens[:, lo:hi])
+            got, want = pte.step(tokens[:, lo:hi]), rt.step(tokens[:, lo:hi])
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 

@@ -252,3 +252,26 @@ def test_bench_measures_a_pte(tiny_pte, tmp_path):
     report = json.loads(out.read_text())
     assert report["settings"]["backend"] == "executorch"
     assert "executorch" in r.stdout
+
+
+def test_generate_from_a_pte_prints_only_the_text_and_imports_no_compiler(tiny_pte):
+    """Running a program needs ExecuTorch's runtime only: not its compiler (exir) nor torchao, whose imports print
+    lines of their own; the C++ runtime's cpuinfo lines (file descriptor 2) show with -v only."""
+    code = textwrap.dedent(f"""
+        import sys
+        from txl_deploy.cli.main import main
+        verbose = sys.argv[1:] == ["-v"]
+        try:
+            main([*sys.argv[1:], "generate", {str(tiny_pte)!r}, "--prompt", "w1", "--max-new-tokens", "3",
+                  "--seed", "1"])
+        except SystemExit as e:
+            assert not e.code, e.code
+        print("imported:", sorted(m for m in ("torchao", "executorch.exir") if m in sys.modules))
+    """)
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert quiet.stdout.startswith("w1 ") and quiet.stdout.splitlines()[-1] == "imported: []", quiet.stdout
+    assert quiet.stderr == "", quiet.stderr
+    verbose = subprocess.run([sys.executable, "-c", code, "-v"], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert verbose.stdout.startswith("w1 "), verbose.stdout

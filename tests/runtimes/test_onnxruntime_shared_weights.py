@@ -12,7 +12,8 @@ from onnx import helper, numpy_helper, TensorProto
 
 from txl_deploy.contract import parts as parts_contract
 from txl_deploy.runtimes.backends import onnxruntime as backend_module
-from txl_deploy.runtimes.backends.onnxruntime import OrtBackend, SharedWeights
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
+from txl_deploy.runtimes.backends.weight_pool import SharedWeights
 
 
 def _plain(path):

@@ -239,3 +239,20 @@ def test_onnxruntime_backend_runs_without_torch(tiny_onnx):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_prompt_hands_its_temporaries_back_and_a_decode_step_does_not(tiny_onnx, monkeypatch):
+    """A prompt's working set (a 512-position chunk's activations) is freed into the heap, which would keep it for
+    good: the ONNX Runtime backend returns it to the system after every multi-token segment, never after a decode
+    step (benchmarks/peak_ram.py measures what that keeps resident)."""
+    from txl_deploy.runtimes.backends import onnxruntime as ort_backend
+
+    trims = []
+    with TxlRuntime.load(tiny_onnx) as rt:
+        monkeypatch.setattr(ort_backend, "_return_free_memory", lambda: trims.append(1))
+        tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, 40))
+        rt.prefill(tokens[:, :20])  # two segments of at most 16
+        assert len(trims) == 2
+        rt.step(tokens[:, 20:21])
+        list(rt.generate(tokens[0, 21:24], max_new_tokens=3, temperature=0))  # a 3-token prompt, then decode
+        assert len(trims) == 3

@@ -3,7 +3,7 @@
 A peer in the benchmark, not a runtime of the project (OpenVINO is in the test extra): it shows what the same
 exported file does in another engine a user might pick. Everything comes from docs/graph-contract.md: the
 inputs and outputs by name (`contract.io_spec`), the metadata (`mem_len`, `max_segment`, the state dtype), the
-incremental layout's ring write (`contract.ring.write_segment`: slot `(n + j) % mem_len`, then the count
+incremental layout's ring write (`HostRingBackend`, `contract.ring.write_segment`: slot `(n + j) % mem_len`, then the count
 advances), an all-zero state as the empty memory, and output names matched through `get_names()` (compiled
 models can merge names).
 
@@ -20,9 +20,8 @@ import numpy as np
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.metadata import read_onnx_info
-from txl_deploy.contract.ring import write_segment
 from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.runtimes.backend import Backend, contract_layout
+from txl_deploy.runtimes.host_rings import HostRingBackend
 
 
 def cpu_default_precision() -> str:
@@ -36,7 +35,7 @@ def _type_name(t) -> str:
     return getattr(t, "get_type_name", lambda: str(t))()
 
 
-class OpenVinoBackend(Backend):
+class OpenVinoBackend(HostRingBackend):
     name = "openvino"
 
     def __init__(self, path, precision_hint: str | None = "f32", threads: int | None = 1):
@@ -64,34 +63,13 @@ class OpenVinoBackend(Backend):
         self.inference_precision = _type_name(self._dynamic.compiled.get_property("INFERENCE_PRECISION_HINT"))
         k_type = next(i for i in model.inputs if io_spec.mem_k(0) in i.get_names()).get_element_type()
         self.float_dtype = np.float16 if _type_name(k_type) == "f16" else np.float32
-        self._mem_names = [n for i in range(self.spec.n_layer) for n in (io_spec.mem_k(i), io_spec.mem_v(i))]
         self._static = {}  # batch size -> the decode step compiled with static shapes
 
     def fingerprint(self) -> str:
         # The ONNX Runtime backend's: the state is the contract's, so it moves between the two engines.
         return f"kv-{self.info.fingerprint()}-{np.dtype(self.float_dtype).name}"
 
-    # -- state: the contract's numpy arrays ---------------------------------------------------------------------
-    def new_state(self, batch: int):
-        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
-
-    def state_batch(self, state) -> int:
-        return state[io_spec.MEM_COUNT].shape[0]
-
-    def state_arrays(self, state) -> dict:
-        return dict(state)
-
-    def state_layout(self, batch):
-        return contract_layout(self.spec, batch, self.float_dtype)
-
-    def state_from_arrays(self, arrays, copy=True):
-        _, out = self.checked_arrays(arrays, copy)
-        return out
-
-    def reset_rows(self, state, rows):
-        for a in state.values():
-            a[rows] = 0
-
+    # -- state: the contract's numpy arrays, written after each call (HostRingBackend) ---------------------------
     # -- compute -------------------------------------------------------------------------------------------------
     def _decode_model(self, batch: int):
         if batch not in self._static:
@@ -104,14 +82,12 @@ class OpenVinoBackend(Backend):
             self._static[batch] = _Compiled(self._core.compile_model(model, "CPU", self.properties), spec)
         return self._static[batch]
 
-    def run(self, state, tokens, out_positions):
+    def _execute(self, state, tokens, out_positions, advance):
         B, Q = tokens.shape
         decode = Q == 1 and out_positions.shape[1] == 1
         compiled = self._decode_model(B) if decode else self._dynamic
         outs = compiled.infer({io_spec.TOKENS: tokens, io_spec.OUT_POSITIONS: out_positions, **state})
-        # the ring is written only now that the call succeeded: a failed call leaves the memory as it was
-        write_segment([state[n] for n in self._mem_names], outs[1:], state[io_spec.MEM_COUNT], self.mem_len)
-        return np.array(outs[0], dtype=np.float32)
+        return np.array(outs[0], dtype=np.float32), outs[1:]
 
     def close(self):
         self._static.clear()

@@ -3,8 +3,9 @@
 The library reports through `logging` (the `txl_deploy` logger) and `warnings`; nothing in it prints. A command
 shows its INFO messages on stderr (DEBUG with -v, only WARNING and above with -q), and only txl-deploy's own
 warnings: the deprecation and tracing notices that torch, onnxscript and other libraries raise during an export
-say nothing a user can act on (-v shows them too). Both settings are undone when the command ends, so commands
-invoked in-process (tests, notebooks) leave the caller's logging as it was.
+say nothing a user can act on, nor do other libraries' log records below ERROR (-v shows both). These settings
+are undone when the command ends, so commands invoked in-process (tests, notebooks) leave the caller's logging as
+it was.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ def command_output(verbose: int = 0, quiet: bool = False):
     logger = logging.getLogger(LOGGER)
     handler = EchoHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    old_level, old_propagate = logger.level, logger.propagate
+    root = logging.getLogger()
+    old_level, old_propagate, old_root = logger.level, logger.propagate, root.level
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False  # the root logger's handlers (if the caller set any) would print every line twice
+    if not verbose:  # other libraries' records (torchao's "Failed to load" its optional kernels, ...)
+        root.setLevel(max(old_root, logging.ERROR))
     try:
         with warnings.catch_warnings():
             if not verbose:
@@ -53,6 +57,7 @@ def command_output(verbose: int = 0, quiet: bool = False):
         logger.removeHandler(handler)
         logger.setLevel(old_level)
         logger.propagate = old_propagate
+        root.setLevel(old_root)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -48,6 +48,13 @@ def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):
     return k_mem.scatter(3, k_idx, k_tail), v_mem.scatter(2, v_idx, v_tail)
 
 
+def segment_slots(count: int, q: int, mem_len: int) -> np.ndarray:
+    """The ring slots a segment of q entries writes in a row that has consumed `count` tokens: those of its last
+    min(q, mem_len) entries, in order (what a caller must keep to undo the write)."""
+    n = min(q, mem_len)
+    return (count + q - n + np.arange(n)) % mem_len
+
+
 def _write_plan(k_mem, v_mem, k, v, plan):
     for rows, dst, src in plan:
         k_mem[rows, :, :, dst] = k[rows, :, :, src]

@@ -26,6 +26,7 @@ import heapq
 import numpy as np
 
 from txl_deploy.contract import io_spec
+from txl_deploy.contract.ring import segment_slots
 
 
 class RowsExhausted(RuntimeError):
@@ -161,13 +162,12 @@ class RowPool:
 
     def _keep(self, holes, q):
         """What the ring write of a q-token segment will overwrite in the hole rows (the backend writes rows in
-        place: see runtimes/onnxruntime.write_ring), so it can be put back."""
+        place: see contract.ring.write_segment), so it can be put back."""
         m = self.backend.spec.mem_len
-        keep = min(q, m)
         kept = []
         count = self.state[io_spec.MEM_COUNT]
         for h in holes:
-            slots = (int(count[h]) + q - keep + np.arange(keep)) % m
+            slots = segment_slots(int(count[h]), q, m)
             layers = [(self.state[io_spec.mem_k(i)][h][..., slots].copy(),
                        self.state[io_spec.mem_v(i)][h][:, slots].copy()) for i in range(self.backend.spec.n_layer)]
             kept.append((h, int(count[h]), slots, layers))
