@@ -21,16 +21,16 @@ from txl_deploy import __version__
 from txl_deploy.checkpoints import LoadedModel, load_model
 from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
-from txl_deploy.contract.onnx_file import write_inline
 from txl_deploy.contract.parts import KEY as PARTS_KEY
 from txl_deploy.errors import ExportError, TxlError
-from txl_deploy.exporters.graph_checks import check_strict
-from txl_deploy.exporters.onnx.parts import move_parts, write_parts
+from txl_deploy.exporters.onnx.parts import finish_parts, move_parts, parts_entry, verify_parts, write_parts
 from txl_deploy.exporters.onnx.ram import drop_file_pages, return_free_memory
-from txl_deploy.exporters.onnx.trace import onnx_program, step_example
-from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_export
+from txl_deploy.exporters.onnx.trace import forget_matched_graphs, onnx_program, step_example
+from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_runtime
+from txl_deploy.exporters.onnx.writing import finish, place_external_data
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.runtimes import TxlRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ DEFAULT_OPSET = 18
 # (onnx-tensorrt docs/operators.md, "opset 9 to opset 20" from 10.0 on) and 11.x up to 25 (trt_compat.MAX_OPSET).
 SUPPORTED_OPSETS = range(17, 21)
 DEFAULT_MAX_SEGMENT = 512
-EXTERNAL_DATA_BYTES = 2_000_000_000  # protobuf's 2 GB limit
 
 
 @dataclass
@@ -77,7 +76,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     Memory: the model holds the checkpoint's own tensors (memory-mapped where the format allows), the weights are
     streamed into an external data file while the graph is written, and the verification runs the reference body
     over the stream before ONNX Runtime loads, keeping only its hidden states and output layer (ReferenceStream).
-    Graphs under 2 GB are then rewritten into one file, one tensor at a time (`onnx_file.write_inline`).
+    Graphs under 2 GB are then rewritten into one file, one tensor at a time (`writing.finish`).
     """
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
@@ -135,8 +134,6 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
-    n_bytes = sum(p.numel() * p.element_size() for p in cached.parameters()) + sum(
-        b.numel() * b.element_size() for b in cached.buffers())
     with atomic_path(out_path, force=force) as tmp:
         for key, value in info.to_props().items():
             program.model.metadata_props[key] = value
@@ -145,17 +142,16 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         # below reads the graph without the weights; graphs under protobuf's limit become one file at the end.
         program.save(str(tmp), external_data=True)
         del program
-        _forget_matched_graphs()
+        forget_matched_graphs()
         gc.collect()
         return_free_memory()
         _drop_checkpoint_pages(model)
         if config.n_clusters > 0:  # the adaptive softmax's head and tails as graphs of their own, beside the model
             # Traced from the same cached step once the main graph's protos are gone: its output layer's tensors,
             # not copies of them (a second cached step would add its own copy of every output weight).
-            info.export[PARTS_KEY] = write_parts(model, cached, tmp, opset=opset, force=force, verify=verify,
-                                                 threads=threads)
+            part_paths = write_parts(model, cached, tmp, opset=opset)
+            info.export[PARTS_KEY] = parts_entry(part_paths)  # the files the verification's runtime opens
             _write_verification(tmp, info)
-            _forget_matched_graphs()
         # Its own copies (folded qkv, positional tables, the output layer's weights in their layout), not the model's
         for buf in list(cached.buffers(recurse=False)) + list(cached.output_layer.buffers()):
             buf.data = torch.empty(0, dtype=buf.dtype)
@@ -173,9 +169,14 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
             reference = ReferenceStream(model, verification_segments(mem_len, max_segment))
             _release(model)  # the reference keeps a copy of the output layer: the weights can go before ORT loads
             del model
-            verification = verify_export(tmp, reference, threads=threads)
+            # One runtime for the model and its parts: its sessions share one pool of weights, and the parts are
+            # checked against the same reference stream.
+            with TxlRuntime.load(tmp, threads=threads) as rt:
+                verification = verify_runtime(rt, tmp, reference)
+                info.verification = verification
+                if verification["passed"] and PARTS_KEY in info.export:
+                    info.export[PARTS_KEY]["verification"] = verify_parts(rt, reference)
             del reference
-            info.verification = verification
             _write_verification(tmp, info)
             if not verification["passed"]:
                 raise ExportError(
@@ -185,9 +186,12 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
         else:
             _release(model)
             del model
-        check_strict(tmp, "the exported graph")  # last: nothing is written that a strict consumer refuses
-        if n_bytes < EXTERNAL_DATA_BYTES:
-            _inline(tmp)
+        # Last, with nothing else in memory: nothing is written that a strict consumer refuses, and each file
+        # becomes one protobuf where it fits (writing.finish). The parts' digests are of their final files.
+        if PARTS_KEY in info.export:
+            info.export[PARTS_KEY].update(finish_parts(part_paths))
+            _write_verification(tmp, info)
+        finish(tmp, "the exported graph")
         place_external_data(tmp, out_path, force)
         if PARTS_KEY in info.export:
             move_parts(tmp, out_path, force)
@@ -199,7 +203,7 @@ def _release(module) -> None:
     """Free the memory of `module`'s parameters and buffers even while other objects still refer to them.
 
     Deleting the module and the exported program is not enough: the traced graph and its copies refer to the very
-    Parameter objects the model has (see _forget_matched_graphs, which runs once after the graph is saved).
+    Parameter objects the model has (see trace.forget_matched_graphs, which runs after each graph is saved).
     Swapping each tensor's data for an empty one frees the storage; a caller's own tensors (a LoadedModel that was
     not consumed) are other tensor objects and keep theirs."""
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
@@ -217,56 +221,6 @@ def _drop_checkpoint_pages(model) -> None:
     dropped = drop_file_pages(ranges)
     if dropped:
         logger.debug(f"  {dropped / 1e6:.0f} MB of memory-mapped checkpoint pages dropped from the resident set")
-
-
-def _forget_matched_graphs() -> None:
-    """Drop the graph and the match each of onnxscript's module-level pattern matchers keeps from its last match.
-
-    They hold numpy views of the weights that were folded (the Linear weights' Transposes), which pin those
-    tensors' storage, and with it a memory-mapped checkpoint file as a whole. The attributes are private; if
-    onnxscript renames them, nothing is dropped and the export only needs more memory."""
-    try:
-        from onnxscript.rewriter._matcher import SimplePatternMatcher  # optional (the torch extra): the exporter's
-    except ImportError:
-        return
-    for obj in gc.get_objects():
-        try:
-            matcher = isinstance(obj, SimplePatternMatcher)
-        except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile leaves some behind)
-            continue
-        if matcher:
-            for name in ("_graph", "_current_node", "_tracer", "_match"):
-                if name in obj.__dict__:
-                    setattr(obj, name, None)
-
-
-def _inline(path: Path) -> None:
-    """Replace the model at `path` and its `<name>.data` by one self-contained file, streaming the weights."""
-    one = path.with_name(path.name + ".inline")
-    write_inline(path, one)
-    os.replace(one, path)
-    Path(str(path) + ".data").unlink()
-
-
-def save_checked(model, tmp, what: str) -> None:
-    """Save an onnx.ModelProto at `tmp` and run `check_strict` on the file: how every exporter ends.
-
-    Models of EXTERNAL_DATA_BYTES or more keep their weights in `<file name>.data` beside the model (protobuf cannot
-    hold 2 GB); `place_external_data` moves that file beside the output."""
-    if model.ByteSize() >= EXTERNAL_DATA_BYTES:
-        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=Path(tmp).name + ".data")
-    else:
-        onnx.save_model(model, str(tmp))
-    check_strict(tmp, what)
-
-
-def place_external_data(tmp, out_path, force: bool) -> None:
-    """Move the external data files written beside `tmp` (named after it) beside `out_path`."""
-    tmp, out_path = Path(tmp), Path(out_path)
-    for extra in tmp.parent.iterdir():
-        if extra.name != tmp.name and extra.name.startswith(tmp.name):
-            os.replace(extra, check_writable(out_path.parent / (out_path.name + extra.name[len(tmp.name):]), force))
 
 
 def _write_verification(path, info: ExportInfo):

@@ -1,8 +1,10 @@
 """What the model's graph and its softmax parts are traced with: the step's example inputs and dynamic axes, and a
-quiet `torch.onnx.export`. Torch is imported inside each function (the torch extra): only an export gets here."""
+quiet `torch.onnx.export`, and what its rewriter keeps of a traced graph once the file is written. Torch is imported
+inside each function (the torch extra): only an export gets here."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 
@@ -47,3 +49,24 @@ def onnx_program(module, args, input_names, output_names, dynamic, opset: int):
                                      report=False)
     finally:
         quiet.setLevel(level)
+
+
+def forget_matched_graphs() -> None:
+    """Drop the graph and the match each of onnxscript's module-level pattern matchers keeps from its last match.
+
+    They hold numpy views of the weights that were folded (the Linear weights' Transposes), which pin those
+    tensors' storage, and with it a memory-mapped checkpoint file as a whole. The attributes are private; if
+    onnxscript renames them, nothing is dropped and the export only needs more memory."""
+    try:
+        from onnxscript.rewriter._matcher import SimplePatternMatcher  # optional (the torch extra): the exporter's
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        try:
+            matcher = isinstance(obj, SimplePatternMatcher)
+        except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile leaves some behind)
+            continue
+        if matcher:
+            for name in ("_graph", "_current_node", "_tracer", "_match"):
+                if name in obj.__dict__:
+                    setattr(obj, name, None)

@@ -281,13 +281,11 @@ def describe(report: dict) -> str:
             f"{'OK' if report['passed'] else 'MISMATCH'}")
 
 
-def verify_export(onnx_path, reference, tolerance: float | None = None, providers=None,
-                  threads: int | None = None) -> dict:
-    """Run the exported file in ONNX Runtime against the reference (a MemTransformerLM or a ReferenceStream of this
-    file's stream, `verification_segments`); returns the report (passed or not)."""
-    with TxlRuntime.load(onnx_path, providers=providers, threads=threads) as rt:
-        budget = log_prob_budget(weight_file_bytes(onnx_path))
-        report = judge(compare_stream(rt, reference, log_prob_bytes=budget), rt.backend.precision, tolerance)
+def verify_runtime(rt, onnx_path, reference, tolerance: float | None = None) -> dict:
+    """Run `rt` (a TxlRuntime of the exported file at `onnx_path`) against the reference (a MemTransformerLM or a
+    ReferenceStream of this file's stream, `verification_segments`); returns the report (passed or not)."""
+    budget = log_prob_budget(weight_file_bytes(onnx_path))
+    report = judge(compare_stream(rt, reference, log_prob_bytes=budget), rt.backend.precision, tolerance)
     logger.info("  " + describe(report))
     return report
 

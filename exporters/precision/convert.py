@@ -15,9 +15,10 @@ from txl_deploy.contract.metadata import read_onnx_info, set_onnx_props
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import ExportError, InputError, TxlError
 from txl_deploy.exporters.graph_checks import toposort
-from txl_deploy.exporters.onnx.export import ExportResult, export_onnx, place_external_data, save_checked
+from txl_deploy.exporters.onnx.export import ExportResult, export_onnx
 from txl_deploy.exporters.onnx.parts import move_parts
 from txl_deploy.exporters.onnx.verify import REDUCED_KL
+from txl_deploy.exporters.onnx.writing import place_external_data, save_checked
 from txl_deploy.exporters.precision.folding import fold_weight_subgraphs
 from txl_deploy.exporters.precision.fp16 import FP16_KEEP_FP32_OPS, convert_fp16
 from txl_deploy.exporters.precision.int4 import (
@@ -91,7 +92,8 @@ def reduce_onnx(fp32_path, out_path, *, precision: str, calib=None, eval_data=No
 
     with tempfile.TemporaryDirectory(prefix="txl-precision-") as work:
         work = Path(work)
-        converted = work / "converted.onnx"
+        # Named as the output: a part that keeps external data names its data file after itself.
+        converted = work / out_path.name
         source, int4_method, int4_parts = fp32_path, None, None
         if precision in ("int8", "int8-dynamic"):
             model = onnx.load(str(fp32_path))

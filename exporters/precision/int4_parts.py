@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 
 from txl_deploy.contract import parts as contract
+from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import ExportError
-from txl_deploy.exporters.graph_checks import check_strict, toposort
+from txl_deploy.exporters.graph_checks import toposort
+from txl_deploy.exporters.onnx.writing import save_checked
 from txl_deploy.exporters.precision.folding import fold_weight_subgraphs
 from txl_deploy.exporters.precision.int4 import check_int4_graph, quantize_int4
 from txl_deploy.runtimes.lazy_decode import full_log_probs
@@ -49,16 +51,13 @@ def quantize_parts_int4(fp32_path, info, model_path, block_size: int, accuracy_l
         model_path.with_name(contract.tail_name(model_path, i)) for i in range(1, parts.layout.n_clusters + 1)]
     for i, (src, dst) in enumerate(zip(sources, targets)):
         what = "the head graph" if i == 0 else f"the tail {i} graph"
+        external_data(src)  # a part over protobuf's limit reads its data file: only one in its folder
         part = onnx.load(str(src))
         fold_weight_subgraphs(part)
         quantize_int4(part, block_size, accuracy_level)
         check_int4_graph(part)
         toposort(part.graph)
-        try:
-            onnx.save_model(part, str(dst))
-        except Exception as e:
-            raise ExportError(f"int4 {what}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0]})") from e
-        check_strict(dst, f"the int4 {what}")  # what the model's graph passes: every exported file is checked
+        save_checked(part, dst, f"the int4 {what}")  # as every exported file is written and checked
         del part
     logger.info(f"int4: the adaptive softmax's head and {parts.layout.n_clusters} tail graph(s) quantized "
                 f"(block {block_size}, accuracy_level {accuracy_level})")

@@ -251,3 +251,26 @@ def test_int4_softmax_parts_give_lazy_generate_the_full_tokens(int4, tiny_onnx):
             want = list(full.generate([1, 2, 3], max_new_tokens=50, temperature=temperature, seed=11))
             assert len(got) == 50 and got == want, temperature
         assert len(heads) >= 100  # the lazy path ran: the head graph fed every token
+
+
+def test_int4_graph_and_parts_keep_external_data_over_the_limit(tiny_onnx, tmp_path, monkeypatch):
+    """The int4 graph and its softmax parts are written by the rule every exported file follows: over protobuf's
+    size limit (lowered here so the tiny model crosses it) each keeps its weights in `<file name>.data` beside it
+    (tensors under 1 kB, shape constants, stay in the graph), and the runtime opens them, parts included."""
+    from txl_deploy.contract.onnx_file import external_data
+    from txl_deploy.exporters.onnx import writing
+
+    monkeypatch.setattr(writing, "EXTERNAL_DATA_BYTES", 0)
+    out = tmp_path / "big4.onnx"
+    reduce_onnx(tiny_onnx, out, precision="int4", int4_block_size=32)
+    graphs = ["big4.onnx", "big4.head.onnx", "big4.tail1.onnx", "big4.tail2.onnx"]
+    assert set(graphs) <= {p.name for p in tmp_path.iterdir()} <= set(graphs + [g + ".data" for g in graphs])
+    for g in graphs:
+        assert {ref.path.name for ref in external_data(tmp_path / g)} <= {g + ".data"}
+        inline = onnx.load(str(tmp_path / g), load_external_data=False).graph.initializer
+        assert all(len(t.raw_data) < 1024 for t in inline), g  # every weight of size is in the data file
+    assert {"big4.onnx.data", "big4.head.onnx.data"} <= {p.name for p in tmp_path.iterdir()}
+    assert read_onnx_info(out).export["parts"]["verification"]["passed"]
+    with TxlRuntime.load(out) as rt:
+        assert rt.backend.clusters is not None, rt.backend.parts_error
+        assert len(list(rt.generate([1, 2, 3], max_new_tokens=5, temperature=0.0))) == 5

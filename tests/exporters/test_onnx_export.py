@@ -120,7 +120,7 @@ def test_interrupted_export_leaves_no_file(tiny_ckpt, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export, "verify_export", interrupted)
+    monkeypatch.setattr(export, "verify_runtime", interrupted)
 
     with pytest.raises(KeyboardInterrupt):
         export_onnx(tiny_ckpt, tmp_path / "m.onnx", max_segment=16)
@@ -128,18 +128,23 @@ def test_interrupted_export_leaves_no_file(tiny_ckpt, tmp_path, monkeypatch):
 
 
 def test_large_models_write_external_data_beside_the_model(tiny_ckpt, tmp_path, monkeypatch):
-    """Weights over protobuf's 2 GB limit go to a data file next to the .onnx; both land together, atomically."""
+    """Weights over protobuf's 2 GB limit go to a data file next to the .onnx; both land together, atomically.
+    The same rule holds for every file the export writes: the adaptive softmax's parts (the body + head graph
+    repeats the body and the tied embedding, so it crosses the limit with the model) keep their data files too."""
+    from txl_deploy.contract.onnx_file import external_data
     from txl_deploy.exporters.onnx import export as onnx_exporter
+    from txl_deploy.exporters.onnx import writing
 
-    monkeypatch.setattr(onnx_exporter, "EXTERNAL_DATA_BYTES", 0)  # treat the tiny model as a large one
+    monkeypatch.setattr(writing, "EXTERNAL_DATA_BYTES", 0)  # treat the tiny model as a large one
     out = tmp_path / "big.onnx"
     result = onnx_exporter.export_onnx(tiny_ckpt, out, max_segment=16)
     assert result.verification["passed"]
-    written = sorted(p.name for p in tmp_path.iterdir())
-    parts = ["big.head.onnx", "big.tail1.onnx", "big.tail2.onnx"]  # the adaptive softmax's parts land with it
-    rest = [w for w in written if w not in parts]
-    assert rest[0] == "big.onnx" and len(rest) == 2 and rest[1].startswith("big.onnx")
-    assert set(parts) <= set(written)
+    assert result.info.export["parts"]["verification"]["passed"]
+    graphs = ["big.onnx", "big.head.onnx", "big.tail1.onnx", "big.tail2.onnx"]  # the model and its parts
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(graphs + [g + ".data" for g in graphs])
+    for g in graphs:
+        assert {ref.path.name for ref in external_data(tmp_path / g)} == {g + ".data"}
     assert out.stat().st_size < 200_000  # the graph only; the weights are in the data file
     rt = TxlRuntime.load(out)
+    assert rt.backend.clusters is not None, rt.backend.parts_error  # the parts open from their data files
     assert rt.step([[1, 2, 3]]).shape == (1, 3, 60)

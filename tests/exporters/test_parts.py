@@ -126,3 +126,24 @@ def test_each_tail_holds_only_its_own_clusters_weights(tiny_onnx):
         # the very values of the main graph's cluster weight
         weight = next(w for w in weights if w.shape == (d_emb, hi - lo))
         assert any(v.shape == weight.shape and np.array_equal(v, weight) for v in main.values())
+
+
+def test_a_part_onnx_runtime_cannot_load_ends_the_export_in_one_line(tiny_ckpt, tmp_path, monkeypatch):
+    """A part ONNX Runtime cannot parse (a body + head graph written as one protobuf over 2 GB was one) ends the
+    export with a one-line error naming the part, not a traceback out of ONNX Runtime, and nothing is written."""
+    from txl_deploy.exporters.onnx import parts
+
+    save = parts._save
+
+    def unparsable_head(program, path):
+        save(program, path)
+        if path.name.endswith(".head.onnx"):
+            path.write_bytes(b"\x0a\xff\xff\xff\xff\x0f")  # a graph field claiming 4 GB: protobuf refuses it
+
+    monkeypatch.setattr(parts, "_save", unparsable_head)
+    out = tmp_path / "out" / "m.onnx"
+    result = cli("export", str(tiny_ckpt), "--onnx", "-o", str(out), "--max-segment", "16")
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    message = result.output.strip().splitlines()[-1]  # after the progress lines
+    assert message.startswith("error: ") and "softmax parts" in message and "m.head.onnx" in message, message
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []

@@ -45,14 +45,14 @@ def variant_name(key) -> str:
 @contextlib.contextmanager
 def external_data_threshold(n_bytes: int):
     """Lower the size from which exports keep their weights in an external data file."""
-    from txl_deploy.exporters.onnx import export as onnx_export
+    from txl_deploy.exporters.onnx import writing
 
-    old = onnx_export.EXTERNAL_DATA_BYTES
-    onnx_export.EXTERNAL_DATA_BYTES = n_bytes
+    old = writing.EXTERNAL_DATA_BYTES
+    writing.EXTERNAL_DATA_BYTES = n_bytes
     try:
         yield
     finally:
-        onnx_export.EXTERNAL_DATA_BYTES = old
+        writing.EXTERNAL_DATA_BYTES = old
 
 
 class Variants:
