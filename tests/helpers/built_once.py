@@ -1,0 +1,40 @@
+"""Artefacts built once per test run, however many pytest-xdist workers ask for them.
+
+A session-scoped fixture runs once per worker process, so every worker would pay for the same export. `built_once`
+builds a folder under the run's own temporary directory (shared by its workers) behind a file lock: the first worker
+to ask builds it, the others wait and reuse it. A `.complete` marker, written last, says a folder is whole; a
+folder without it (a build that raised) is built again. Callers must treat what they get as read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+COMPLETE = ".complete"
+
+
+def run_root(tmp_path_factory) -> Path:
+    """The temporary directory of this run, the same for all its workers."""
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's basetemp is <the run's>/popen-gwN. Without xdist the parent is shared by every run
+    # (pytest-of-USER), so the worker's own basetemp is used.
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `build(folder)` once per run."""
+    root = run_root(tmp_path_factory) / "built-once"
+    root.mkdir(exist_ok=True)
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (folder / COMPLETE).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / COMPLETE).touch()
+    return folder
