@@ -49,6 +49,28 @@ def tiny_pte(tiny_ckpt, tmp_path_factory):
                                                                            max_segment=16, threads=1)) / "tiny.pte"
 
 
+@pytest.fixture(scope="session")
+def demo_onnx(tmp_path_factory):
+    """The bundled demo model exported as `txl-deploy export` exports it by default (verified; incremental state,
+    segments up to 512)."""
+    from txl_deploy.assets import demo_model_path
+    from txl_deploy.exporters.onnx.export import export_onnx
+
+    def build(folder):
+        assert export_onnx(demo_model_path(), folder / "kjv-char.onnx").verification["passed"]
+
+    return built_once(tmp_path_factory, "demo", build) / "kjv-char.onnx"
+
+
+@pytest.fixture(scope="session")
+def wikitext_onnx(tmp_path_factory):
+    """The tiny WikiText-103-style word model (helpers/word_models.py) exported unverified; its checkpoint folder
+    `wt` is beside it."""
+    from helpers.word_models import export_wikitext_onnx
+
+    return built_once(tmp_path_factory, "wikitext", export_wikitext_onnx) / "wt.onnx"
+
+
 @pytest.fixture(scope="module")
 def ort_rt(tiny_onnx):
     """A TxlRuntime on the tiny graph (ONNX Runtime), shared by a module's tests; each resets it as it needs."""
