@@ -46,4 +46,6 @@ if $on_ci || $can_install || { command -v chromium >/dev/null && ort_web_pinned;
 fi
 WORKERS=${TXL_TEST_WORKERS:-$(nproc)}
 [ "$WORKERS" -le 4 ] || WORKERS=4
+# torch's and the BLAS's threads: the cores shared among the workers, so that they do not wait on each other
+[ "$WORKERS" -le 1 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / WORKERS > 1 ? $(nproc) / WORKERS : 1 ))}
 exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
