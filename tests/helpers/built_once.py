@@ -2,8 +2,9 @@
 
 A session-scoped fixture runs once per worker process, so every worker would pay for the same export. `built_once`
 builds a folder under the run's own temporary directory (shared by its workers) behind a file lock: the first worker
-to ask builds it, the others wait and reuse it. A `.complete` marker, written last, says a folder is whole; a
-folder without it (a build that raised) is built again. Callers must treat what they get as read-only.
+to ask builds it, the others wait and reuse it. A marker beside the folder (`NAME.complete`, so the folder holds only
+what the build wrote), made last, says it is whole; a folder without one (a build that raised) is built again.
+Callers must treat what they get as read-only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
-
-COMPLETE = ".complete"
 
 
 def run_root(tmp_path_factory) -> Path:
@@ -30,11 +29,11 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
     """The folder `name`, filled by `build(folder)` once per run."""
     root = run_root(tmp_path_factory) / "built-once"
     root.mkdir(exist_ok=True)
-    folder = root / name
+    folder, complete = root / name, root / f"{name}.complete"
     with FileLock(str(root / f"{name}.lock")):
-        if not (folder / COMPLETE).exists():
+        if not complete.exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             build(folder)
-            (folder / COMPLETE).touch()
+            complete.touch()
     return folder
