@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny random Transformer-XL's checkpoint, ONNX exports and ExecuTorch program (built once per
-session), runtimes on them, and HuggingFace's TransfoXL (the checkpoint parity tests' reference).
+run however many xdist workers use them, see helpers/built_once.py; read-only), runtimes on them, and HuggingFace's
+TransfoXL (the checkpoint parity tests' reference).
 
 The builders and constants behind them are in tests/helpers/ (`helpers.tiny`), which test modules import directly.
 """
@@ -7,6 +8,7 @@ The builders and constants behind them are in tests/helpers/ (`helpers.tiny`), w
 from __future__ import annotations
 
 import pytest
+from helpers.built_once import built_once
 from helpers.tiny import TINY_VOCAB, make_tiny_model
 
 
@@ -16,27 +18,25 @@ def tiny_ckpt(tmp_path_factory):
     from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.vocab import Vocab
 
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    save_checkpoint(path, make_tiny_model(), Vocab(TINY_VOCAB))
-    return path
+    return built_once(tmp_path_factory, "ckpt", lambda d: save_checkpoint(d / "tiny", make_tiny_model(),
+                                                                           Vocab(TINY_VOCAB))) / "tiny"
 
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_ckpt, tmp_path_factory):
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
-    export_onnx(tiny_ckpt, out, max_segment=16)
-    return out
+    return built_once(tmp_path_factory, "onnx", lambda d: export_onnx(tiny_ckpt, d / "tiny.onnx",
+                                                                       max_segment=16)) / "tiny.onnx"
 
 
 @pytest.fixture(scope="session")
 def tiny_onnx_full(tiny_ckpt, tmp_path_factory):
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    out = tmp_path_factory.mktemp("onnx") / "tiny_full.onnx"
-    export_onnx(tiny_ckpt, out, state="full", max_segment=16)
-    return out
+    return built_once(tmp_path_factory, "onnx_full", lambda d: export_onnx(tiny_ckpt, d / "tiny_full.onnx",
+                                                                            state="full", max_segment=16)
+                      ) / "tiny_full.onnx"
 
 
 @pytest.fixture(scope="session")
@@ -45,9 +45,30 @@ def tiny_pte(tiny_ckpt, tmp_path_factory):
     segments up to 16. Needs the executorch extra (in the test extra)."""
     from txl_deploy.exporters.executorch.export import export_executorch
 
-    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
-    export_executorch(tiny_ckpt, out, max_segment=16, threads=1)
-    return out
+    return built_once(tmp_path_factory, "pte", lambda d: export_executorch(tiny_ckpt, d / "tiny.pte",
+                                                                           max_segment=16, threads=1)) / "tiny.pte"
+
+
+@pytest.fixture(scope="session")
+def demo_onnx(tmp_path_factory):
+    """The bundled demo model exported as `txl-deploy export` exports it by default (verified; incremental state,
+    segments up to 512)."""
+    from txl_deploy.assets import demo_model_path
+    from txl_deploy.exporters.onnx.export import export_onnx
+
+    def build(folder):
+        assert export_onnx(demo_model_path(), folder / "kjv-char.onnx").verification["passed"]
+
+    return built_once(tmp_path_factory, "demo", build) / "kjv-char.onnx"
+
+
+@pytest.fixture(scope="session")
+def wikitext_onnx(tmp_path_factory):
+    """The tiny WikiText-103-style word model (helpers/word_models.py) exported unverified; its checkpoint folder
+    `wt` is beside it."""
+    from helpers.word_models import export_wikitext_onnx
+
+    return built_once(tmp_path_factory, "wikitext", export_wikitext_onnx) / "wt.onnx"
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +130,8 @@ def tf_enwik8(enwik8_cycle, tmp_path_factory):
     from helpers import character_corpora as cc  # writes with TensorFlow (the test extra), which it imports
 
     symbols, _, weights, hp = enwik8_cycle
-    return cc.write_tf_published(tmp_path_factory.mktemp("pretrained_xl") / "tf_enwik8", weights, hp, symbols,
-                                 "enwik8")
+    return built_once(tmp_path_factory, "tf_enwik8", lambda d: cc.write_tf_published(
+        d / "pretrained_xl" / "tf_enwik8", weights, hp, symbols, "enwik8")) / "pretrained_xl" / "tf_enwik8"
 
 
 @pytest.fixture(scope="session")
@@ -118,9 +139,8 @@ def tf_enwik8_onnx(tf_enwik8, tmp_path_factory):
     """The TensorFlow enwik8 checkpoint exported (verified) with no vocabulary flags: its kind comes from the corpus."""
     from txl_deploy.exporters.export import export_checkpoint
 
-    out = tmp_path_factory.mktemp("onnx") / "enwik8.onnx"
-    export_checkpoint(tf_enwik8, out, config=tf_enwik8 / "flags.json", max_segment=16, threads=1)
-    return out
+    return built_once(tmp_path_factory, "tf_enwik8_onnx", lambda d: export_checkpoint(
+        tf_enwik8, d / "enwik8.onnx", config=tf_enwik8 / "flags.json", max_segment=16, threads=1)) / "enwik8.onnx"
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,6 @@ from txl_deploy.assets import demo_heldout_path, demo_model_path, demo_training_
 from txl_deploy.cli import main
 
 
-@pytest.fixture(scope="module")
-def demo_onnx(tmp_path_factory):
-    from txl_deploy.exporters.onnx.export import export_onnx
-
-    out = tmp_path_factory.mktemp("demo") / "kjv-char.onnx"
-    result = export_onnx(demo_model_path(), out)
-    assert result.verification["passed"]
-    return out
-
-
 def test_onnxruntime_reproduces_the_recorded_slice_bpc(demo_onnx):
     from txl_deploy.runtimes import TxlRuntime
     from txl_deploy.runtimes.evaluation import evaluate_text

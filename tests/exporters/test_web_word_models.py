@@ -18,7 +18,6 @@ import time
 import numpy as np
 import pytest
 from helpers.browser import Browser, SiteServer, chromium, need, ort_web
-from helpers.word_models import export_wikitext_onnx
 
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.exporters.web.site import _template_dir, write_site
@@ -83,11 +82,11 @@ def test_the_page_bans_unk_as_the_python_sampler_does(page, tiny_onnx):
     assert "ban_unk needs the model's vocabulary" in message
 
 
-def test_the_page_of_an_exported_wikitext_model_says_why_it_refuses_it(tmp_path):
+def test_the_page_of_an_exported_wikitext_model_says_why_it_refuses_it(wikitext_onnx, tmp_path):
     """A real export: the tokenizer travels in the site's vocab.json, and the page says in its status line why it
     cannot run the model, instead of splitting text on whitespace into other words."""
     exe = chromium()
-    site = write_site(export_wikitext_onnx(tmp_path), tmp_path / "site", ort_web=ort_web())
+    site = write_site(wikitext_onnx, tmp_path / "site", ort_web=ort_web())
     assert json.loads((site / "vocab.json").read_text(encoding="utf-8"))["tokenizer"] == "wikitext"
     server = SiteServer(site)
     try:

@@ -34,15 +34,15 @@ def _load_driver():
 
 
 @pytest.fixture(scope="module")
-def demo_graphs(tmp_path_factory):
+def demo_graphs(demo_onnx, tmp_path_factory):
     from txl_deploy.exporters.onnx.export import export_onnx
     from txl_deploy.exporters.precision.convert import reduce_onnx
 
     root = tmp_path_factory.mktemp("driver")
-    out = {}
+    out = {("fp32", "incremental"): demo_onnx,  # conftest's default export, shared with the demo's tests
+           ("fp32", "full"): root / "demo-full.onnx"}
+    export_onnx(demo_model_path(), out[("fp32", "full")], state="full")
     for state in ("incremental", "full"):
-        out[("fp32", state)] = root / f"demo-{state}.onnx"
-        export_onnx(demo_model_path(), out[("fp32", state)], state=state)
         out[("fp16", state)] = root / f"demo-{state}-fp16.onnx"
         reduce_onnx(out[("fp32", state)], out[("fp16", state)], precision="fp16")
     return out

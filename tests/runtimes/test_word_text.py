@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.cli import cli
-from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE, export_wikitext_onnx
+from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
@@ -25,11 +25,9 @@ N = 40
 
 
 @pytest.fixture(scope="module")
-def wikitext(tmp_path_factory):
+def wikitext(wikitext_onnx):
     """(checkpoint folder, its ONNX export) of the tiny WikiText-103-style model."""
-    root = tmp_path_factory.mktemp("wikitext")
-    onnx = export_wikitext_onnx(root)
-    return root / "wt", onnx
+    return wikitext_onnx.parent / "wt", wikitext_onnx
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 from click.testing import CliRunner
-from helpers.word_models import NATURAL_LINE, export_wikitext_onnx
+from helpers.word_models import NATURAL_LINE
 
 from txl_deploy.cli import main
 from txl_deploy.runtimes import TxlRuntime
@@ -25,11 +25,6 @@ pytest.importorskip("torch")
 SEEDS = range(3)
 N = 30
 SAMPLING = {"temperature": 1.5}
-
-
-@pytest.fixture(scope="module")
-def wikitext_onnx(tmp_path_factory):
-    return export_wikitext_onnx(tmp_path_factory.mktemp("wikitext"))
 
 
 @pytest.fixture(scope="module")

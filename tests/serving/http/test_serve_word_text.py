@@ -14,7 +14,7 @@ import json
 import httpx
 import numpy as np
 import pytest
-from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE, export_wikitext_onnx
+from helpers.word_models import NATURAL_LINE, TOKENIZED_LINE
 
 from txl_deploy.runtimes import TxlRuntime
 
@@ -23,11 +23,6 @@ pytest.importorskip("torch")
 SEEDS = range(6)
 N = 30
 SAMPLING = {"temperature": 1.5, "max_tokens": N}
-
-
-@pytest.fixture(scope="module")
-def wikitext_onnx(tmp_path_factory):
-    return export_wikitext_onnx(tmp_path_factory.mktemp("wikitext"))
 
 
 @pytest.fixture(scope="module")
