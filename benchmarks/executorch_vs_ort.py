@@ -24,10 +24,8 @@ weights). Writes benchmarks/results_executorch.md (header: command, machine, dat
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -36,12 +34,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from peak_ram import process_memory  # benchmarks/ is on the path of a script run from it
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CACHE = HERE / ".cache"
-COMMAND = "python benchmarks/executorch_vs_ort.py"
+from benchmarks import harness
+from benchmarks.harness import CACHE, ROOT
+from benchmarks.peak_ram import process_memory
+from txl_deploy.errors import InputError
+
 MAX_SEGMENT = 128  # the programs' and graphs' longest segment: the prefill size must fit in one call
 RSS_DECODE_STEPS = 8
 PROFILE_STEPS = 20
@@ -174,7 +172,8 @@ def child_memory(path: str, threads: int) -> dict:
 
 def memory(path: Path, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--child", str(path), str(threads)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.executorch_vs_ort", "--child", str(path), str(threads)],
+                          capture_output=True,
                           text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {path.name} failed:\n{proc.stderr[-3000:]}")
@@ -338,7 +337,7 @@ def render(raw: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(args) -> dict:
+def measure_files(args) -> dict:
     import executorch
     import torch
 
@@ -374,36 +373,28 @@ def _version(package: str) -> str:
     return metadata.version(package)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.report import command_line, results_markdown
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every runtime (default 1)")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per file (default 64)")
-    ap.add_argument("--prefill", type=int, default=64, help=f"prefill tokens, at most {MAX_SEGMENT} (default 64)")
-    ap.add_argument("--repeat", type=int, default=5, help="prefill rounds per file (default 5)")
-    ap.add_argument("--mem-len", type=int, default=512, help="the enwik8-base stand-in's mem_len (default 512)")
-    ap.add_argument("--shapes", default="demo,enwik8-base", help="comma-separated: demo and published shape names")
-    ap.add_argument("--out", default=str(HERE / "results_executorch.md"))
-    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
-    args = ap.parse_args(argv)
+def measure(args, command):
     if not 1 <= args.prefill <= MAX_SEGMENT:
-        ap.error(f"--prefill must be 1 to {MAX_SEGMENT}")
-    out = Path(args.out)
-    json_path = out.with_suffix(".json")
+        raise InputError(f"--prefill must be 1 to {MAX_SEGMENT}")
     if args.report_only:
-        raw = json.loads(json_path.read_text())
+        raw = json.loads(Path(args.md).with_suffix(".json").read_text())
     else:
         CACHE.mkdir(exist_ok=True)
-        raw = measure(args)
-        raw["command"] = command_line("benchmarks/executorch_vs_ort.py", sys.argv[1:] if argv is None else argv)
-        json_path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    body = render(raw)
-    out.write_text(results_markdown("ExecuTorch (XNNPACK) beside ONNX Runtime, one thread each", body,
-                                    raw.get("command", COMMAND)), encoding="utf-8")
-    print(body)
-    return 0
+        raw = {**measure_files(args), "command": command}
+    text = harness.results_markdown("ExecuTorch (XNNPACK) beside ONNX Runtime, one thread each", render(raw),
+                                    raw["command"])
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("executorch_vs_ort", __doc__, md="results_executorch.md", cache=False)
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per file (default 64)")
+    p.add_argument("--prefill", type=int, default=64, help=f"prefill tokens, at most {MAX_SEGMENT} (default 64)")
+    p.add_argument("--repeat", type=int, default=5, help="prefill rounds per file (default 5)")
+    p.add_argument("--mem-len", type=int, default=512, help="the enwik8-base stand-in's mem_len (default 512)")
+    p.add_argument("--shapes", default="demo,enwik8-base", help="comma-separated: demo and published shape names")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    return harness.main("executorch_vs_ort", p, measure, argv)
 
 
 if __name__ == "__main__":

@@ -29,32 +29,35 @@ Writes a Markdown file (header: command, machine, load, date) and the raw number
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
+import hashlib
 import logging
-import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks import harness
+from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe, graph_step_bytes, interleaved_efficiency
+from txl_deploy.bench.op_profile import profile_decode, profile_table
+from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.exporters.onnx.export import export_onnx
+from txl_deploy.exporters.precision import convert as precision
+from txl_deploy.exporters.precision import folding, int4
+from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
+from txl_deploy.exporters.precision.report import accuracy_report, evaluate_against_fp32
+from txl_deploy.exporters.precision.token_data import ids_from, segment_len
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-HERE = Path(__file__).resolve().parent
-CACHE = HERE / ".cache"
-
+logger = logging.getLogger(__name__)
 
 
 def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
-    import hashlib
-
-    from txl_deploy.contract.metadata import read_onnx_info
-    from txl_deploy.exporters.precision import convert as precision
-    from txl_deploy.exporters.precision import folding, int4
-
     code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (precision, folding, int4))).hexdigest()[:8]
     out = fp32.with_name(fp32.stem + f"-int4-b{block}-{code}.onnx")
     if not out.exists():
@@ -65,8 +68,6 @@ def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
 
 
 def accuracy(block: int, work: Path) -> dict:
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.exporters.onnx.export import export_onnx
 
     fp32 = work / "kjv-char.onnx"
     if not fp32.exists():
@@ -92,7 +93,6 @@ print(json.dumps(rss_bytes() - before))
 def resident_bytes(path, threads: int, prepack: bool = False) -> int:
     """What loading the graph and one decode step add to a fresh process's resident set (weights as the runtime
     holds them, prepacked kernels' copies included where `prepack`)."""
-    import subprocess
 
     out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), str(threads), "1" if prepack else "0"],
                          capture_output=True, text=True, check=True)
@@ -103,8 +103,6 @@ def open_runtime(path, threads: int, prepack: bool = False, lazy: bool = True):
     """A TxlRuntime over the graph with ONNX Runtime's prepacking off (the shared weight pool: what `TxlRuntime.load`
     opens for fp32) or on (`prepack`: each session its own packed weights, its default for int4); `lazy` as
     TxlRuntime's (generate computes the softmax's head first and tails on demand where the graph has parts)."""
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
     return TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads, prepack=prepack), lazy=lazy)
 
@@ -131,7 +129,6 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
             times[name].append(time.perf_counter() - t0)
     profiles = {}
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
-        from txl_deploy.bench.op_profile import profile_decode
 
         for name, rt in runtimes.items():
             if name != "fp32" and not sides[name][1]:  # the profiler opens each graph as the runtime does
@@ -201,10 +198,6 @@ def prepacked_accuracy(acc: dict) -> dict:
     """The demo model's held-out bits per character of the int4 graph run with ONNX Runtime's prepacking on (the
     int8-compute kernels of accuracy_level 4; without prepacking MatMulNBits dequantizes its weights to fp32 and
     multiplies in fp32, which is what the export's own evaluation measured), against fp32 as the runtime runs it."""
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.contract.metadata import read_onnx_info
-    from txl_deploy.exporters.precision.report import accuracy_report, evaluate_against_fp32
-    from txl_deploy.exporters.precision.token_data import ids_from, segment_len
 
     info = read_onnx_info(acc["fp32_path"])
     ids = ids_from(DEMO_DIR / "heldout.txt", info, "evaluation text")[0]
@@ -215,11 +208,10 @@ def prepacked_accuracy(acc: dict) -> dict:
         rt.close(), r32.close()
 
 
-def wt103_paths(block: int) -> dict:
-    from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+def wt103_paths(block: int, work: Path) -> dict:
 
-    ckpt = standin_checkpoint("wt103-base", CACHE)
-    fp32 = standin_onnx(ckpt, CACHE, 640, max_segment=64)
+    ckpt = standin_checkpoint("wt103-base", work)
+    fp32 = standin_onnx(ckpt, work, 640, max_segment=64)
     # random weights: the stream comparison is recorded, not enforced (the gate is for trained models)
     int4, report = _int4(fp32, block, verify=False)
     return {"fp32": fp32, "int4": int4, "report": report}
@@ -229,39 +221,16 @@ def _resident(mb: float) -> str:
     return f"{mb:.1f}"
 
 
-def main():
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.bench.op_profile import profile_table
-    from txl_deploy.bench.report import GENERATED_BY
-    from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every side (default 1)")
-    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
-    others_default = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
-    ap.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK,
-                    help=f"int4 block size (default {INT4_DEFAULT_BLOCK}, the export default)")
-    ap.add_argument("--other-blocks", default=others_default,
-                    help=f"further block sizes measured beside it, prepacked, comma-separated (default "
-                         f"{others_default}; '' for none)")
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
-    ap.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
-    ap.add_argument("--generate-tokens", type=int, default=16,
-                    help="tokens per side per round of the generation speed (default 16; 0 to skip it)")
-    ap.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed (default 3)")
-    ap.add_argument("--out", default=str(HERE / "results_int4.md"))
-    args = ap.parse_args()
-    CACHE.mkdir(exist_ok=True)
-    command = "python benchmarks/int4.py" + "".join(f" {a}" for a in sys.argv[1:])
-    load_start = os.getloadavg()
-    acc = accuracy(args.block_size, CACHE)
-    acc_packed = prepacked_accuracy(acc)
-    wt = wt103_paths(args.block_size)
+def measure(args, command):
+    Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     others = [int(b) for b in args.other_blocks.split(",") if b.strip()]
-    acc_other = {b: accuracy(b, CACHE) for b in others}
+    load_start = harness.load_average()
+    acc = accuracy(args.block_size, Path(args.cache_dir))
+    acc_packed = prepacked_accuracy(acc)
+    wt = wt103_paths(args.block_size, Path(args.cache_dir))
+    acc_other = {b: accuracy(b, Path(args.cache_dir)) for b in others}
     acc_other_packed = {b: prepacked_accuracy(o) for b, o in acc_other.items()}
-    wt_other = {b: wt103_paths(b) for b in others}
+    wt_other = {b: wt103_paths(b, Path(args.cache_dir)) for b in others}
     speed_wt = decode_speed({"fp32": (wt["fp32"], False), "int4": (wt["int4"], False),
                              "int4, prepacked": (wt["int4"], True),
                              **{f"int4, block {b}, prepacked": (wt_other[b]["int4"], True) for b in others}},
@@ -279,7 +248,7 @@ def main():
                               "int4, prepacked, lazy": (wt["int4"], True, True),
                               "int4, prepacked, full": (wt["int4"], True, False)},
                              args.threads, args.generate_tokens, args.generate_rounds)
-    load_end = os.getloadavg()
+    load_end = harness.load_average()
 
     a, ap_ = acc["report"]["accuracy"], acc_packed
     s = acc["report"]["stream"]
@@ -293,18 +262,9 @@ def main():
                ("WikiText-103 base: decode >= 3x fp32, int4 unpacked", f"{speedup:.2f}x", speedup >= 3),
                ("WikiText-103 base: decode >= 3x fp32, int4 prepacked (both as the runtime runs them)", f"{speedup_packed:.2f}x", speedup_packed >= 3),
                ("WikiText-103 base: file <= 1/6 of fp32", f"1/{ratio:.2f}", ratio >= 6)]
-    m, v = machine_info(), versions()
     method = acc["report"]["method"]
     lines = [
-        "# int4 weight-only graphs (MatMulNBits)",
-        "",
-        f"{GENERATED_BY}{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not "
-        "edit by hand (run the command again).",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
-        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end); {m['platform']}",
-        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
-        f"txl-deploy {v['txl_deploy']}",
+        *harness.machine_lines(load_start, load_end),
         f"- int4: block size {method['block_size']}, accuracy_level {method['accuracy_level']} (int8 compute), "
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
@@ -406,19 +366,30 @@ def main():
                   "rates):", "",
                   "| side | tokens / s | against fp32 full |", "|---|---|---|",
                   *[f"| {g} | {r:.2f} | {r / full:.2f}x |" for g, r in gen["tokens_per_s"].items()], ""]
-    text = "\n".join(lines).rstrip() + "\n"
-    Path(args.out).write_text(text, encoding="utf-8")
+    text = harness.results_markdown("int4 weight-only graphs (MatMulNBits)", "\n".join(lines), command)
     raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
            "accuracy_other_blocks": {b: o["report"] for b, o in acc_other.items()},
            "accuracy_other_blocks_prepacked": acc_other_packed,
            "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command,
            "load_start": load_start, "load_end": load_end, "generate": gen}
-    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
-    print(text)
     for t, val, ok in targets:
-        print(f"{'ok ' if ok else 'MISS'} {t}: {val}")
+        logger.info(f"{'ok ' if ok else 'MISS'} {t}: {val}")
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("int4", __doc__, md="results_int4.md")
+    others = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
+    p.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
+    p.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK, help="int4 block size (the export default)")
+    p.add_argument("--other-blocks", default=others, help=f"further block sizes, prepacked (default {others})")
+    p.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
+    p.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
+    p.add_argument("--generate-tokens", type=int, default=16, help="tokens per side per round of generation (0: skip)")
+    p.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed")
+    return harness.main("int4", p, measure, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

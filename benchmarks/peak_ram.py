@@ -1,8 +1,8 @@
 """Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
 
-    python benchmarks/peak_ram.py                      # WikiText-103 large, our format and an original model.pt
-    python benchmarks/peak_ram.py --shape enwik8-large --formats ours
-    python benchmarks/peak_ram.py --runtime-only --shape wt103-base --cache benchmarks/.cache   # the runtime alone
+    python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
+    python -m benchmarks.peak_ram --shape enwik8-large --formats ours
+    python -m benchmarks.peak_ram --runtime-only --shape wt103-base --cache benchmarks/.cache   # the runtime alone
 
 Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
 `peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-COMMAND = "python benchmarks/peak_ram.py"
+COMMAND = "python -m benchmarks.peak_ram"
 
 
 def process_memory() -> dict:
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
                          "(results_peak_ram_runtime.md)")
     args = ap.parse_args(argv)
 
-    from txl_deploy.bench.report import results_markdown
+    from benchmarks.harness import results_markdown
 
     if args.runtime_only:
         json_path = HERE / "results_peak_ram_runtime.json"

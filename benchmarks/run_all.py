@@ -24,9 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CACHE = HERE / ".cache"
+from benchmarks.harness import CACHE, HERE, ROOT, command, generating_command
+from txl_deploy.bench import run_benchmark
+from txl_deploy.bench.op_profile import profile_table
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.report import plot, table
+from txl_deploy.exporters.precision.convert import reduce_onnx
 
 TARGETS_DOC = """\
 Targets (batch 1 unless said, fp32, decode with a full memory, full next-token distribution):
@@ -50,24 +53,19 @@ it trails eager on prefill; it is built for decode, where it is faster than eage
 # The other benchmark scripts, each with the command that writes its results file (the command every results
 # file names), in the order --scripts all runs them.
 SCRIPTS = {
-    "table9": ["benchmarks/paper_table9.py", "--force"],
-    "peers": ["benchmarks/peers.py", "--force"],
-    "int4": ["benchmarks/int4.py"],
-    "efficiency": ["benchmarks/decode_efficiency.py"],
-    "lazy-decode": ["benchmarks/lazy_decode.py"],
-    "precision": ["benchmarks/precision.py", "accuracy", "--out", "/tmp/bench/prec", "--md",
-                  "benchmarks/results_precision.md", "--force"],
-    "triton": ["benchmarks/triton_load.py", "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_triton.md",
-               "--force"],
-    "serve": ["benchmarks/serve_load.py", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base",
-              "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_serve.md", "--force"],
-    "chaos": ["benchmarks/serve_chaos.py", "--md", "benchmarks/results_chaos.md", "--json",
-              "benchmarks/results_chaos.json", "--force"],
-    "peak-ram": ["benchmarks/peak_ram.py"],
-    "peak-ram-runtime": ["benchmarks/peak_ram.py", "--runtime-only", "--shape", "wt103-base", "--cache",
-                         "benchmarks/.cache"],
-    "executorch": ["benchmarks/executorch_vs_ort.py"],
-    "mobile": ["benchmarks/mobile_usability.py"],
+    "table9": ["paper_table9", "--force"],
+    "peers": ["peers", "--force"],
+    "int4": ["int4", "--force"],
+    "efficiency": ["decode_efficiency", "--force"],
+    "lazy-decode": ["lazy_decode", "--force"],
+    "precision": ["precision", "--out", "/tmp/bench/prec", "--force"],
+    "triton": ["triton_load", "--force"],
+    "serve": ["serve_load", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base", "--force"],
+    "chaos": ["serve_chaos", "--force"],
+    "peak-ram": ["peak_ram"],
+    "peak-ram-runtime": ["peak_ram", "--runtime-only", "--shape", "wt103-base", "--cache", "benchmarks/.cache"],
+    "executorch": ["executorch_vs_ort", "--force"],
+    "mobile": ["mobile_usability", "--force"],
 }
 
 
@@ -75,18 +73,16 @@ def run_scripts(names: list[str]):
     """Each named script in a fresh process, from the repository root (so every results file names the same
     command as when run by hand); stops at the first that fails."""
     for name in names:
-        cmd = [sys.executable, *SCRIPTS[name]]
-        print(f"[{name}] python {' '.join(SCRIPTS[name])}", file=sys.stderr)
-        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-            raise SystemExit(f"[{name}] failed: python {' '.join(SCRIPTS[name])}")
+        module, *args = SCRIPTS[name]
+        print(f"[{name}] {command(module, args)}", file=sys.stderr)
+        if subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT).returncode != 0:
+            raise SystemExit(f"[{name}] failed: {command(module, args)}")
 
 
 def reduced(fp32_path: Path, precision: str) -> Path:
     """The stand-in's export converted to `precision` by txl-deploy's own converter (exporters/precision.py), cached.
 
     Not verified here: the benchmark itself compares its log-probs with the eager fp32 reference."""
-    from txl_deploy.exporters.precision.convert import reduce_onnx
-
     out = fp32_path.with_name(fp32_path.stem + f"-{precision}.onnx")
     if not out.exists():
         reduce_onnx(fp32_path, out, precision=precision, verify=False)
@@ -94,8 +90,6 @@ def reduced(fp32_path: Path, precision: str) -> Path:
 
 
 def run_config(cfg: dict, threads) -> dict | None:
-    from txl_deploy.bench import run_benchmark
-    from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
 
     model, reference, compare = cfg["model"], None, None
     if not is_shape_name(model):
@@ -182,8 +176,6 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
 def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
     """Every benchmarks/results_*.md: (path, generating command, text) for those that name their command, and the
     paths of those that do not (left out of RESULTS.md)."""
-    from txl_deploy.bench.report import generating_command
-
     ok, left_out = [], []
     for path in sorted(HERE.glob("results_*.md")):
         text = path.read_text(encoding="utf-8")
@@ -196,9 +188,6 @@ def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
 
 
 def results_md(reports, bandwidth_note: str, command: str) -> str:
-    from txl_deploy.bench.op_profile import profile_table
-    from txl_deploy.bench.report import table
-
     first = reports[0]
     v, m = first["versions"], first["machine"]
     threads = {rep["settings"]["threads"] for rep in reports}
@@ -304,8 +293,6 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.report import command_line
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="configuration names to run (default: all); the others keep their "
                                               "last results (results/NAME.json)")
@@ -360,11 +347,9 @@ def main(argv=None):
             f"{max(bws):.1f} GB/s (it moves with the other jobs' load; each floor uses its own configuration's)"
             if bws else "memory bandwidth: not measured")
     # The command that reproduces the whole file (a configuration re-run alone with --only lands in the same place)
-    command = command_line("benchmarks/run_all.py", [] if args.threads == 1 else ["--threads", str(args.threads)])
-    Path(args.out).write_text(results_md(reports, note, command))
+    cmd = command("run_all", [] if args.threads == 1 else ["--threads", str(args.threads)])
+    Path(args.out).write_text(results_md(reports, note, cmd))
     try:  # latency against memory length and batch size, where matplotlib is installed
-        from txl_deploy.bench.report import plot
-
         for rep in reports:
             if len(rep["results"]) > 1:
                 plot(rep, results_dir / f"{rep['name']}.png", force=True)

@@ -3,8 +3,8 @@ session continuation timed, and a results file that names its command (so run_al
 
 from __future__ import annotations
 
-from txl_deploy.bench.report import generating_command
-from txl_deploy.bench.serve_load import results_file, run_benchmark
+from benchmarks.harness import generating_command
+from benchmarks.serve_load import results_file, run_benchmark
 
 
 def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
