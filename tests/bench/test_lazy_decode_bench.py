@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import harness
 from benchmarks import lazy_decode as ld
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.sampling import Clusters
@@ -47,7 +48,7 @@ def test_the_timed_sides_agree_and_count_the_tails_they_run(rt):
     state = rt.save_state()
     sides = {side: (lambda r, lazy=(side == "lazy"): ld.time_generate(rt, state, 7, 12, 3 + r, {"temperature": 1.0},
                                                                        lazy)) for side in ("lazy", "full")}
-    out = ld.interleaved(sides, rounds=3)
+    out = harness.interleaved(sides, rounds=3)
     for a, b in zip(out["lazy"], out["full"]):
         assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
         assert b["tails"] == [0, 0] and all(0 <= t <= 12 for t in a["tails"])

@@ -19,8 +19,8 @@ def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
     s = result["sessions"]["serve"]
     assert len(s["session_ttft_ms"]) == 2 and s["speedup"] > 0 and s["same_token"]
     assert "memory per session" in result["memory_per_session_log"]
-    text = results_file([result], "python benchmarks/serve_load.py --model tiny.onnx")
-    assert generating_command(text) == "python benchmarks/serve_load.py --model tiny.onnx"
+    text = results_file([result], "python -m benchmarks.serve_load --model tiny.onnx")
+    assert generating_command(text) == "python -m benchmarks.serve_load --model tiny.onnx"
     assert "| serve |" in text and "Session continuation" in text
 
 
@@ -29,6 +29,7 @@ def test_the_script_explains_itself():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
-    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve_load", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=root)
     assert out.returncode == 0 and "--context" in out.stdout and "--no-triton" in out.stdout
