@@ -1,26 +1,6 @@
-"""ExecuTorch programs (.pte, XNNPACK) beside ONNX Runtime, measured in one run: step latency, file size, peak RAM.
-
-    .venv/bin/python benchmarks/executorch_vs_ort.py [--threads 1] [--steps 64] [--prefill 64] [--mem-len 512]
-
-Four files per shape, all exported by txl-deploy: ExecuTorch fp32 and int4 (8da4w: int8 dynamic activations, int4
-weights in groups of 32, torchao), ONNX Runtime fp32 and int4 (MatMulNBits). Shapes: the demo model `kjv-char`
-(its own mem_len, 128) and the enwik8-base shape (a random-weight stand-in, seed 0: speed depends on shapes, not
-values) at --mem-len.
-
-- decode: batch 1, the memory full (mem_len tokens fed first), --steps single-token steps per file, the files
-  taking turns token by token (A B C D, D C B A, ...), every runtime on --threads intra-op threads; medians;
-- prefill: --prefill tokens into the full memory (the state restored before each), --repeat rounds, alternating;
-- peak RAM: a fresh process per file that loads it, fills the memory and decodes 8 tokens: its high-water resident
-  set (VmHWM) and what it added to the resident set after the imports;
-- where an ExecuTorch decode step goes: ExecuTorch's event tracer (ETDump, read with its Inspector) over 20 steps,
-  split into the XNNPACK delegate calls and the operators left to the portable kernels, by operator;
-- parity: each ExecuTorch program's log-probs against the ONNX Runtime file of the same precision family on the
-  timed steps (max abs difference; int4 programs differ from fp32 by their quantization, reported, not enforced).
-
-The exports are cached under benchmarks/.cache, keyed by the exporters' code. The demo model's int4 program is
-exported with its accuracy gate (held-out bits per character within 2% of fp32), the stand-in's without (random
-weights). Writes benchmarks/results_executorch.md (header: command, machine, date) and the raw numbers as JSON.
-"""
+"""ExecuTorch programs (.pte, XNNPACK; fp32 and int4 8da4w) beside ONNX Runtime graphs (fp32 and int4) in one run:
+decode and prefill latency, file size, peak RAM of a fresh process, where an ExecuTorch step goes, and parity.
+Method: docs/benchmarks.md ("ExecuTorch beside ONNX Runtime")."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
-"""int4 weight-only graphs against fp32 in one run: accuracy, decode speed, size, each step against its bytes.
-
-    .venv/bin/python benchmarks/int4.py [--threads 1] [--steps 128] [--block-size 64] [--other-blocks 32,128]
-        [--rounds 9] [--steps-per-round 6] [--generate-tokens 16] [--generate-rounds 3] [--out benchmarks/results_int4.md]
-
-fp32 runs as `TxlRuntime.load` runs it (OrtBackend's defaults for fp32: the shared weight pool, ONNX Runtime's
-prepacking off); each int4 graph runs prepacked ("prepacked", `OrtBackend(prepack=True)`, what `TxlRuntime.load`
-opens for a quantized graph) and unpacked (`OrtBackend(prepack=False)`): without prepacking MatMulNBits has no
-packed weights for its 4-bit kernels and dequantizes every weight to fp32 on every call.
-
-- accuracy: the demo model's bits per character on its whole held-out text, fp32 and int4 (ONNX Runtime CPU,
-  streaming evaluation with the memory), unpacked (the export's own evaluation) and prepacked, with the stream
-  comparison (KL divergence, top-1 agreement);
-- speed: ONNX Runtime CPU decode time per token with a full memory (mem_len tokens fed first) on the
-  WikiText-103 base shape (random weights: speed depends on shapes, not values) and on the demo model, every side
-  in one process, taking turns token by token, the same intra-op thread count on every side; medians;
-- against its own bytes: each WikiText-103 base step (fp32, int4, int4 prepacked) against the plain one-thread
-  read and the copy floor of the bytes that graph's step reads, the steps and the probes taking turns round by
-  round (txl_deploy/bench/bandwidth_floor.py), in wall and in CPU time;
-- generation: WikiText-103 base tokens per second of `TxlRuntime.generate` (greedy), lazy on the softmax parts
-  (int4 parts for the int4 graph) and full, against fp32 full;
-- size: the files, and the resident memory each session added when it loaded.
-
-Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32 (at
-the export's default block size; the others are measured beside it, prepacked). The profiles of the runtime's
-sides and the bytes a step reads show where an int4 step's time goes.
-Writes a Markdown file (header: command, machine, load, date) and the raw numbers as JSON beside it.
-"""
+"""int4 weight-only graphs (MatMulNBits) against fp32: accuracy on the demo model, file size, decode speed and what
+a step reads on the WikiText-103 base shape, prepacked and not, other block sizes beside the default, generation
+lazy and full. Method: docs/edge.md ("int4") and docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Lazy against full adaptive-softmax generation, on a stand-in whose tails are needed as often as a trained model's.
-
-Lazy decoding saves what the sampler does not ask for, so its speed-up depends on how often each tail cluster is
-needed, which depends on the model's distributions: a random-weight stand-in's are nearly flat (every shortlist
-word about 1/20,000, a cluster's head probability as small), so its tails would be needed at rates no trained model
-shows. This module measures the rates on a trained model (`trained_fractions`), then gives the stand-in a head that
-reproduces them (`calibrate_head`) before it is exported, and times generation both ways on the same runtime
-(`time_generate` at batch 1, `time_batched` for a batch of streams), interleaved round by round.
-
-The stand-in's head: cluster i's logit is `r_i * (w_i . h) + b_i` (its row of `cluster_weight` scaled, its
-`cluster_bias` set). Greedy needs tail i when its head log-prob reaches the best shortlist word's (the bound of
-docs/sampling.md), sampling at T = 1 about as often as the cluster is drawn (its head probability); `b_i` places the
-first and `r_i`, the spread of the logit over steps, sets the second, fitted on hidden states of the stand-in
-itself. A random model also predicts its input word (tied embeddings: the last hidden state still resembles the
-input's embedding), so greedy would repeat one word and need a tail always or never; the last layer's
-feed-forward output is scaled up (`DECORRELATE`) so that the hidden state is a random function of the context, as
-the fitted rates assume. None of this changes a byte the decode step reads.
-"""
+"""Lazy against full adaptive-softmax generation, on a WikiText-103 base stand-in whose head is fitted so that its
+tails are needed as often as a trained model's (measured in the same run on the KJV word model). Method, and why a
+random model's rates would mislead: docs/benchmarks.md ("Lazy adaptive-softmax generation against full")."""
 
 from __future__ import annotations
 

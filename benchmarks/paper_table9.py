@@ -1,24 +1,6 @@
-"""The paper's Table 9 on the deployed runtime: Transformer-XL's evaluation against the vanilla Transformer's.
-
-Dai et al. (2019), Table 9: at evaluation the vanilla Transformer (Al-Rfou et al., 2018) is 363x, 773x, 1,409x and
-1,874x slower than Transformer-XL at attention lengths 800, 1,800, 2,800 and 3,800 (one GPU). Here both run in
-ONNX Runtime on the CPU with the same intra-op thread count, one stream, the same random token stream:
-
-- Transformer-XL: the published shape (random weights) exported by txl-deploy with mem_len = L, run through
-  `TxlRuntime`. Its memory first holds the L tokens before the measured ones (untimed). "Evaluation" feeds a
-  segment of `segment` tokens with that full memory and returns the next-token distribution at every position
-  (what evaluating a text computes; time / segment per token); "one token per call" feeds the same tokens one at
-  a time (what generation computes; the median call).
-- vanilla: `model.vanilla.VanillaTransformerLM` of the same size (absolute sinusoidal positions, no memory), exported
-  to ONNX; for every predicted token it runs the window of the L tokens ending at that token, the whole window
-  recomputed, and returns the next-token distribution after it (its last position only). A few windows per L
-  suffice: every window costs the same.
-
-The measured positions coincide: vanilla window r ends at the token at stream position L + r, whose next-token
-distribution is also Transformer-XL's output at segment position r (`inputs`). Every round runs Transformer-XL's
-segment, its single-token calls and one vanilla window, in alternating order (A B C, C B A, ...); ratios are
-between medians of those rounds.
-"""
+"""The paper's Table 9 on the deployed runtime: Transformer-XL's evaluation against a vanilla Transformer of the
+same size that recomputes its whole window for every token (Dai et al., 2019: 363x to 1,874x at L = 800 to 3,800).
+What each side computes: docs/benchmarks.md ("The paper's Table 9")."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""Peers side by side: decode latency of the same model in every engine a user might pick, in one run.
-
-For one model (a published shape's random-weight stand-in, or a checkpoint) at one memory length, every batch
-size in `batches`, the sides below decode one token at a time with a full memory (mem_len tokens fed first,
-untimed), the full next-token distribution each step, on the same token stream, interleaved (A B C ..., ... C B
-A, per round: `timing.run_pair`), one thread each:
-
-- `onnxruntime`: the project's `.onnx` export through `TxlRuntime` (ONNX Runtime CPU);
-- `openvino (f32)` and `openvino (default)`: OpenVINO's CPU plugin on the same `.onnx` (`peer_openvino`), with the
-  f32 precision hint and with the plugin's default (bf16 on CPUs with AVX512-BF16 or AMX); where the default is
-  f32 anyway the second side would time the same thing twice and is left out (the report says so);
-- `transformers`: HuggingFace's TransfoXL with its mems, from the same weights (`peer_huggingface`);
-- `torch (eager)`: the model as trained, the paper's memory of hidden states (`eager_baseline`);
-- `torch.compile`: the cached step compiled (`peer_compile`).
-
-Speeds are reported against ONNX Runtime (its median step / the side's: above 1 the peer is faster) and against
-eager; every side's log-probs are compared with eager's on every timed step of the first round. Each side records
-the precision its arithmetic ran in (`precision`: what OpenVINO reports it compiled for, f32 for the fp32 export
-and the PyTorch sides), and a side that did not run in f32 says so in its row's name.
-"""
+"""Peers side by side: decode latency of the same model in ONNX Runtime through txl-deploy, OpenVINO, HuggingFace
+transformers' TransfoXL, PyTorch eager and torch.compile, interleaved in one run, each side's log-probs against
+eager's. What each side runs: docs/benchmarks.md ("Peers")."""
 
 from __future__ import annotations
 
@@ -207,28 +190,9 @@ def section(rep: dict) -> str:
 
 
 HOW_TO_READ = """\
-Every side decodes the same tokens, one per call, with a full memory (mem_len tokens fed first, untimed), and
-returns the full next-token distribution each step; the sides alternate within every round (A B C ..., then
-... C B A), one thread each (ONNX Runtime's and OpenVINO's intra-op threads, `torch.set_num_threads` for every
-torch side), so a slow moment of a shared machine hits them all. `vs ONNX Runtime` = ONNX Runtime's median step /
-the side's (above 1x the side is faster than txl-deploy's ONNX Runtime path); `vs eager` likewise against the
-model as trained. The last three columns compare each side's log-probs with eager's on every timed step of the
-first round (all rows): the largest difference, the mean KL divergence of the side's next-token distribution from
-eager's (nats per step), and how often both pick the same top word. A side computing in bf16 differs by some
-1e-2 in log-probs and keeps KL and top-1 close to fp32's; an f32 side stays within about 1e-5.
-
-- onnxruntime (txl-deploy): the exported `.onnx` (incremental layout) through `TxlRuntime`.
-- openvino: OpenVINO's CPU plugin on the same `.onnx`, driven from the documented graph contract
-  (`benchmarks/peer_openvino.py`): one thread, one stream, the latency hint, decode steps compiled with
-  static shapes per batch size; `f32 hint` sets `INFERENCE_PRECISION_HINT` to f32, `default precision` leaves the
-  plugin's own (bf16 on CPUs with AVX512-BF16 or AMX, f32 elsewhere), and its row names the precision the
-  plugin reports it compiled for where that is not f32.
-- transformers TransfoXL: HuggingFace's deprecated `TransfoXLLMHeadModel` with its `mems`, built from the same
-  weights (cluster rows reversed into its order; `benchmarks/peer_huggingface.py`), its memory started
-  explicitly empty as the paper's; one `model(input_ids, mems)` per step.
-- torch (eager): the model as trained, its memory of hidden states re-projected every step.
-- torch.compile: the cached step (`CachedTxl`, the `torch-fast` backend) under `torch.compile` (inductor, static
-  shapes; compiled during the warm-up)."""
+`vs ONNX Runtime` = ONNX Runtime's median step / the side's (above 1x the side is faster); `vs eager` likewise
+against the model as trained; the last three columns compare each side's log-probs with eager's on every timed step
+of the first round. What each side runs and how the rounds alternate: docs/benchmarks.md ("Peers")."""
 
 
 def results_file(reports: list[dict], command: str) -> str:

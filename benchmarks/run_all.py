@@ -1,19 +1,6 @@
-"""Run every configuration of benchmarks/configs.json and write benchmarks/RESULTS.md (+ results/*.json).
-
-    .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--threads N] [--report-only] [--scripts NAME,...]
-
-Each configuration measures its backend against the PyTorch eager reference in one process, interleaved
-(`txl_deploy.bench`); stand-ins (random weights of the published shapes) and their ONNX exports are cached in
-benchmarks/.cache. The memory bandwidth for the floor is measured in the same run (numpy copy), and one ONNX
-Runtime decode step per configuration is profiled by op type.
-
---scripts runs other benchmark scripts first, each with the command that writes its results file (`SCRIPTS`;
-`all` for every one), so that one run of this file measures everything.
-
-RESULTS.md is written whole by this script: its own tables, then every benchmarks/results_*.md that another
-benchmark script generated (each says which command wrote it on its first lines, `txl_deploy.bench.report.
-results_markdown`); a results_*.md without that header is left out and listed as such.
-"""
+"""Every configuration of benchmarks/configs.json through `txl-deploy bench`'s `run_benchmark`, then
+benchmarks/RESULTS.md written whole: its own tables, then every results_*.md that names the command that wrote it.
+--scripts runs the other benchmarks first (`SCRIPTS`). How to read it: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -75,7 +62,7 @@ def run_scripts(names: list[str]):
     for name in names:
         module, *args = SCRIPTS[name]
         print(f"[{name}] {command(module, args)}", file=sys.stderr)
-        if subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT).returncode != 0:
+        if subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, check=False).returncode:
             raise SystemExit(f"[{name}] failed: {command(module, args)}")
 
 
@@ -208,27 +195,8 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         + ", every row; fp32 unless the name says otherwise",
         f"- {bandwidth_note}",
         "",
-        "How to read this: every row of a (mem_len, batch) group was measured in one process on the same token "
-        "stream, the sides alternating per repeat (A B C, C B A, A B C), because this machine is shared (2 cores, "
-        "other jobs running): absolute milliseconds move with the load, the ratios between medians of interleaved "
-        "measurements are what to compare. Decode = one token with a full memory, the full next-token "
-        "distribution; prefill = the prompt into an empty memory, the next-token distribution after its last "
-        "token. `torch (eager)` is the PyTorch reference with the paper's memory of hidden states, its output "
-        "layer applied only at the positions a caller needs (the last one of a prompt); `torch (eager, as "
-        "written)` is the same model applying its output layer at every prompt position, as "
-        "`MemTransformerLM.forward` does (prefill only: a decode step is one position either way). Speedup "
-        "columns are against `torch (eager)` of the same group. Peak memory = resident memory added by loading "
-        "plus the largest rise during a call, measured in a separate untimed pass (nothing samples memory while "
-        "a call is timed). All sides of a configuration share one process and its heap: memory that an earlier "
-        "side or configuration freed is reused without growing the resident set, so a side can show a peak near "
-        "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = "
-        "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the bandwidth "
-        "measured as the list above says (in the rounds of the decode steps, a turn of its own in each round's "
-        "alternation, so that both see the same moments of the machine). A copy counts the bytes it reads and "
-        "the bytes it writes, and one thread's read rate can differ from its copy rate either way, while a "
-        "decode step only reads; so the same turn also times a pure read of the buffer (numpy's dot product of "
-        "its two halves), and a floor line gives the step's bytes at that rate too: where that read is faster "
-        "than the copy floor, it is the tighter floor. Stand-ins have random weights.",
+        "How to read this (every row of a group measured in one process, the sides interleaved; the floor; peak "
+        "memory): docs/benchmarks.md, \"Reading the results\". Stand-ins have random weights.",
         "",
         "## Targets",
         "",

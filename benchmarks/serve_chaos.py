@@ -1,32 +1,8 @@
-"""Chaos against `txl-deploy serve` (benchmarks/serve_chaos.py, and a bounded run in the test suite): mixed load and
-faults from the client side over loopback, then what must hold once the server is idle again.
-
-    report = run_chaos(Target(url, pid, max_batch, max_sessions, ...), ChaosSettings(duration_s=30), reference)
-
-Workers each run one operation at a time from a seeded mix of load and faults (txl_deploy/bench/chaos_mix.py: every
-one bounded in time). Golden sessions run through the chaos: conversations continued turn by turn, some parked
-and restored under a new id in between, whose every token and log-prob must equal one in-process stream fed the
-same segments. The run stops by itself: after `duration_s`, `max_ops` operations, or the first request that hangs.
-
-A warm-up runs the same mix first, then the capacity probe, so that every row, thread and buffer the server keeps
-exists before the baselines are taken. What must hold (`report["failures"]`, one list per criterion, empty when
-it held):
-- server_errors: no 5xx, except a 503 saying the server is loading or draining (in-band stream errors of type
-  server_error count as 5xx);
-- hangs: every request answered within `timeout_s`, streams included (keep-alive pings do not count as an answer);
-- answers: every answer one the API documents for what was sent (a refused park leaves the session, a refused
-  restore makes none, a stream ends with [DONE], every body is strict JSON);
-- rows: once idle, nothing runs or waits and /health is 200; in-process, counted in the engine thread: every row of the pool is free
-  or held by one live session, none twice; and the capacity probe: every session holding memory and `max_batch`
-  streams generating at the same time, all answered;
-- fds: the server's open file descriptors (/proc/PID/fd) back to their count after the warm-up, within `fd_slack`;
-- rss: its resident memory (/proc/PID/status) within `rss_slack_frac` of its size after the warm-up plus
-  `rss_slack_mib`;
-- golden: the golden sessions equal one stream (tokens exactly, log-probs within `logprob_atol`, the tolerance of
-  batched rows against a lone stream);
-- labels: the metrics' endpoint labels bounded by the routes (ROUTES, plus one for every other path), none made
-  from a path a client sent.
-"""
+"""Chaos against `txl-deploy serve`: minutes of mixed load and client-side faults over loopback (`chaos_mix`), then
+what must hold once the server is idle again, one list of failures per criterion (`CRITERIA`: no 5xx, no hang,
+only documented answers, rows free or held once, file descriptors and resident memory back near their size after
+the warm-up, golden sessions equal to one in-process stream, bounded metric labels). Method and figures:
+docs/benchmarks.md ("Serving"); the suite runs a one-minute version (tests/serving/http/test_serve_chaos.py)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""HTTP serving load (`benchmarks/serve_load.py`): `txl-deploy serve` against the same model in-process, beside the
-same API over Triton (`serve --triton`), and what a session's memory saves.
-
-    python benchmarks/serve_load.py [--model PATH|SHAPE ...] [--concurrency 16] [--tokens N] [--threads T]
-                                    [--context 2000] [--repeat R] [--no-triton] [--json out.json] [--md out.md]
-
-Paths, each with C concurrent streams (each its own prompt of --prompt-len tokens, then N greedy tokens, streamed):
-- serve: `txl-deploy serve MODEL --threads T --max-batch C` in its own process on 127.0.0.1; the load comes from
-  this process: C streams over one asyncio HTTP client (server-sent events, one event per token).
-- serve --triton: the same API from `txl-deploy serve --triton grpc://...` in its own process, over a tritonserver
-  running the model's Python-backend repository (`triton-repo --backend python --threads T --max-batch C`).
-- in-process, batched: the C streams as the rows of ONE TxlRuntime in this process (T threads), one ONNX Runtime
-  run per token for all of them: the yardstick. The ratio is a path's tokens/s over this, round by round.
-Tokens/s is C x N / the wall time of a round (first request sent -> last token received); time to first token
-(TTFT) runs from sending a request to its first token; inter-token latency is the gap between a stream's tokens.
-Rounds are interleaved (every path per repeat, in reverse order every other repeat), so the machine's other load
-hits all paths alike. Every stream's tokens are compared with the in-process ones.
-
-Session continuation: a session is given --context tokens (one request with max_tokens 0), then a follow-up of
---follow-up tokens asks for one token; its TTFT is set against one request without a session that sends the whole
-context and the follow-up again. Both through the same server, alternating, --repeat times.
-
-Models: as benchmarks/triton_load.py (an .onnx, a checkpoint exported first, or a shape name such as enwik8-base:
-random weights at --mem-len); by default the bundled demo model. Every server is stopped at the end, also on errors.
-"""
+"""HTTP serving load: `txl-deploy serve` (and `serve --triton`) against the same streams as the rows of one
+`TxlRuntime` in-process, and a session's time to first token against re-sending its context. Method and figures:
+docs/benchmarks.md ("Serving")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Serving load through tritonserver vs the same model in-process: the measurement behind
-`benchmarks/triton_load.py`, whose docstring says what each path computes, how rounds are interleaved and what
-the defaults are (`DEFAULT_MODELS`; `run_benchmark(None)` is the demo model).
-
-Traffic goes to 127.0.0.1 only, request counts are bounded (C x (N + prompt pieces + 1) per round), and the servers
-are stopped at the end, also on errors and Ctrl-C.
-"""
+"""Serving load: tokens/s and per-token latency through tritonserver's Python backend against the same model
+in-process (C threads over one session) and batched in-process (the C conversations as rows of one `TxlRuntime`,
+the yardstick), every conversation's tokens compared. Method and figures: docs/benchmarks.md ("Serving")."""
 
 from __future__ import annotations
 
