@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes, graph_step_bytes, interleaved_efficiency
-from txl_deploy.bench.op_profile import EVICT_BYTES, matmul_alone, profile_nodes
+from benchmarks.step_bytes import EVICT_BYTES, graph_step_bytes, interleaved_efficiency, matmul_alone, profile_nodes
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes
 from txl_deploy.bench.random_weights import shape_config, standin_checkpoint, standin_onnx
 
 SHAPES = {"enwik8-base": "enwik8 base", "text8": "text8", "wt103-base": "WikiText-103 base",

@@ -106,11 +106,13 @@ def stop_on_sigterm():
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def parser(name: str, doc: str, md: str | None = None, threads: int = 1, cache: bool = True):
-    """The options every benchmark takes: --threads, --cache-dir, --md (its JSON and plots beside it), --force."""
+def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, cache: bool = True):
+    """The options the benchmarks share: --threads (unless None), --cache-dir (with `cache`), --md (its JSON and
+    plots beside it), --force."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=threads, help=f"threads per side (default {threads}; 0: the "
-                   "libraries' defaults)")
+    if threads is not None:
+        p.add_argument("--threads", type=int, default=threads, help=f"threads per side (default {threads}; 0: the "
+                       "libraries' defaults)")
     if cache:
         p.add_argument("--cache-dir", default=str(CACHE), help="stand-ins and exports are kept here")
     p.add_argument("--md", default=md and str(HERE / md),

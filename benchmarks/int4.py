@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.step_bytes import graph_step_bytes, interleaved_efficiency
 from txl_deploy.assets import DEMO_DIR
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe, graph_step_bytes, interleaved_efficiency
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.op_profile import profile_decode, profile_table
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.metadata import read_onnx_info

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from benchmarks import harness
-from txl_deploy.bench.bandwidth_floor import graph_step_bytes
+from benchmarks.step_bytes import graph_step_bytes
 from txl_deploy.bench.random_weights import INIT, char_vocab, random_model, shape_config, standin_onnx
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.contract import parts as parts_contract
@@ -301,21 +301,12 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
     sizes = [hi - lo for lo, hi in clusters.bounds]
     lines = [
         *harness.machine_lines(load_start, load_end),
-        "- model: a random-weight stand-in of the WikiText-103 base shape (267,735 words; shortlist 20,000, tail "
-        f"clusters of {', '.join(f'{s:,}' for s in sizes)} words; 16 layers, d_model 410), ONNX fp32 with the "
-        "adaptive softmax's head and tail graphs, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len "
-        "640 before every timed call",
-        "- lazy: each fed token runs the head graph (body, shortlist, cluster logits); a decision runs a tail graph "
-        "only when its sampler asks for it. Batch 1 is `TxlRuntime.generate` (which, when the call ends, also "
-        "assembles the last position's full distribution once: included in its time); batch 8 feeds every row "
-        "through the head graph, then `lazy_decode.decide` runs each asked tail once per round on the rows that "
-        "ask",
-        "- full: the same runtime with `lazy=False`: each fed token runs the main graph (body and the whole "
-        "distribution), and the sampler makes the same cluster-factored decision from it",
-        f"- {args.rounds} rounds, sides interleaved (lazy then full, full then lazy); a round generates "
-        f"{args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8, both sides from the same "
-        "saved memory and prompt token with the same seed (a new seed and prompt token each round); tokens/s are "
-        "medians over rounds, the speed-up the median of the rounds' full/lazy time ratios (range in brackets)",
+        f"- model: a WikiText-103 base stand-in (tail clusters of {', '.join(f'{s:,}' for s in sizes)} words), "
+        "ONNX fp32 with the softmax's parts, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len 640",
+        f"- {args.rounds} rounds, lazy and full taking turns from the same saved memory, prompt token and seed; a "
+        f"round generates {args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; medians, "
+        "speed-ups the median of the rounds' full/lazy ratios (range in brackets). What each side runs: "
+        "docs/benchmarks.md (\"Lazy adaptive-softmax generation against full\")",
         "",
         "## Tail rates: the trained model's, and the stand-in's while timed",
         "",
@@ -365,19 +356,14 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
                                                                       for _, _, d in differ) else "")]
     lines += [
         "",
-        f"What lazy saves is the tails' share of a step times the fraction of decisions that do not need them; with "
-        f"no tail ever computed, a batch-1 step would take the head graph's time: the graphs alone give at most "
-        f"full / head = {parts['full_ms'] / parts['head_ms']:.2f}x (times below). The full side's decisions also "
-        "derive the head from the 267,735 log-probs (float64), which the lazy side's do not.",
+        f"With no tail ever computed a batch-1 step would take the head graph's time: at most full / head = "
+        f"{parts['full_ms'] / parts['head_ms']:.2f}x.",
         "",
         "## Batch 1 at the trained model's tail rates",
         "",
-        f"Where the stand-in's rates differ from the trained model's, the measured lazy time is moved by the "
-        f"difference: each graph alone, timed at batch 1 in the same rounds ({PART_REPS} turns per round, medians), "
-        f"takes {parts['head_ms']:.1f} ms for a step through the head graph, {tails} ms for tail 1 / 2 / 3 on its "
-        f"hidden state, and {parts['full_ms']:.1f} ms for a step through the main graph (head and every tail: "
-        f"{parts['head_ms'] + sum(parts['tail_ms']):.1f} ms). Each round's lazy seconds per token plus, per tail, "
-        "(trained rate - the stand-in's rate) x that tail's time:",
+        f"Each round's lazy seconds per token plus, per tail, (trained rate - the stand-in's rate) x that tail's "
+        f"time alone ({PART_REPS} turns per round, medians): head graph {parts['head_ms']:.1f} ms, tail 1 / 2 / 3 "
+        f"{tails} ms, main graph {parts['full_ms']:.1f} ms.",
         "",
         "| mode | lazy tokens/s at the trained rates | full tokens/s (measured) | lazy / full | target | "
         "MB a lazy token reads | bound from the bytes |",
@@ -393,12 +379,8 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
     full_mb = next(iter(results.values()))["1"]["byte_bound"]["full_mb"]
     lines += [
         "",
-        f"Bound from the bytes: a full step reads {full_mb:.0f} MB (weights, positional tables, memory), tails 1 / 2 / "
-        f"3 {tail_mb} MB of it; a lazy token reads the full step's bytes less the tails', plus each tail's bytes "
-        "times the trained rate it is needed at. Reading fewer bytes is all a lazy token does, so read at the same "
-        "rate as the full step's it gains at most full MB / lazy MB, whatever the implementation; a measured "
-        "speed-up above that bound comes from the full side's extra work per token (its sampler derives the head "
-        "from the 267,735 log-probs).",
+        f"Bound from the bytes: a full step reads {full_mb:.0f} MB, tails 1 / 2 / 3 {tail_mb} MB of it; a lazy token "
+        "reads the rest plus each tail's bytes times its trained rate, and gains at most full MB / lazy MB.",
     ]
     return harness.results_markdown("Lazy adaptive-softmax generation against full, WikiText-103 base shape",
                                     "\n".join(lines), command)

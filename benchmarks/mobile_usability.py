@@ -15,10 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import harness
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.exporters.export import export_checkpoint
-
-from benchmarks import harness
 
 DEMO = harness.ROOT / "txl_deploy" / "assets" / "demo" / "kjv-char"
 GRAPHS = {"fp32": {}, "fp32-full-state": {"state": "full"}, "int4": {"precision": "int4"},
@@ -77,7 +76,7 @@ def measure(args, command):
 
 
 def main(argv=None) -> int:
-    p = harness.parser("mobile_usability", __doc__, md="results_mobile_usability.md", cache=False)
+    p = harness.parser("mobile_usability", __doc__, md="results_mobile_usability.md", cache=False, threads=None)
     p.add_argument("--work", help="folder for the exported graphs [default: a temporary one]")
     p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
     return harness.main("mobile_usability", p, measure, argv)

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import onnxruntime
 
+from benchmarks import harness
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.checkpoints import load_model
 from txl_deploy.exporters.onnx.export import export_onnx
 from txl_deploy.exporters.precision.convert import reduce_onnx
 from txl_deploy.exporters.precision.token_data import read_token_ids
-
-from benchmarks import harness
 
 # The accuracy targets (relative change in bits per character or perplexity against fp32) this benchmark checks.
 TARGETS = {"fp16": 0.002, "int8": 0.02, "int8-dynamic": 0.01}
@@ -69,7 +68,7 @@ def accuracy(args, command):
 
 
 def main(argv=None) -> int:
-    p = harness.parser("precision", __doc__, md="results_precision.md", cache=False)
+    p = harness.parser("precision", __doc__, md="results_precision.md", cache=False, threads=None)
     p.add_argument("--model", help="checkpoint [default: the demo model]")
     p.add_argument("--text", help="text file [default: the demo held-out text]")
     p.add_argument("--max-segment", type=int, default=128)
