@@ -245,12 +245,8 @@ def measure(args, command):
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
         "fp16; memory state fp32",
-        "- sides: `fp32` is the graph as `TxlRuntime.load` runs it (OrtBackend's defaults for fp32: the shared "
-        "weight pool, ONNX Runtime's prepacking off); `int4, prepacked` is the int4 graph as `TxlRuntime.load` "
-        "runs it (`OrtBackend(prepack=True)`, its default for a quantized graph: each session its own packed "
-        "weights); `int4` is the same graph with `OrtBackend(prepack=False)`. Without prepacking, ONNX Runtime's "
-        "MatMulNBits has no packed weights to give its 4-bit kernels and dequantizes every weight to fp32 on every "
-        "call, then multiplies in fp32 (its unpacked path); accuracy_level only applies to the prepacked kernels",
+        "- sides: `fp32` and `int4, prepacked` as `TxlRuntime.load` runs each graph, `int4` with "
+        "`OrtBackend(prepack=False)` (see docs/benchmarks.md, \"int4\")",
         f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on every side, batch 1, memory full, median of "
         f"{args.steps} decode steps per side, the sides taking turns token by token",
         "",
@@ -292,9 +288,7 @@ def measure(args, command):
                          f"{sp['median_ms']['fp32'] / sp['median_ms'][g]:.2f}x | {sp['file_mb'][g]:.1f} | "
                          f"{_resident(sp['loaded_rss_mb'][g])} |")
     wr = wt["report"]["stream"]
-    lines += ["", "Resident after load: what creating the ONNX Runtime sessions (the model and its softmax parts, "
-              "where it has them) and one decode step add to a fresh process's resident set; a prepacked side's "
-              "kernels hold their packed copies of the weights.", "",
+    lines += ["", "Resident after load: what the sessions and one decode step add to a fresh process.", "",
               f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
               f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
               "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
@@ -307,24 +301,17 @@ def measure(args, command):
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
     reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
     measured = {"fp32": "fp32", "int4": "int4, prepacked", **{g: f"{g}, prepacked" for g in graphs if "block" in g}}
-    lines += ["What a WikiText-103 base decode step reads (batch 1, memory full; counted from each graph: the "
-              "weight products' constants with the scales as the fp32 the kernels get, the positional tables, "
-              "the memory's keys and values). At batch 1 every byte is read once per step, so fp32's bytes over a "
-              "graph's bound the speed-up a bandwidth-bound step could reach; a measured speed-up below that bound "
-              "is time spent computing (the int8 products, quantizing activations per block) or between "
-              "operators. Measured here: the prepacked side of each int4 graph (unpacked, the step also writes and "
-              "reads an fp32 copy of every weight):", "",
+    lines += ["What a WikiText-103 base decode step reads, counted from each graph, and the speed-up those bytes "
+              "bound (fp32's over the graph's) beside the one measured, prepacked:", "",
               "| graph | weight products MB | positional tables MB | memory MB | total MB | bound on the speed-up "
               "| measured speed-up (prepacked) |",
               "|---|---|---|---|---|---|---|",
               *[f"| {g} | {r['weights'] / 1e6:.1f} | {r['positional_tables'] / 1e6:.1f} | {r['memory'] / 1e6:.1f} | "
                 f"{r['total'] / 1e6:.1f} | {reads['fp32']['total'] / r['total']:.2f}x | "
                 f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x |" for g, r in reads.items()], ""]
-    lines += [f"Each WikiText-103 base step against the plain read of its own bytes (the bytes above; plain read: "
-              "numpy's dot product, a pure read; copy floor: numpy copy, read + written; both of a 256 MB buffer, "
-              f"one thread, measured in the rounds of the steps: {args.rounds} rounds of {args.steps_per_round} "
-              "steps of each side, one intra-op thread, then the probes; medians of each round's ratio; CPU time: "
-              "the step and the read on their thread's CPU clock, which leaves out waiting for a core):", "",
+    lines += [f"Each WikiText-103 base step against the plain read and the copy of its own bytes, {args.rounds} rounds "
+              f"of {args.steps_per_round} steps of each side, then the probes (as decode_efficiency measures them):",
+              "",
               "| side | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy | "
               "step CPU ms | read CPU ms | step / read (CPU time) |",
               "|---|---|---|---|---|---|---|---|---|---|",
@@ -334,12 +321,8 @@ def measure(args, command):
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens from "
-                  f"a full memory, {args.generate_rounds} rounds, the sides taking turns (order reversed every other "
-                  "round), medians. `lazy`: the softmax parts (the body + head graph per token, a tail graph only "
-                  "when the decision needs it; the int4 graph's parts are int4); `full`: the main graph per token. "
-                  "Random weights give near-uniform distributions, where greedy decisions need tails far more often "
-                  "than a trained model's (benchmarks/lazy_decode.py measures lazy decoding at a trained model's "
-                  "rates):", "",
+                  f"a full memory, {args.generate_rounds} rounds, lazy (the softmax parts) and full (the main graph); "
+                  "random weights need tails far more often than a trained model (see lazy_decode):", "",
                   "| side | tokens / s | against fp32 full |", "|---|---|---|",
                   *[f"| {g} | {r:.2f} | {r / full:.2f}x |" for g, r in gen["tokens_per_s"].items()], ""]
     text = harness.results_markdown("int4 weight-only graphs (MatMulNBits)", "\n".join(lines), command)
