@@ -1,21 +1,8 @@
-"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read over the bandwidth.
-
-A decode step (Q = 1, full memory) reads every weight it multiplies by once, and the keys and values of every
-memory slot of every layer. At batch 1 each weight is used for one multiply-add, so no cache helps: the step
-is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
-by a numpy copy (STREAM-style: bytes read + bytes written over the time, one thread).
-
-A copy counts two bytes moved per byte it reads, and one thread's read rate can differ from its copy rate
-either way, while a decode step only reads. So the probe also times a pure read of the same buffer (numpy's dot
-product of its two halves in float64 and in float32: OpenBLAS's streaming kernels, the fastest reads of the numpy
-kernels tried here), and the report gives the step against that read of its bytes too. Where the read is faster
-than the copy floor, the copy floor overstates what the step must take; where it is slower, the copy floor is out
-of one thread's reach.
-
-The bandwidth a shared machine gives one thread moves with the other jobs' load, so it is measured in the same
-rounds as the decode steps it is compared with (`BandwidthProbe`, a turn of `timing.run_pair`): each round's
-decode median is set against that round's bandwidth, and a floor ratio compares like with like.
-"""
+"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read (every weight once,
+the keys and values of every memory slot) over the bandwidth one thread gets, measured by a numpy copy and by a
+pure read of the same buffer, in the same rounds as the decode steps (`BandwidthProbe`, a turn of
+`timing.run_pair`), since a shared machine's bandwidth moves with its load. Why both, and how to read the gap:
+docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 

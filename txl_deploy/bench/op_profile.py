@@ -1,13 +1,6 @@
-"""Where a decode step's time goes: ONNX Runtime's own profiler, summarised by operator type.
-
-A separate session with `SessionOptions.enable_profiling` runs `steps` decode steps from the given state (a full
-memory); the trace's node events are summed per op type and step, and the median step is reported.
-
-A step's time in the session (the trace's model_run) can exceed the sum of its kernels' by far on a shared machine:
-the kernels are summed as per-node medians over the steps, which leave out a stall wherever it landed, and the
-thread also waits for a core between kernels. Each step's CPU time on its thread (`step_cpu_ms`, one intra-op
-thread runs the graph on the caller's thread) tells the two apart: wall minus CPU is time spent waiting for a core.
-"""
+"""Where a decode step's time goes: ONNX Runtime's own profiler over `steps` decode steps from a full memory,
+summed per op type, the median step reported, with each step's CPU time on its thread beside the session's time
+(on a shared machine the difference is time spent waiting for a core)."""
 
 from __future__ import annotations
 
