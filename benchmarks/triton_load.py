@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks import harness
 from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.benchmark import machine_info
 from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
 from txl_deploy.checkpoints import save_checkpoint
 from txl_deploy.config import TxlConfig
@@ -274,15 +275,8 @@ def _versions(server_version: str | None) -> dict:
 
 
 def _machine() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "system": f"{platform.system()} {platform.release()}",
+    m = machine_info()
+    return {"cpus": m["cores"], "cpu": m["cpu"], "system": f"{platform.system()} {platform.release()}",
             "load_average_start": list(os.getloadavg())}
 
 
