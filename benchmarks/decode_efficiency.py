@@ -14,6 +14,9 @@ from benchmarks import harness
 from benchmarks.step_bytes import EVICT_BYTES, graph_step_bytes, interleaved_efficiency, matmul_alone, profile_nodes
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes
 from txl_deploy.bench.random_weights import shape_config, standin_checkpoint, standin_onnx
+from txl_deploy.contract import io_spec
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
 SHAPES = {"enwik8-base": "enwik8 base", "text8": "text8", "wt103-base": "WikiText-103 base",
           "wt103-large": "WikiText-103 large", "lm1b-large": "One Billion Word"}
@@ -29,9 +32,6 @@ def weight_bytes(name: str) -> int:
 
 def open_shape(name: str, work: Path, threads: int, seed: int = 0):
     """(graph path, runtime with its memory full, a callable running one decode step)."""
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-
     mem_len = shape_config(name).mem_len
     path = standin_onnx(standin_checkpoint(name, work), work, mem_len, max_segment=64)
     rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
@@ -61,8 +61,6 @@ def option_sides(path, rt) -> dict:
     """{label: (what it does, a callable running one decode step)}: sessions of the graph at `path` from the memory
     `rt` holds (kept fixed: every side reads the same full memory), one intra-op thread each."""
     import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
-
-    from txl_deploy.contract import io_spec
 
     state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
     outputs = rt.backend.output_names

@@ -18,7 +18,14 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.harness import CACHE, ROOT
 from benchmarks.peak_ram import process_memory
+from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
+from txl_deploy.exporters.onnx.ram import format_bytes as fb
+from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
+from txl_deploy.runtimes import TxlRuntime
 
 MAX_SEGMENT = 128  # the programs' and graphs' longest segment: the prefill size must fit in one call
 RSS_DECODE_STEPS = 8
@@ -51,7 +58,6 @@ def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_t
 
 def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> tuple[Path, Path]:
     """The fp32 .onnx (incremental layout) and its int4 conversion (the export default block size)."""
-    from txl_deploy.bench.random_weights import standin_onnx
     from txl_deploy.exporters.precision import convert, folding, int4
 
     fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
@@ -64,9 +70,6 @@ def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> t
 
 def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
     """{file label: path} of one shape, and the mem_len its files were exported with."""
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.bench.random_weights import standin_checkpoint
-
     if shape == "demo":
         checkpoint, eval_text = DEMO_DIR / "kjv-char", DEMO_DIR / "heldout.txt"
         mem_len = json.loads((checkpoint / "config.json").read_text())["config"]["mem_len"]
@@ -81,8 +84,6 @@ def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
 
 def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, seed: int = 0) -> dict:
     """Decode and prefill times of every file in one process, interleaved; log-probs of the timed decode steps."""
-    from txl_deploy.runtimes import TxlRuntime
-
     runtimes = {label: TxlRuntime.load(path, threads=threads) for label, path in paths.items()}
     rt0 = next(iter(runtimes.values()))
     rng = np.random.default_rng(seed)
@@ -137,8 +138,6 @@ def child_memory(path: str, threads: int) -> dict:
         from executorch.runtime import Runtime  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
-    from txl_deploy.runtimes import TxlRuntime
-
     base = process_memory()["VmRSS"]
     rt = TxlRuntime.load(path, threads=threads)
     loaded = process_memory()["VmRSS"]
@@ -169,7 +168,6 @@ def profile_pte(path: Path, threads: int, steps: int = PROFILE_STEPS, seed: int 
     from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
     from executorch.runtime import Runtime  # optional (the executorch extra)
 
-    from txl_deploy.contract.pte_file import read_pte_info
     from txl_deploy.exporters.executorch.stream import RingStepper, program_call
 
     info = read_pte_info(path)
@@ -230,14 +228,10 @@ def _op(name: str) -> str:
 def state_bytes(cfg, mem_len: int) -> int:
     """The memory one stream carries (fp32 keys and values of every layer and the counter), as `info --memory`
     counts it."""
-    from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
-
     return int(ram_state_bytes(cfg, mem_len))
 
 
 def render(raw: dict) -> str:
-    from txl_deploy.exporters.onnx.ram import format_bytes as fb
-
     m, v = raw["machine"], raw["versions"]
     lines = [
         f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average {raw['load']}), "
@@ -320,9 +314,6 @@ def render(raw: dict) -> str:
 def measure_files(args) -> dict:
     import executorch
     import torch
-
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.contract.pte_file import read_pte_info
 
     raw = {"machine": machine_info(), "versions": versions(), "threads": args.threads, "steps": args.steps,
            "prefill": args.prefill, "repeat": args.repeat, "torch": torch.__version__,
