@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -16,8 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import CACHE, ROOT
-from benchmarks.peak_ram import process_memory
+from benchmarks.harness import CACHE
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.benchmark import machine_info, versions
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
@@ -131,32 +129,26 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
 
 # -- peak RAM, in a fresh process per file ---------------------------------------------------------------------
 
-def child_memory(path: str, threads: int) -> dict:
+def child_memory(path: str, threads) -> dict:
     """Load `path`, fill its memory, decode a few tokens: the process's peak, and its resident set before loading."""
     if path.endswith(".pte"):  # the imports a .pte app pays for, before the base is taken
         import torch  # noqa: F401
         from executorch.runtime import Runtime  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
-    base = process_memory()["VmRSS"]
-    rt = TxlRuntime.load(path, threads=threads)
-    loaded = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
+    rt = TxlRuntime.load(path, threads=int(threads))
+    loaded = harness.process_memory()["VmRSS"]
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
-    status = process_memory()
+    status = harness.process_memory()
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 
 def memory(path: Path, threads: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.executorch_vs_ort", "--child", str(path), str(threads)],
-                          capture_output=True,
-                          text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory measurement of {path.name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.in_fresh_process("executorch_vs_ort", path, threads)
 
 
 # -- where an ExecuTorch step goes -----------------------------------------------------------------------------
@@ -369,7 +361,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child_memory(sys.argv[2], int(sys.argv[3]))))
-        sys.exit(0)
-    sys.exit(main())
+    sys.exit(0 if harness.child_main(child_memory) else main())

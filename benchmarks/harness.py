@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,6 +105,37 @@ def stop_on_sigterm():
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def process_memory() -> dict:
+    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def in_fresh_process(name: str, *args):
+    """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter, so that what it measures of its memory is
+    its own; the child prints its result as JSON on its last stdout line (see `child_main`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--child", *map(str, args)],
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement in a fresh process failed ({' '.join(map(str, args))}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child_main(child) -> bool:
+    """In a script run with `--child ARGS` (from `in_fresh_process`): print `child(*ARGS)` as JSON, return True."""
+    if sys.argv[1:2] != ["--child"]:
+        return False
+    print(json.dumps(child(*sys.argv[2:])))
+    return True
 
 
 def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, cache: bool = True):

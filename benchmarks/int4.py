@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,27 +51,18 @@ def accuracy(block: int, work: Path) -> dict:
     return {"fp32_path": fp32, "int4_path": int4, "report": report}
 
 
-_RESIDENT = """
-import json, sys
-import numpy as np
-from txl_deploy.bench.peak_usage import rss_bytes
-from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-before = rss_bytes()
-rt = TxlRuntime(OrtBackend(sys.argv[1], providers=["cpu"], intra_op_threads=int(sys.argv[2]),
-                           prepack=sys.argv[3] == "1"))
-rt.step(np.zeros((1, 1), dtype=np.int64))
-print(json.dumps(rss_bytes() - before))
-"""
+def child_resident(path: str, threads: str, prepack: str) -> int:
+    """In a fresh process (`resident_bytes`): what loading the graph and one decode step add to its resident set."""
+    before = harness.process_memory()["VmRSS"]
+    rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=int(threads), prepack=prepack == "1"))
+    rt.step(np.zeros((1, 1), dtype=np.int64))
+    return harness.process_memory()["VmRSS"] - before
 
 
 def resident_bytes(path, threads: int, prepack: bool = False) -> int:
     """What loading the graph and one decode step add to a fresh process's resident set (weights as the runtime
     holds them, prepacked kernels' copies included where `prepack`)."""
-
-    out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), str(threads), "1" if prepack else "0"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return harness.in_fresh_process("int4", path, threads, int(prepack))
 
 
 def open_runtime(path, threads: int, prepack: bool = False, lazy: bool = True):
@@ -351,4 +341,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(0 if harness.child_main(child_resident) else main())

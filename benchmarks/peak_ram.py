@@ -28,26 +28,16 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 COMMAND = "python -m benchmarks.peak_ram"
-
-
-def process_memory() -> dict:
-    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> dict:
@@ -57,11 +47,11 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     from txl_deploy.checkpoints import load_model
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    base = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
     start = time.perf_counter()
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     export_onnx(loaded, out, verify=verify, force=True, consume=True)
-    return {"seconds": time.perf_counter() - start, "peak": process_memory()["VmHWM"], "base": base}
+    return {"seconds": time.perf_counter() - start, "peak": harness.process_memory()["VmHWM"], "base": base}
 
 
 def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: bool = False) -> dict:
@@ -85,9 +75,9 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
 
         ort.SessionOptions = Prepacked
         ort_backend.SharedWeights = lambda *_: None  # noqa: E731  (no pool: OrtBackend opens each file itself)
-    base = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
     rt = TxlRuntime.load(model, threads=os.cpu_count())
-    loaded = process_memory()["VmRSS"]
+    loaded = harness.process_memory()["VmRSS"]
     tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
     start = time.perf_counter()
     rt.prefill(tokens[:, :prefill])
@@ -97,20 +87,21 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
         t = time.perf_counter()
         rt.step(tokens[:, prefill + i:prefill + i + 1])
         times.append(time.perf_counter() - t)
-    return {"peak": process_memory()["VmHWM"], "base": base, "loaded": loaded, "prefill_s": prefill_s,
+    return {"peak": harness.process_memory()["VmHWM"], "base": base, "loaded": loaded, "prefill_s": prefill_s,
             "sessions": 1 + (rt.backend._head is not None) + len(rt.backend._tails),
             "decode_ms": 1e3 * float(np.median(times)),
             "state_bytes": sum(a.nbytes for k, a in rt.save_state().items() if not k.startswith("__"))}
 
 
 def run_child(*args) -> dict:
-    """This file's --child mode in a fresh interpreter; its last stdout line is the JSON result."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
-                          env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measurement failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """This file's child_export or child_runtime (args[0]: export, runtime) in a fresh interpreter."""
+    return harness.in_fresh_process("peak_ram", *args)
+
+
+def child(kind: str, *rest) -> dict:
+    if kind == "export":
+        return child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
+    return child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ("1",))
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -329,14 +320,12 @@ def main(argv=None) -> int:
                          "(results_peak_ram_runtime.md)")
     args = ap.parse_args(argv)
 
-    from benchmarks.harness import results_markdown
-
     if args.runtime_only:
         json_path = HERE / "results_peak_ram_runtime.json"
         raw = json.loads(json_path.read_text()) if args.report_only else measure_runtime(args)
         json_path.write_text(json.dumps(raw, indent=2))
         body = render_runtime(raw)
-        (HERE / "results_peak_ram_runtime.md").write_text(results_markdown(
+        (HERE / "results_peak_ram_runtime.md").write_text(harness.results_markdown(
             "Resident memory of the ONNX Runtime backend with an adaptive softmax's parts", body,
             f"{COMMAND} --runtime-only --shape {raw['shape']} --cache benchmarks/.cache"))
         print(body)
@@ -349,19 +338,11 @@ def main(argv=None) -> int:
         raw = measure(args)
         json_path.write_text(json.dumps(raw, indent=2))
     body = render(raw)
-    (HERE / "results_peak_ram.md").write_text(results_markdown(
+    (HERE / "results_peak_ram.md").write_text(harness.results_markdown(
         "Peak RAM and time of export and runtime on the large shapes", body, COMMAND))
     print(body)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kind, rest = sys.argv[2], sys.argv[3:]
-        if kind == "export":
-            result = child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
-        else:
-            result = child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ["1"])
-        print(json.dumps(result))
-        sys.exit(0)
-    sys.exit(main())
+    sys.exit(0 if harness.child_main(child) else main())
