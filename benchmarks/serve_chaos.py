@@ -42,7 +42,7 @@ from benchmarks.chaos_mix import (
     Target,
 )
 from benchmarks.serve_load import ServeProcess
-from benchmarks.triton_load import _machine, _versions, prepare_model
+from benchmarks.serving_load import machine, prepare_model, versions
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.http.protocol import ApiError
@@ -610,7 +610,7 @@ def serve_and_run(args, tmp: Path) -> tuple[dict, dict]:
                              golden=args.golden, timeout_s=args.timeout, hold_s=3.0)
     reference = runtime_reference(lambda: TxlRuntime.load(model_file, providers=["cpu"], threads=args.threads))
     about = {"label": label, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "machine": _machine(), "versions": _versions(None)}
+             "machine": machine(), "versions": versions()}
     if args.in_process:
         # the serve extra (FastAPI, uvicorn) is needed for this path only
         from txl_deploy.serving.http.app import ServeSettings

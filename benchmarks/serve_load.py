@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.triton_load import _machine, _versions, batched_round, make_prompts, prepare_model
+from benchmarks import serving_load as load
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.ports import free_port
@@ -133,23 +133,6 @@ def session_round(url: str, context, follow_up) -> dict:
     return asyncio.run(run())
 
 
-def _summary(rounds, n_tokens: int, batched_rounds=None) -> dict:
-    runs = [run for rnd in rounds for run in rnd]
-    gaps = np.concatenate([np.diff(r[1]) for r in runs]) * 1e3
-    ttft = np.array([r[1][0] - r[0] for r in runs]) * 1e3
-    c = len(rounds[0])
-    rates = [c * n_tokens / (max(r[1][-1] for r in rnd) - min(r[0] for r in rnd)) for rnd in rounds]
-    out = {"concurrency": c, "rounds": len(rounds), "tokens_per_s": float(np.median(rates)),
-           "tokens_per_s_rounds": rates, "itl_p50_ms": float(np.percentile(gaps, 50)),
-           "itl_p99_ms": float(np.percentile(gaps, 99)), "ttft_p50_ms": float(np.percentile(ttft, 50)),
-           "ttft_p99_ms": float(np.percentile(ttft, 99)), "tokens": [r[2] for r in rounds[0]]}
-    if batched_rounds is not None:
-        base = [c * n_tokens / (max(r[1][-1] for r in rnd) - min(r[0] for r in rnd)) for rnd in batched_rounds]
-        ratios = [a / b for a, b in zip(rates, base)]
-        out["ratio_to_batched"], out["ratio_to_batched_rounds"] = float(np.median(ratios)), ratios
-    return out
-
-
 # -- the whole benchmark --------------------------------------------------------------------------------------------
 def run_benchmark(model=None, concurrency: int = DEFAULT_CONCURRENCY, tokens: int = DEFAULT_TOKENS,
                   prompt_len: int = DEFAULT_PROMPT_LEN, threads: int = DEFAULT_THREADS, repeat: int = DEFAULT_REPEAT,
@@ -161,18 +144,16 @@ def run_benchmark(model=None, concurrency: int = DEFAULT_CONCURRENCY, tokens: in
                          "--follow-up positive")
     if triton:
         find_tritonserver()  # fail before the export if there is no server
-    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(),
+    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": load.machine(),
               "concurrency": concurrency, "tokens": tokens, "prompt_len": prompt_len, "threads": threads,
               "repeat": repeat, "context": context, "follow_up": follow_up}
     with tempfile.TemporaryDirectory(prefix="txl-serve-load-") as tmp, ExitStack() as stack:
         tmp = Path(workdir or tmp)
-        model_file, label = prepare_model(model, tmp, mem_len=mem_len, cache_dir=cache_dir)
+        model_file, label = load.prepare_model(model, tmp, mem_len=mem_len, cache_dir=cache_dir)
         rt = TxlRuntime.load(model_file, providers=["cpu"], threads=threads)
         stack.callback(rt.close)
-        result["model"] = {"label": label, "file": model_file.name, "n_token": rt.n_token,
-                           "n_layer": rt.config.n_layer, "d_model": rt.config.d_model, "mem_len": rt.mem_len,
-                           "max_segment": rt.backend.max_segment}
-        prompts, result["prompt_kind"] = make_prompts(rt.vocab, rt.n_token, concurrency, prompt_len)
+        result["model"] = load.model_fields(label, model_file, rt)
+        prompts, result["prompt_kind"] = load.make_prompts(rt.vocab, rt.n_token, concurrency, prompt_len)
         rng = np.random.default_rng(1)
         long_text = rng.integers(0, rt.n_token, size=context + follow_up, dtype=np.int64)
         limits = ["--max-batch", str(concurrency), "--max-queue", str(4 * concurrency),
@@ -191,15 +172,15 @@ def run_benchmark(model=None, concurrency: int = DEFAULT_CONCURRENCY, tokens: in
         for srv in servers.values():
             srv.wait_ready()
             http_round(srv.url, prompts[:2], 4)  # warm-up
-        batched_round(rt, prompts[:2], 4)
+        load.batched_round(rt, prompts[:2], 4)
         raw = {name: [] for name in [*servers, "in-process, batched"]}
         sessions = {name: [] for name in servers}
         paths = [(name, lambda url=srv.url: http_round(url, prompts, tokens)) for name, srv in servers.items()]
-        paths.append(("in-process, batched", lambda: batched_round(rt, prompts, tokens)))
+        paths.append(("in-process, batched", lambda: load.batched_round(rt, prompts, tokens)))
         for r in range(repeat):
             for name, fn in (paths if r % 2 == 0 else paths[::-1]):
                 raw[name].append(fn())
-                logger.info(_line(name, r, raw[name][-1], tokens))
+                logger.info(load.round_line(name, r, raw[name][-1], tokens))
             for name, srv in servers.items():
                 sessions[name].append(session_round(srv.url, long_text[:context], long_text[context:]))
                 s = sessions[name][-1]
@@ -209,7 +190,7 @@ def run_benchmark(model=None, concurrency: int = DEFAULT_CONCURRENCY, tokens: in
             for line in srv.log_path.read_text().splitlines():
                 if "memory per session" in line:
                     result["memory_per_session_log"] = line.strip()
-    result["paths"] = {name: _summary(raw[name], tokens, raw["in-process, batched"] if name in servers else None)
+    result["paths"] = {name: load.summarise(raw[name], tokens, raw["in-process, batched"] if name in servers else None)
                        for name in raw}
     want = result["paths"]["in-process, batched"]["tokens"]
     result["tokens_match"] = {name: all(rnd_tokens == want for rnd_tokens in [[r[2] for r in rnd]
@@ -223,23 +204,15 @@ def run_benchmark(model=None, concurrency: int = DEFAULT_CONCURRENCY, tokens: in
                                     "speedup": float(np.median(full) / np.median(cont)),
                                     "same_token": all(s["same_token"] for s in rounds)}
     result["machine"]["load_average_end"] = list(os.getloadavg())
-    result["versions"] = _versions(None)
+    result["versions"] = load.versions()
     return result
-
-
-def _line(name: str, r: int, runs, n_tokens: int) -> str:
-    wall = max(x[1][-1] for x in runs) - min(x[0] for x in runs)
-    gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
-    return (f"  round {r + 1}  {name:>20}  {len(runs) * n_tokens / wall:8.1f} tok/s  "
-            f"inter-token p50 {np.percentile(gaps, 50):7.2f} ms")
 
 
 # -- the report -------------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     m = result["model"]
     lines = [
-        (f"Model: {m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
-         f"{m['n_token']} tokens, ONNX Runtime CPU fp32, max_segment {m['max_segment']}), {result['threads']} ONNX "
+        (f"Model: {load.model_sentence(m)}, max_segment {m['max_segment']}), {result['threads']} ONNX "
          f"Runtime thread(s) on every side. {result['concurrency']} concurrent streams, each a "
          f"{result['prompt_len']}-token prompt ({result['prompt_kind']}) and {result['tokens']} greedy tokens; "
          f"{result['repeat']} interleaved rounds per path (tokens/s: the median round, slowest and fastest in "
@@ -251,8 +224,8 @@ def markdown(result: dict) -> str:
     for name, p in result["paths"].items():
         spread = f" ({min(p['tokens_per_s_rounds']):.0f}-{max(p['tokens_per_s_rounds']):.0f})"
         ratio = f"{100 * p['ratio_to_batched']:.0f}%" if "ratio_to_batched" in p else "-"
-        lines.append(f"| {name} | {p['tokens_per_s']:.0f}{spread} | {ratio} | {p['ttft_p50_ms']:.1f} | "
-                     f"{p['ttft_p99_ms']:.1f} | {p['itl_p50_ms']:.2f} | {p['itl_p99_ms']:.1f} |")
+        lines.append(f"| {name} | {p['tokens_per_s']:.0f}{spread} | {ratio} | {p['first_token_p50_ms']:.1f} | "
+                     f"{p['first_token_p99_ms']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.1f} |")
     same = ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in result["tokens_match"].items())
     lines += ["", f"Every stream's tokens equal the in-process tokens: {same}.", "",
               (f"Session continuation: a session holding {result['context']} tokens of context gets a "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -14,31 +13,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import numpy as np
 
 from benchmarks import harness
-from txl_deploy.assets import DEMO_DIR
-from txl_deploy.bench.benchmark import machine_info
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
-from txl_deploy.checkpoints import save_checkpoint
-from txl_deploy.config import TxlConfig
-from txl_deploy.errors import CheckpointError, InputError
-from txl_deploy.exporters.onnx.export import export_onnx
+from benchmarks import serving_load as load
+from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.serving.triton.local_server import TritonServer, find_tritonserver
 from txl_deploy.serving.triton.repository import DEFAULT_QUEUE_DELAY_US, write_repository
-from txl_deploy.vocab import Vocab
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = (1, 16)
 DEFAULT_MAX_BATCH = 16
 DEFAULT_THREADS = 1
-DEFAULT_SHAPE_MEM_LEN = 512
 DEFAULT_TOKENS = 64
 DEFAULT_PROMPT_LEN = 48
 DEFAULT_REPEAT = 5
@@ -48,76 +38,8 @@ DEFAULT_REPEAT = 5
 # splits 16 conversations' requests, which arrive over several milliseconds from the client threads, into more
 # executions: other --model runs use it unless --queue-delay-us says otherwise.
 DEFAULT_MODELS = (("enwik8-base", 10000), (None, 4000))
-EXPORT_MAX_SEGMENT = 64  # requests are 1 token (decode) or a prompt piece; a short graph exports and loads fast
-DEMO_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 192, "d_head": 48, "d_inner": 768, "tgt_len": 64, "mem_len": 128}
 TIMEOUT = 300.0  # seconds; a request or barrier waiting longer than this means something is stuck
 STATS_SETTLE_S = 30.0  # how long Triton may take to count requests whose responses the clients already have
-
-
-# -- the model --------------------------------------------------------------------------------------------------
-def _random_demo_shaped(folder: Path) -> Path:
-    """A random-weight checkpoint of the demo model's shape, vocabulary = the held-out text's characters."""
-    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-    from txl_deploy.model.mem_transformer import MemTransformerLM  # imports torch
-
-    heldout = DEMO_DIR / "heldout.txt"
-    if heldout.is_file():
-        symbols = sorted(set(heldout.read_text(encoding="utf-8")))
-    else:
-        symbols = [chr(c) for c in range(32, 127)]
-    vocab = Vocab(symbols, kind="char")
-    torch.manual_seed(0)
-    model = MemTransformerLM(TxlConfig(n_token=len(vocab), **DEMO_SHAPE)).eval()
-    path = folder / "random-demo-shape"
-    save_checkpoint(path, model, vocab)
-    logger.info(f"no demo model at {DEMO_DIR / 'kjv-char'}: using a random model of its shape ({len(vocab)} characters)")
-    return path
-
-
-def prepare_model(model, workdir: Path, mem_len: int = DEFAULT_SHAPE_MEM_LEN,
-                  cache_dir=None) -> tuple[Path, str]:
-    """The ONNX (or engine) file to serve and a description. Checkpoints are exported (fp32, incremental state);
-    a published shape name becomes a random-weight stand-in with `mem_len`."""
-    if model is not None and is_shape_name(str(model)):
-        cache = Path(cache_dir) if cache_dir else workdir
-        ckpt = standin_checkpoint(str(model), cache, mem_len=mem_len)
-        logger.info(f"a random-weight stand-in of {model} (mem_len {mem_len}) as ONNX (exported once per cache) ...")
-        return standin_onnx(ckpt, cache, mem_len, max_segment=EXPORT_MAX_SEGMENT), \
-            f"{model} shape, random weights"
-    if model is None:
-        demo = DEMO_DIR / "kjv-char"
-        random = not demo.exists()
-        source = _random_demo_shaped(workdir) if random else demo
-        label = "random weights, demo shape" if random else "demo kjv-char"
-    else:
-        source = Path(model)
-        if not source.exists():
-            raise CheckpointError(source, "file not found")
-        label, random = source.name, False
-    if source.suffix.lower() in (".onnx", ".engine", ".plan", ".trt"):
-        return source, label
-
-    out = workdir / "model.onnx"
-    logger.info(f"exporting {source} to ONNX (max_segment {EXPORT_MAX_SEGMENT}) ...")
-    # Random weights give large activations, where ONNX and PyTorch differ by more than the export's 1e-4 check;
-    # the benchmark compares the served ONNX with the same ONNX in-process, so that check is not what matters here.
-    export_onnx(source, out, max_segment=EXPORT_MAX_SEGMENT, verify=not random)
-    return out, label
-
-
-def make_prompts(vocab, n_token: int, count: int, length: int, seed: int = 0) -> tuple[list[np.ndarray], str]:
-    """`count` different prompts of `length` tokens and what they are: held-out lines for a character model whose
-    vocabulary covers them, else seeded random ids."""
-    heldout = DEMO_DIR / "heldout.txt"
-    if vocab is not None and vocab.kind == "char" and heldout.is_file():
-        lines = [ln for ln in heldout.read_text(encoding="utf-8").splitlines() if len(ln) >= length]
-        lines = [ln for ln in lines if all(ch in vocab.index for ch in ln[:length])]
-        if len(lines) >= count:
-            step = len(lines) // count  # spread over the text: different books, different contexts
-            return [vocab.encode(lines[i * step][:length]) for i in range(count)], "held-out lines"
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, n_token, size=length, dtype=np.int64) for _ in range(count)], "random ids"
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
@@ -130,23 +52,6 @@ def _stream(tokens_iter, barrier):
         stamps.append(time.perf_counter())
         toks.append(int(tok))
     return t0, stamps, toks
-
-
-def _summarise(rounds, n_tokens: int) -> dict:
-    """Latencies pooled over the repeated rounds; tokens/s of each round (the median is the headline)."""
-    runs = [run for rnd in rounds for run in rnd]
-    gaps = np.concatenate([np.diff(r[1]) for r in runs]) * 1e3
-    first = np.array([r[1][0] - r[0] for r in runs]) * 1e3
-    c = len(rounds[0])
-    walls = [max(r[1][-1] for r in rnd) - min(r[0] for r in rnd) for rnd in rounds]
-    rates = [c * n_tokens / w for w in walls]
-    tokens = [r[2] for r in rounds[0]]
-    return {"concurrency": c, "tokens_per_conversation": n_tokens, "rounds": len(rounds),
-            "tokens_per_s": float(np.median(rates)), "tokens_per_s_rounds": rates, "wall_s_rounds": walls,
-            "p50_ms": float(np.percentile(gaps, 50)), "p99_ms": float(np.percentile(gaps, 99)),
-            "mean_ms": float(gaps.mean()), "latency_samples": int(gaps.size),
-            "first_token_p50_ms": float(np.percentile(first, 50)),
-            "tokens": tokens, "tokens_same_every_round": all([r[2] for r in rnd] == tokens for rnd in rounds)}
 
 
 def _server_stats(client, model: str) -> dict:
@@ -235,23 +140,6 @@ def inprocess_round(shared, prompts, n_tokens: int):
         return list(pool.map(one, range(c)))
 
 
-def batched_round(shared, prompts, n_tokens: int):
-    """The same conversations as the C rows of ONE TxlRuntime: one ONNX Runtime run per token for all of them.
-    What serving in-process can do when it batches; every conversation receives each token at the same time."""
-    rt = TxlRuntime(shared.backend)
-    t0 = time.perf_counter()
-    log_probs = rt.prefill(np.stack(prompts))  # the prompts all have the same length
-    stamps, toks = [], []
-    for n in range(n_tokens):
-        step = np.argmax(log_probs, axis=-1)  # greedy, as sample(temperature=0)
-        stamps.append(time.perf_counter())
-        toks.append(step)
-        if n + 1 < n_tokens:
-            log_probs = rt.prefill(step[:, None].astype(np.int64))
-    toks = np.stack(toks, axis=1)
-    return [(t0, stamps, [int(t) for t in row]) for row in toks]
-
-
 # -- the whole benchmark ---------------------------------------------------------------------------------------------
 def _load_runtime(model_file: Path, threads):
     """The in-process runtime, with the ONNX Runtime thread count the server's instances get."""
@@ -260,30 +148,10 @@ def _load_runtime(model_file: Path, threads):
     return TxlRuntime.load(model_file)
 
 
-def _rate(runs, c: int, n_tokens: int) -> float:
-    return c * n_tokens / (max(r[1][-1] for r in runs) - min(r[0] for r in runs))
-
-
-def _versions(server_version: str | None) -> dict:
-    out = {"python": platform.python_version(), "tritonserver": server_version}
-    for dist in ("txl-deploy", "tritonclient", "onnxruntime", "numpy", "grpcio"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def _machine() -> dict:
-    m = machine_info()
-    return {"cpus": m["cores"], "cpu": m["cpu"], "system": f"{platform.system()} {platform.release()}",
-            "load_average_start": list(os.getloadavg())}
-
-
 def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEFAULT_TOKENS, instances=(1,),
                   prompt_len: int = DEFAULT_PROMPT_LEN, max_batch: int = DEFAULT_MAX_BATCH,
                   queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, repeat: int = DEFAULT_REPEAT,
-                  threads: int = DEFAULT_THREADS, mem_len: int = DEFAULT_SHAPE_MEM_LEN, cache_dir=None) -> dict:
+                  threads: int = DEFAULT_THREADS, mem_len: int = load.DEFAULT_SHAPE_MEM_LEN, cache_dir=None) -> dict:
     """Server rounds (per instance count) and in-process rounds at each concurrency; returns everything as a dict.
 
     One server per instance count runs for the whole benchmark, and the rounds are interleaved (for each repeat,
@@ -299,19 +167,17 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
     if threads is not None and threads < 1:
         raise InputError("--threads must be a positive integer")
     find_tritonserver()  # fail before the export if there is no server
-    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(),
+    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": load.machine(),
               "tokens": tokens, "prompt_len": prompt_len, "concurrency": concurrency, "instances": instances,
               "max_batch": max_batch, "queue_delay_us": queue_delay_us, "repeat": repeat, "threads": threads,
               "server": [], "in_process": []}
     with tempfile.TemporaryDirectory(prefix="txl-triton-load-") as tmp, ExitStack() as stack:
         tmp = Path(tmp)
-        model_file, label = prepare_model(model, tmp, mem_len=mem_len, cache_dir=cache_dir)
+        model_file, label = load.prepare_model(model, tmp, mem_len=mem_len, cache_dir=cache_dir)
         shared = _load_runtime(model_file, threads)
         stack.callback(shared.close)
-        result["model"] = {"label": label, "file": model_file.name, "n_token": shared.n_token,
-                           "n_layer": shared.config.n_layer, "d_model": shared.config.d_model,
-                           "mem_len": shared.mem_len, "max_segment": shared.backend.max_segment}
-        prompts, result["prompt_kind"] = make_prompts(shared.vocab, shared.n_token, max(concurrency), prompt_len)
+        result["model"] = load.model_fields(label, model_file, shared)
+        prompts, result["prompt_kind"] = load.make_prompts(shared.vocab, shared.n_token, max(concurrency), prompt_len)
         servers = {}
         for count in instances:
             repo = write_repository(model_file, tmp / f"repo{count}", backend="python", max_batch=max_batch,
@@ -324,7 +190,7 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
         server_version = probe._client.get_server_metadata(as_json=True).get("version")
         probe.close()
         inprocess_round(shared, prompts[:2], 4)  # warm-up
-        batched_round(shared, prompts[:2], 4)
+        load.batched_round(shared, prompts[:2], 4)
         raw = {(path, c): [] for c in concurrency for path in [*instances, "in-process", "batched"]}
         stats = {(count, c): [] for c in concurrency for count in instances}
 
@@ -332,15 +198,15 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
             runs, delta = server_round(server.grpc_url, prompts[:c], tokens)
             raw[count, c].append(runs)
             stats[count, c].append(delta)
-            logger.info(_line(f"server {count} inst.", c, r, runs, tokens))
+            logger.info(load.round_line(f"server {count} inst.", r, runs, tokens))
 
         def local_path(c, r):
             raw["in-process", c].append(inprocess_round(shared, prompts[:c], tokens))
-            logger.info(_line("in-process", c, r, raw["in-process", c][-1], tokens))
+            logger.info(load.round_line("in-process", r, raw["in-process", c][-1], tokens))
 
         def batched_path(c, r):
-            raw["batched", c].append(batched_round(shared, prompts[:c], tokens))
-            logger.info(_line("in-process batched", c, r, raw["batched", c][-1], tokens))
+            raw["batched", c].append(load.batched_round(shared, prompts[:c], tokens))
+            logger.info(load.round_line("in-process batched", r, raw["batched", c][-1], tokens))
 
         result["load_average_rounds"] = []
         for r in range(repeat):
@@ -353,14 +219,10 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
                     path()
     for count in instances:
         for c in concurrency:
-            row = {"instances": count, **_summarise(raw[count, c], tokens), **_server_columns(stats[count, c])}
-            # server / batched in-process, round by round (neighbours in time), then the median
-            ratios = [_rate(s, c, tokens) / _rate(b, c, tokens) for s, b in zip(raw[count, c], raw["batched", c])]
-            row["ratio_to_batched"] = float(np.median(ratios))
-            row["ratio_to_batched_rounds"] = ratios
-            result["server"].append(row)
-    result["in_process"] = [_summarise(raw["in-process", c], tokens) for c in concurrency]
-    result["in_process_batched"] = [_summarise(raw["batched", c], tokens) for c in concurrency]
+            result["server"].append({"instances": count, **load.summarise(raw[count, c], tokens, raw["batched", c]),
+                                     **_server_columns(stats[count, c])})
+    result["in_process"] = [load.summarise(raw["in-process", c], tokens) for c in concurrency]
+    result["in_process_batched"] = [load.summarise(raw["batched", c], tokens) for c in concurrency]
     reference = {row["concurrency"]: row["tokens"] for row in result["in_process"]}
     rows = result["server"] + result["in_process"]
     result["tokens_match"] = all(row["tokens"] == reference[row["concurrency"]] and row["tokens_same_every_round"]
@@ -370,21 +232,8 @@ def run_benchmark(model=None, concurrency=DEFAULT_CONCURRENCY, tokens: int = DEF
     result["batched_tokens_match"] = all(row["tokens"] == reference[row["concurrency"]]
                                          for row in result["in_process_batched"])
     result["machine"]["load_average_end"] = list(os.getloadavg())
-    result["versions"] = _versions(server_version)
+    result["versions"] = load.versions(server_version)
     return result
-
-
-def _line(what: str, c: int, r: int, runs, n_tokens: int) -> str:
-    wall = max(x[1][-1] for x in runs) - min(x[0] for x in runs)
-    gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
-    return (f"  round {r + 1}  {what:>17}  C={c:>3}  {c * n_tokens / wall:8.1f} tok/s  "
-            f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
-
-
-def _spread(values, pct: bool = False) -> str:
-    """min / median / max of a configuration's rounds."""
-    f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.0f}")
-    return f"{f(min(values))} / {f(float(np.median(values)))} / {f(max(values))}"
 
 
 def settings_table(result: dict) -> list[str]:
@@ -424,11 +273,11 @@ def rounds_table(result: dict) -> list[str]:
     for what, r in rows:
         lines.append(f"| {what} | {r.get('instances', '-')} | {r['concurrency']} | "
                      + " | ".join(f"{x:.0f}" for x in r["tokens_per_s_rounds"])
-                     + f" | {_spread(r['tokens_per_s_rounds'])} |")
+                     + f" | {load.spread(r['tokens_per_s_rounds'])} |")
     for r in result["server"]:
         lines.append(f"| Triton / in-process batched | {r['instances']} | {r['concurrency']} | "
                      + " | ".join(f"{100 * x:.0f}%" for x in r["ratio_to_batched_rounds"])
-                     + f" | **{_spread(r['ratio_to_batched_rounds'], pct=True)}** |")
+                     + f" | **{load.spread(r['ratio_to_batched_rounds'], pct=True)}** |")
     return lines
 
 
@@ -436,8 +285,7 @@ def markdown(result: dict) -> str:
     """The tables (and how it was measured) as Markdown."""
     m, v = result["model"], result["versions"]
     lines = [
-        (f"Model: {m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
-         f"{m['n_token']} tokens, ONNX Runtime CPU fp32, {_threads(result)} on both sides). Each conversation: a "
+        (f"Model: {load.model_sentence(m)}, {_threads(result)} on both sides). Each conversation: a "
          f"{result['prompt_len']}-token prompt ({result['prompt_kind']}), then {result['tokens']} greedy tokens, one "
          f"request per token. Server: tritonserver {v['tritonserver']} python backend (one batched runtime call per "
          f"batch), max_batch {result['max_batch']}, sequence batcher max_queue_delay {result['queue_delay_us']} us, "
@@ -508,7 +356,7 @@ def results_file(results: list[dict], command: str) -> str:
                          f"max_queue_delay {result['queue_delay_us']} us: the server makes "
                          f"**{100 * row['ratio_to_batched']:.0f}%** of the batched in-process tokens/s (min / median "
                          f"/ max over {len(row['ratio_to_batched_rounds'])} rounds: "
-                         f"{_spread(row['ratio_to_batched_rounds'], pct=True)}; "
+                         f"{load.spread(row['ratio_to_batched_rounds'], pct=True)}; "
                          f"{row['tokens_per_s']:.0f} tokens/s; per token p50 {row['p50_ms']:.1f} ms, "
                          f"p99 {row['p99_ms']:.1f} ms; {row.get('mean_batch', 0):.1f} requests per execute()).")
         lines += ["", markdown(result)]
@@ -531,7 +379,7 @@ def main(argv=None) -> int:
     p = harness.parser("triton_load", __doc__, md="results_triton.md")
     p.add_argument("--model", action="append", help="an .onnx file, a checkpoint or a shape name, repeatable "
                    "(default: enwik8-base, then the bundled demo model)")
-    p.add_argument("--mem-len", type=int, default=DEFAULT_SHAPE_MEM_LEN, help="memory length of a shape stand-in")
+    p.add_argument("--mem-len", type=int, default=load.DEFAULT_SHAPE_MEM_LEN, help="memory length of a shape stand-in")
     p.add_argument("--concurrency", type=harness.int_list, default=list(DEFAULT_CONCURRENCY),
                    help="concurrent conversations per round, comma-separated")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens per conversation")

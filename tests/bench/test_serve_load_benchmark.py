@@ -13,7 +13,7 @@ def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
     assert set(result["paths"]) == {"serve", "in-process, batched"}
     serve = result["paths"]["serve"]
     assert serve["tokens_per_s"] > 0 and len(serve["ratio_to_batched_rounds"]) == 2
-    assert serve["ttft_p50_ms"] > 0 and serve["itl_p99_ms"] >= serve["itl_p50_ms"] >= 0
+    assert serve["first_token_p50_ms"] > 0 and serve["p99_ms"] >= serve["p50_ms"] >= 0
     assert result["tokens_match"] == {"serve": True}
     assert [len(t) for t in serve["tokens"]] == [4, 4, 4]
     s = result["sessions"]["serve"]
