@@ -11,7 +11,15 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.step_bytes import EVICT_BYTES, graph_step_bytes, interleaved_efficiency, matmul_alone, profile_nodes
+from benchmarks.step_bytes import (
+    EFFICIENCY_HEAD,
+    EVICT_BYTES,
+    efficiency_cells,
+    graph_step_bytes,
+    interleaved_efficiency,
+    matmul_alone,
+    profile_nodes,
+)
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes
 from txl_deploy.bench.random_weights import shape_config, standin_checkpoint, standin_onnx
 from txl_deploy.contract import io_spec
@@ -101,14 +109,12 @@ def option_sides(path, rt) -> dict:
 def options_table(label: str, sides: dict, results: dict) -> list[str]:
     lines = [f"### {label}: session options and ways of calling it", "",
              "Sessions of the same graph, one intra-op thread each, taking turns round by round with the other sides "
-             "and the bandwidth probe; medians over rounds of each round's median step.", "",
-             "| side | what it does | step ms | step CPU ms | step / read (CPU time) | step / copy (CPU time) |",
-             "|---|---|---|---|---|---|"]
-    for name, (what, _) in sides.items():
-        r = results[name]
-        lines.append(f"| {name} | {what} | {r['step_ms']:.2f} | {r['step_cpu_ms']:.2f} | {r['over_read_cpu']:.2f}x | "
-                     f"{r['over_copy_cpu']:.2f}x |")
-    return lines + [""]
+             "and the bandwidth probe; medians over rounds of each round's median step.", ""]
+    rows = [[name, what, *(f"{results[name][k]:.2f}" for k in ("step_ms", "step_cpu_ms")),
+             *(f"{results[name][k]:.2f}x" for k in ("over_read_cpu", "over_copy_cpu"))]
+            for name, (what, _) in sides.items()]
+    return lines + harness.table(["side", "what it does", "step ms", "step CPU ms", "step / read (CPU time)",
+                                  "step / copy (CPU time)"], rows) + [""]
 
 
 def op_tables(label: str, prof: dict) -> list[str]:
@@ -117,11 +123,9 @@ def op_tables(label: str, prof: dict) -> list[str]:
              f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node). "
              "The session's time beyond its CPU time is time its thread waited for a core. Bytes: every input a "
              "kernel reads (its weights and its activations, the memory included) per step.", "",
-             "| op kind | nodes | ms / step | MB read / step | GB/s |", "|---|---|---|---|---|"]
-    for o in prof["ops"]:
-        if o["ms_per_step"] >= 0.005:
-            lines.append(f"| {o['op_type']} | {o['nodes']} | {o['ms_per_step']:.3f} | {o['bytes'] / 1e6:.2f} | "
-                         f"{o['gb_per_s']:.1f} |")
+             *harness.table(["op kind", "nodes", "ms / step", "MB read / step", "GB/s"],
+                            [[o["op_type"], o["nodes"], f"{o['ms_per_step']:.3f}", f"{o['bytes'] / 1e6:.2f}",
+                              f"{o['gb_per_s']:.1f}"] for o in prof["ops"] if o["ms_per_step"] >= 0.005])]
     lines += ["", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a "
               "one-node model with the same weight, as the graph stores it, one token's activation, same thread "
               f"count; each run alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory "
@@ -138,21 +142,15 @@ def op_tables(label: str, prof: dict) -> list[str]:
 
 
 def efficiency_rows(shapes: list, results: dict, skipped: dict) -> list[str]:
-    rows = ["| shape | mem_len | MB read / step | step ms | plain read ms | copy floor ms | step / read | "
-            "step / copy | step CPU ms | read CPU ms | copy floor CPU ms | step / read (CPU time) | "
-            "step / copy (CPU time) | within 1.5x read (CPU time) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name in shapes:
         label, mem_len = SHAPES.get(name, name), shape_config(name).mem_len
         if name in skipped:
-            rows.append(f"| {label} | {mem_len} | | | | | | | | | | | | not measured: {skipped[name]} |")
-            continue
-        r = results[name]
-        rows.append(f"| {label} | {mem_len} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | "
-                    f"{r['copy_ms']:.2f} | {r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | "
-                    f"{r['read_cpu_ms']:.2f} | {r['copy_cpu_ms']:.2f} | {r['over_read_cpu']:.2f}x | "
-                    f"{r['over_copy_cpu']:.2f}x | "
-                    f"{'yes' if r['over_read_cpu'] <= TARGET else 'NO'} |")
-    return rows
+            rows.append([label, mem_len, *[""] * len(EFFICIENCY_HEAD), f"not measured: {skipped[name]}"])
+        else:
+            r = results[name]
+            rows.append([label, mem_len, *efficiency_cells(r), "yes" if r["over_read_cpu"] <= TARGET else "NO"])
+    return harness.table(["shape", "mem_len", *EFFICIENCY_HEAD, "within 1.5x read (CPU time)"], rows)
 
 
 def measure(args, command):

@@ -52,6 +52,13 @@ def interleaved(sides: dict, rounds: int) -> dict:
     return out
 
 
+def table(head, rows, numeric_from: int | None = None) -> list[str]:
+    """A Markdown table's lines: the header's cells, then each row's (already formatted); columns from
+    `numeric_from` on are right-aligned."""
+    align = ["---:" if numeric_from is not None and i >= numeric_from else "---" for i in range(len(head))]
+    return [f"| {' | '.join(head)} |", f"|{'|'.join(align)}|", *(f"| {' | '.join(map(str, r))} |" for r in rows)]
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

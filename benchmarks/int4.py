@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.step_bytes import graph_step_bytes, interleaved_efficiency
+from benchmarks.step_bytes import EFFICIENCY_HEAD, efficiency_cells, graph_step_bytes, interleaved_efficiency
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.op_profile import profile_decode, profile_table
@@ -302,12 +302,7 @@ def measure(args, command):
     lines += [f"Each WikiText-103 base step against the plain read and the copy of its own bytes, {args.rounds} rounds "
               f"of {args.steps_per_round} steps of each side, then the probes (as decode_efficiency measures them):",
               "",
-              "| side | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy | "
-              "step CPU ms | read CPU ms | step / read (CPU time) |",
-              "|---|---|---|---|---|---|---|---|---|---|",
-              *[f"| {g} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | {r['copy_ms']:.2f} | "
-                f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | {r['read_cpu_ms']:.2f} | "
-                f"{r['over_read_cpu']:.2f}x |" for g, r in own.items()], ""]
+              *harness.table(["side", *EFFICIENCY_HEAD], [[g, *efficiency_cells(r)] for g, r in own.items()]), ""]
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens from "

@@ -132,6 +132,18 @@ def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None
     return out
 
 
+EFFICIENCY_HEAD = ["MB read / step", "step ms", "plain read ms", "copy floor ms", "step / read", "step / copy",
+                   "step CPU ms", "read CPU ms", "copy floor CPU ms", "step / read (CPU time)",
+                   "step / copy (CPU time)"]
+
+
+def efficiency_cells(r: dict) -> list[str]:
+    """An `efficiency` result as the cells under EFFICIENCY_HEAD."""
+    return [f"{r['bytes'] / 1e6:.1f}", f"{r['step_ms']:.2f}", f"{r['read_ms']:.2f}", f"{r['copy_ms']:.2f}",
+            f"{r['over_read']:.2f}x", f"{r['over_copy']:.2f}x", f"{r['step_cpu_ms']:.2f}", f"{r['read_cpu_ms']:.2f}",
+            f"{r['copy_cpu_ms']:.2f}", f"{r['over_read_cpu']:.2f}x", f"{r['over_copy_cpu']:.2f}x"]
+
+
 # Bytes per element of the type names ONNX Runtime's profiler writes in a node's input_type_shape.
 PROFILE_TYPE_BYTES = {"float": 4, "float16": 2, "double": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
 
