@@ -42,7 +42,7 @@ from benchmarks.chaos_mix import (
     Target,
 )
 from benchmarks.serve_load import ServeProcess
-from benchmarks.serving_load import machine, prepare_model, versions
+from benchmarks.serving_load import machine, measured_line, prepare_model, versions
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.http.protocol import ApiError
@@ -557,12 +557,10 @@ def markdown(report: dict, about: dict) -> str:
          f"{s['warmup_s']:g} s warm-up of the same mix, {s['golden']} golden conversations at a time, seed "
          f"{s['seed']}, every operation bounded by {s['timeout_s']:g} s."),
         "",
-        "| criterion | held | failures |",
-        "|---|---|---:|",
+        *harness.table(["criterion", "held", "failures"],
+                       [[WHAT[c], "**NO**" if report["failure_counts"][c] else "yes", report["failure_counts"][c]]
+                        for c in CRITERIA], numeric_from=2),
     ]
-    for c in CRITERIA:
-        n = report["failure_counts"][c]
-        lines.append(f"| {WHAT[c]} | {'yes' if not n else '**NO**'} | {n} |")
     golden = report["golden"]
     rows = (end.get("rows") or {})
     lines += [
@@ -583,18 +581,14 @@ def markdown(report: dict, about: dict) -> str:
     if "exit" in about:
         lines.append(f"On SIGTERM at the end the server exited with status {about['exit']}; its log has "
                      f"{about.get('log_errors', 0)} error lines.")
-    lines += ["", "| operation | runs | answers by status |", "|---|---:|---|"]
-    for op, n in report["mix"].items():
-        got = report["answers"].get(op, {})
-        lines.append(f"| {op} | {n} | {', '.join(f'{k}: {v}' for k, v in got.items()) or '(raw connection)'} |")
+    answers = {op: ", ".join(f"{k}: {v}" for k, v in report["answers"].get(op, {}).items()) for op in report["mix"]}
+    lines += ["", *harness.table(["operation", "runs", "answers by status"],
+                                 [[op, n, answers[op] or "(raw connection)"] for op, n in report["mix"].items()])]
     failed = [c for c in CRITERIA if report["failures"][c]]
     for c in failed:
         lines += ["", f"Failures, {c} (first {len(report['failures'][c])} of {report['failure_counts'][c]}):", ""]
         lines += [f"- {m}" for m in report["failures"][c]]
-    m, v = about["machine"], about["versions"]
-    lines += ["", (f"Measured {about['date']} on {m['cpus']} CPU cores ({m['cpu']}, {m['system']}), load average "
-                   f"{m['load_average_start'][0]:.1f} at the start. Versions: Python {v['python']}, txl-deploy "
-                   f"{v['txl-deploy']}, onnxruntime {v['onnxruntime']}.")]
+    lines += ["", measured_line(about["date"], about["machine"], about["versions"])]
     return "\n".join(lines) + "\n"
 
 

@@ -218,32 +218,26 @@ def markdown(result: dict) -> str:
          f"{result['repeat']} interleaved rounds per path (tokens/s: the median round, slowest and fastest in "
          "brackets; latencies pool every stream of every round)."),
         "",
-        "| path | tokens/s | of in-process batched | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, p in result["paths"].items():
-        spread = f" ({min(p['tokens_per_s_rounds']):.0f}-{max(p['tokens_per_s_rounds']):.0f})"
-        ratio = f"{100 * p['ratio_to_batched']:.0f}%" if "ratio_to_batched" in p else "-"
-        lines.append(f"| {name} | {p['tokens_per_s']:.0f}{spread} | {ratio} | {p['first_token_p50_ms']:.1f} | "
-                     f"{p['first_token_p99_ms']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.1f} |")
+    lines += harness.table(["path", "tokens/s", "of in-process batched", "TTFT p50 ms", "TTFT p99 ms",
+                            "inter-token p50 ms", "p99 ms"],
+                           [[name, *load.rate_cells(p), f"{p['first_token_p50_ms']:.1f}", f"{p['first_token_p99_ms']:.1f}",
+                             f"{p['p50_ms']:.2f}", f"{p['p99_ms']:.1f}"] for name, p in result["paths"].items()],
+                           numeric_from=1)
     same = ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in result["tokens_match"].items())
     lines += ["", f"Every stream's tokens equal the in-process tokens: {same}.", "",
               (f"Session continuation: a session holding {result['context']} tokens of context gets a "
                f"{result['follow_up']}-token follow-up; against one request re-sending all "
                f"{result['context'] + result['follow_up']} tokens (time to the first token, median of "
                f"{result['repeat']}, each round's pair measured back to back):"), "",
-              "| path | continued session TTFT ms | re-sent context TTFT ms | speedup | same first token |",
-              "|---|---:|---:|---:|---|"]
-    for name, s in result["sessions"].items():
-        lines.append(f"| {name} | {np.median(s['session_ttft_ms']):.1f} | {np.median(s['resend_ttft_ms']):.1f} | "
-                     f"**{s['speedup']:.0f}x** | {'yes' if s['same_token'] else 'no'} |")
+              *harness.table(["path", "continued session TTFT ms", "re-sent context TTFT ms", "speedup",
+                              "same first token"],
+                             [[name, f"{np.median(s['session_ttft_ms']):.1f}", f"{np.median(s['resend_ttft_ms']):.1f}",
+                               f"**{s['speedup']:.0f}x**", "yes" if s["same_token"] else "no"]
+                              for name, s in result["sessions"].items()], numeric_from=1)]
     if result.get("memory_per_session_log"):
         lines += ["", f"The server's log: `{result['memory_per_session_log']}`"]
-    mach, v = result["machine"], result["versions"]
-    lines += ["", (f"Measured {result['date']} on {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load "
-                   f"average {mach['load_average_start'][0]:.1f} at the start and {mach['load_average_end'][0]:.1f} "
-                   f"at the end. Versions: Python {v['python']}, txl-deploy {v['txl-deploy']}, onnxruntime "
-                   f"{v['onnxruntime']}, numpy {v['numpy']}, tritonclient {v['tritonclient']}.")]
+    lines += ["", load.measured_line(result["date"], result["machine"], result["versions"])]
     return "\n".join(lines) + "\n"
 
 

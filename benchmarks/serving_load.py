@@ -144,6 +144,14 @@ def summarise(rounds, n_tokens: int, batched_rounds=None) -> dict:
     return out
 
 
+def rate_cells(r: dict) -> list[str]:
+    """A row's tokens/s (the slowest and fastest round in brackets) and its share of the batched yardstick."""
+    rates = r["tokens_per_s_rounds"]
+    spread = f" ({min(rates):.0f}-{max(rates):.0f})" if len(rates) > 1 else ""
+    ratio = f"{100 * r['ratio_to_batched']:.0f}%" if "ratio_to_batched" in r else "-"
+    return [f"{r['tokens_per_s']:.0f}{spread}", ratio]
+
+
 def round_line(what: str, r: int, runs, n_tokens: int) -> str:
     """A round's progress line: tokens/s, and the median and mean gap between tokens."""
     gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
@@ -172,6 +180,15 @@ def machine() -> dict:
     m = machine_info()
     return {"cpus": m["cores"], "cpu": m["cpu"], "system": f"{platform.system()} {platform.release()}",
             "load_average_start": list(os.getloadavg())}
+
+
+def measured_line(date: str, mach: dict, v: dict) -> str:
+    """When and where a run measured, and the versions, for the end of a results section."""
+    end = f" and {mach['load_average_end'][0]:.1f} at the end" if "load_average_end" in mach else ""
+    names = ("txl-deploy", "onnxruntime", "numpy", "tritonclient")
+    return (f"Measured {date} on {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load average "
+            f"{mach['load_average_start'][0]:.1f} at the start{end}. Versions: Python {v['python']}, "
+            + ", ".join(f"{name} {v[name]}" for name in names if name in v) + ".")
 
 
 def model_fields(label: str, model_file: Path, rt) -> dict:

@@ -259,26 +259,26 @@ def settings_table(result: dict) -> list[str]:
                      f"grpcio {v['grpcio']}"),
         ("date", result["date"]),
     ]
-    return ["| setting | value |", "|---|---|", *[f"| {k} | {val} |" for k, val in rows]]
+    return harness.table(["setting", "value"], rows)
 
 
 def rounds_table(result: dict) -> list[str]:
     """Every round of every row: tokens/s, and the server's share of batched in-process tokens/s."""
     n = result["repeat"]
     head = ["path", "instances", "conversations", *[f"round {r + 1}" for r in range(n)], "min / median / max"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    rows = [("Triton gRPC, tokens/s", r) for r in result["server"]] + \
-        [("in-process, tokens/s", r) for r in result["in_process"]] + \
-        [("in-process batched, tokens/s", r) for r in result.get("in_process_batched", [])]
-    for what, r in rows:
-        lines.append(f"| {what} | {r.get('instances', '-')} | {r['concurrency']} | "
-                     + " | ".join(f"{x:.0f}" for x in r["tokens_per_s_rounds"])
-                     + f" | {load.spread(r['tokens_per_s_rounds'])} |")
-    for r in result["server"]:
-        lines.append(f"| Triton / in-process batched | {r['instances']} | {r['concurrency']} | "
-                     + " | ".join(f"{100 * x:.0f}%" for x in r["ratio_to_batched_rounds"])
-                     + f" | **{load.spread(r['ratio_to_batched_rounds'], pct=True)}** |")
-    return lines
+    rows = [[f"{what}, tokens/s", r.get("instances", "-"), r["concurrency"],
+             *(f"{x:.0f}" for x in r["tokens_per_s_rounds"]), load.spread(r["tokens_per_s_rounds"])]
+            for what, r in _paths(result)]
+    rows += [["Triton / in-process batched", r["instances"], r["concurrency"],
+              *(f"{100 * x:.0f}%" for x in r["ratio_to_batched_rounds"]),
+              f"**{load.spread(r['ratio_to_batched_rounds'], pct=True)}**"] for r in result["server"]]
+    return harness.table(head, rows, numeric_from=1)
+
+
+def _paths(result: dict) -> list:
+    """(what, row) of every row measured: the servers', in-process, in-process batched."""
+    return [("Triton gRPC", r) for r in result["server"]] + [("in-process", r) for r in result["in_process"]] + \
+        [("in-process batched", r) for r in result.get("in_process_batched", [])]
 
 
 def markdown(result: dict) -> str:
@@ -297,22 +297,15 @@ def markdown(result: dict) -> str:
          "wall time; the slowest and fastest round in brackets); latencies pool every token gap of every round "
          "(the first token, which includes the prompt, is its own column)."),
         "",
-        ("| path | instances | conversations | tokens/s | of batched in-process | p50 ms/token | p99 ms/token "
-         "| mean ms/token | p50 first token ms | Triton queue ms/request | execute() ms a request sat in "
-         "| requests per execute() |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    rows = [("Triton gRPC", r) for r in result["server"]] + [("in-process", r) for r in result["in_process"]] + \
-        [("in-process, batched", r) for r in result.get("in_process_batched", [])]
-    for what, r in rows:
-        extra = (f"{r['server_queue_ms']:.2f} | {r['server_execute_ms']:.2f} | {r['mean_batch']:.2f}"
-                 if "server_queue_ms" in r else "- | - | -")
-        spread = f" ({min(r['tokens_per_s_rounds']):.0f}-{max(r['tokens_per_s_rounds']):.0f})" \
-            if len(r["tokens_per_s_rounds"]) > 1 else ""
-        ratio = f"{100 * r['ratio_to_batched']:.0f}%" if "ratio_to_batched" in r else "-"
-        lines.append(f"| {what} | {r.get('instances', '-')} | {r['concurrency']} | {r['tokens_per_s']:.0f}{spread} | "
-                     f"{ratio} | {r['p50_ms']:.2f} | {r['p99_ms']:.1f} | {r['mean_ms']:.2f} | {r['first_token_p50_ms']:.1f} "
-                     f"| {extra} |")
+    head = ["path", "instances", "conversations", "tokens/s", "of batched in-process", "p50 ms/token", "p99 ms/token",
+            "mean ms/token", "p50 first token ms", "Triton queue ms/request", "execute() ms a request sat in",
+            "requests per execute()"]
+    rows = [[what, r.get("instances", "-"), r["concurrency"], *load.rate_cells(r), f"{r['p50_ms']:.2f}",
+             f"{r['p99_ms']:.1f}", f"{r['mean_ms']:.2f}", f"{r['first_token_p50_ms']:.1f}",
+             *((f"{r['server_queue_ms']:.2f}", f"{r['server_execute_ms']:.2f}", f"{r['mean_batch']:.2f}")
+               if "server_queue_ms" in r else ("-",) * 3)] for what, r in _paths(result)]
+    lines += harness.table(head, rows, numeric_from=1)
     lines += [
         "",
         "Every round, in the order measured (min / median / max over the rounds):",
