@@ -4,6 +4,7 @@ Method: docs/benchmarks.md ("ExecuTorch beside ONNX Runtime")."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -94,23 +95,21 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
         full[label] = rt.save_state()
         rt.step([[int(tokens[0])]])  # first-run allocations
         rt.step([[int(tokens[1])]])
-    order = list(runtimes)
-    decode = {label: [] for label in order}
-    log_probs = {label: [] for label in order}
-    for k, tok in enumerate(tokens[2:]):
-        for label in (order if k % 2 == 0 else order[::-1]):  # A B C D, D C B A, ...
-            t0 = time.perf_counter()
-            lp = runtimes[label].step([[int(tok)]])
-            decode[label].append(time.perf_counter() - t0)
-            log_probs[label].append(lp[0, -1])
-    prefill_s = {label: [] for label in order}
-    for r in range(repeat + 1):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            runtimes[label].load_state(full[label])
-            t0 = time.perf_counter()
-            runtimes[label].prefill(prompt)
-            if r:  # the first round warms each side's prefill-sized buffers
-                prefill_s[label].append(time.perf_counter() - t0)
+    decode = {label: [] for label in runtimes}
+    log_probs = {label: [] for label in runtimes}
+
+    def step(label, k):
+        t0 = time.perf_counter()
+        log_probs[label].append(runtimes[label].step([[int(tokens[2 + k])]])[0, -1])
+        decode[label].append(time.perf_counter() - t0)
+
+    def prefill(label, r):
+        runtimes[label].load_state(full[label])
+        return harness.seconds(lambda: runtimes[label].prefill(prompt))
+
+    harness.interleaved({label: functools.partial(step, label) for label in runtimes}, len(tokens) - 2)
+    prefill_s = harness.interleaved({label: functools.partial(prefill, label) for label in runtimes}, repeat + 1)
+    prefill_s = {label: s[1:] for label, s in prefill_s.items()}  # the first round warms prefill-sized buffers
     for rt in runtimes.values():
         rt.close()
     lps = {label: np.stack(v) for label, v in log_probs.items()}

@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,13 @@ def int_list(text: str) -> list[int]:
 
 def median(values) -> float:
     return float(np.median(values))
+
+
+def seconds(fn) -> float:
+    """The wall time of one call of `fn`."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def interleaved(sides: dict, rounds: int) -> dict:

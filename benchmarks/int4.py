@@ -86,13 +86,8 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
         rt.prefill(context)  # every timed step attends to mem_len cached positions
         rt.step([[int(tokens[0])]])  # first-run allocations
         rt.step([[int(tokens[1])]])
-    times = {name: [] for name in runtimes}
-    for k, tok in enumerate(tokens[2:]):
-        order = list(runtimes.items()) if k % 2 == 0 else list(runtimes.items())[::-1]  # A B, B A, ...
-        for name, rt in order:
-            t0 = time.perf_counter()
-            rt.step([[int(tok)]])
-            times[name].append(time.perf_counter() - t0)
+    times = harness.interleaved({name: lambda k, rt=rt: harness.seconds(lambda: rt.step([[int(tokens[2 + k])]]))
+                                 for name, rt in runtimes.items()}, steps)
     profiles = {}
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
 

@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,12 +123,6 @@ def vanilla_session(path, threads: int | None):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int = DEFAULT_SEGMENT,
                rounds: int = 3, decode_steps: int = 16, warmup: int = 1, threads: int | None = 1, cache_dir=None,
                seed: int = 0, progress: bool = True) -> dict:
@@ -167,15 +160,15 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
 
         def txl_segment():
             rt.load_state(full)
-            evaluation.append(_time(lambda: rt.step(io.segment)) / segment)
+            evaluation.append(harness.seconds(lambda: rt.step(io.segment)) / segment)
 
         def txl_single():
             rt.load_state(full)
-            single.append([_time(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)])
+            single.append([harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)])
 
         def vanilla_window():
             window = io.windows[len(windows)]
-            windows.append(_time(lambda: vanilla.run(None, {INPUT: window})))
+            windows.append(harness.seconds(lambda: vanilla.run(None, {INPUT: window})))
 
         sides = [txl_segment, txl_single, vanilla_window]
         for r in range(warmup + rounds):
