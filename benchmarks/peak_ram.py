@@ -2,7 +2,7 @@
 
     python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
     python -m benchmarks.peak_ram --shape enwik8-large --formats ours
-    python -m benchmarks.peak_ram --runtime-only --shape wt103-base --cache benchmarks/.cache   # the runtime alone
+    python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
 
 Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
 `peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
@@ -24,9 +24,7 @@ Writes benchmarks/results_peak_ram_runtime.md (and .json).
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -34,10 +32,6 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-COMMAND = "python -m benchmarks.peak_ram"
 
 
 def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> dict:
@@ -110,7 +104,7 @@ def checkpoint_bytes(path: Path) -> int:
 
 def original_model_pt(ours: Path, out: Path) -> Path:
     """The stand-in written as the original code's `torch.save(model)` (tests/helpers/original_checkpoints.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(harness.ROOT / "tests"))
     from helpers import original_checkpoints as oc
     from helpers.reference_models import kwargs_of
 
@@ -135,7 +129,7 @@ def measure(args) -> dict:
     from txl_deploy.bench.benchmark import machine_info
     from txl_deploy.bench.random_weights import standin_checkpoint
 
-    ours = standin_checkpoint(args.shape, args.cache)
+    ours = standin_checkpoint(args.shape, args.cache_dir)
     mem_len, export_est, runtime_est = estimates(ours)
     raw = {"shape": args.shape, "mem_len": mem_len, "decode_steps": args.decode, "machine": machine_info(),
            "runtime_estimate": runtime_est.total, "export": [], "runtime": []}
@@ -174,7 +168,7 @@ def measure_runtime(args) -> dict:
 
     mem_len = shape_config(args.shape).mem_len
     # Segments up to 64, as decode_efficiency.py exports the shape (the same cached file; a prefill runs in 64s)
-    model = standin_onnx(standin_checkpoint(args.shape, args.cache), args.cache, mem_len, max_segment=64)
+    model = standin_onnx(standin_checkpoint(args.shape, args.cache_dir), args.cache_dir, mem_len, max_segment=64)
     info = read_onnx_info(model)
     parts = Parts.from_export(info.export, info.config, model)
     files = [model, *(parts.files(model) if parts is not None else [])]
@@ -307,41 +301,31 @@ def render(raw: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="wt103-large")
-    ap.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")
-    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/txl-deploy/bench"))
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
-    ap.add_argument("--runtime-only", action="store_true",
-                    help="the runtime's rows only, with every session an adaptive-softmax model loads "
-                         "(results_peak_ram_runtime.md)")
-    args = ap.parse_args(argv)
-
-    if args.runtime_only:
-        json_path = HERE / "results_peak_ram_runtime.json"
-        raw = json.loads(json_path.read_text()) if args.report_only else measure_runtime(args)
-        json_path.write_text(json.dumps(raw, indent=2))
-        body = render_runtime(raw)
-        (HERE / "results_peak_ram_runtime.md").write_text(harness.results_markdown(
-            "Resident memory of the ONNX Runtime backend with an adaptive softmax's parts", body,
-            f"{COMMAND} --runtime-only --shape {raw['shape']} --cache benchmarks/.cache"))
-        print(body)
-        return 0
-
-    json_path = HERE / "results_peak_ram.json"
+def measure_and_render(args, command):
+    """Measure (with --report-only, read an earlier run's JSON instead) and render the results file."""
+    runtime = args.runtime_only
     if args.report_only:
-        raw = json.loads(json_path.read_text())
+        raw = json.loads(Path(args.md).with_suffix(".json").read_text())
     else:
-        raw = measure(args)
-        json_path.write_text(json.dumps(raw, indent=2))
-    body = render(raw)
-    (HERE / "results_peak_ram.md").write_text(harness.results_markdown(
-        "Peak RAM and time of export and runtime on the large shapes", body, COMMAND))
-    print(body)
-    return 0
+        raw = {**(measure_runtime if runtime else measure)(args), "command": command}
+    title = ("Resident memory of the ONNX Runtime backend with an adaptive softmax's parts" if runtime
+             else "Peak RAM and time of export and runtime on the large shapes")
+    body = (render_runtime if runtime else render)(raw)
+    return harness.results_markdown(title, body, raw.get("command", command)), raw, 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    md = "results_peak_ram_runtime.md" if "--runtime-only" in argv else "results_peak_ram.md"
+    p = harness.parser("peak_ram", __doc__, md=md, threads=None)
+    p.add_argument("--shape", default="wt103-large")
+    p.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    p.add_argument("--runtime-only", action="store_true",
+                   help="the runtime's rows only, with every session an adaptive-softmax model loads "
+                        "(default results file benchmarks/results_peak_ram_runtime.md)")
+    return harness.main("peak_ram", p, measure_and_render, argv)
 
 
 if __name__ == "__main__":

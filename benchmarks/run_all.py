@@ -49,8 +49,8 @@ SCRIPTS = {
     "triton": ["triton_load", "--force"],
     "serve": ["serve_load", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base", "--force"],
     "chaos": ["serve_chaos", "--force"],
-    "peak-ram": ["peak_ram"],
-    "peak-ram-runtime": ["peak_ram", "--runtime-only", "--shape", "wt103-base", "--cache", "benchmarks/.cache"],
+    "peak-ram": ["peak_ram", "--force"],
+    "peak-ram-runtime": ["peak_ram", "--runtime-only", "--shape", "wt103-base", "--force"],
     "executorch": ["executorch_vs_ort", "--force"],
     "mobile": ["mobile_usability", "--force"],
 }
