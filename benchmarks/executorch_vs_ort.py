@@ -84,30 +84,22 @@ def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
 def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, seed: int = 0) -> dict:
     """Decode and prefill times of every file in one process, interleaved; log-probs of the timed decode steps."""
     runtimes = {label: TxlRuntime.load(path, threads=threads) for label, path in paths.items()}
-    rt0 = next(iter(runtimes.values()))
     rng = np.random.default_rng(seed)
-    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
-    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
-    prompt = rng.integers(0, rt0.n_token, size=(1, prefill))
-    full = {}
-    for label, rt in runtimes.items():
-        rt.prefill(context)  # every timed step attends to mem_len cached positions
-        full[label] = rt.save_state()
-        rt.step([[int(tokens[0])]])  # first-run allocations
-        rt.step([[int(tokens[1])]])
+    tokens, full = harness.fill_memories(runtimes, steps, rng)
+    prompt = rng.integers(0, next(iter(runtimes.values())).n_token, size=(1, prefill))
     decode = {label: [] for label in runtimes}
     log_probs = {label: [] for label in runtimes}
 
     def step(label, k):
         t0 = time.perf_counter()
-        log_probs[label].append(runtimes[label].step([[int(tokens[2 + k])]])[0, -1])
+        log_probs[label].append(runtimes[label].step([[int(tokens[k])]])[0, -1])
         decode[label].append(time.perf_counter() - t0)
 
     def prefill(label, r):
         runtimes[label].load_state(full[label])
         return harness.seconds(lambda: runtimes[label].prefill(prompt))
 
-    harness.interleaved({label: functools.partial(step, label) for label in runtimes}, len(tokens) - 2)
+    harness.interleaved({label: functools.partial(step, label) for label in runtimes}, steps)
     prefill_s = harness.interleaved({label: functools.partial(prefill, label) for label in runtimes}, repeat + 1)
     prefill_s = {label: s[1:] for label, s in prefill_s.items()}  # the first round warms prefill-sized buffers
     for rt in runtimes.values():

@@ -67,6 +67,22 @@ def table(head, rows, numeric_from: int | None = None) -> list[str]:
     return [f"| {' | '.join(head)} |", f"|{'|'.join(align)}|", *(f"| {' | '.join(map(str, r))} |" for r in rows)]
 
 
+def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
+    """Every runtime's memory filled with the same random context, so that each timed step attends to mem_len
+    cached positions, then two untimed steps (first-run allocations). Returns `steps` tokens to time and each
+    runtime's state with the memory just filled."""
+    rt0 = next(iter(runtimes.values()))
+    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
+    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
+    full = {}
+    for name, rt in runtimes.items():
+        rt.prefill(context)
+        full[name] = rt.save_state()
+        rt.step([[int(tokens[0])]])
+        rt.step([[int(tokens[1])]])
+    return tokens[2:], full
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

@@ -78,15 +78,8 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
     token by token."""
     runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
     loaded = {name: resident_bytes(path, threads, prepack) for name, (path, prepack) in sides.items()}
-    rt0 = next(iter(runtimes.values()))
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
-    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
-    for rt in runtimes.values():
-        rt.prefill(context)  # every timed step attends to mem_len cached positions
-        rt.step([[int(tokens[0])]])  # first-run allocations
-        rt.step([[int(tokens[1])]])
-    times = harness.interleaved({name: lambda k, rt=rt: harness.seconds(lambda: rt.step([[int(tokens[2 + k])]]))
+    tokens, _ = harness.fill_memories(runtimes, steps, np.random.default_rng(seed))
+    times = harness.interleaved({name: lambda k, rt=rt: harness.seconds(lambda: rt.step([[int(tokens[k])]]))
                                  for name, rt in runtimes.items()}, steps)
     profiles = {}
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
