@@ -83,6 +83,12 @@ def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
     return tokens[2:], full
 
 
+def targets_table(targets) -> list[str]:
+    """The targets table of a results file: (target, measured, met) rows, met None where nothing measured it."""
+    return table(["target", "measured", "met"],
+                 [[t, val, "not measured" if ok is None else "yes" if ok else "NO"] for t, val, ok in targets])
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

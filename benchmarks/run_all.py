@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.harness import CACHE, HERE, ROOT, command, generating_command
 from txl_deploy.bench import run_benchmark
 from txl_deploy.bench.op_profile import profile_table
@@ -202,12 +203,9 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         "",
         TARGETS_DOC,
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
     ]
     met_all = targets(reports)
-    for name, value, met in met_all:
-        lines.append(f"| {name} | {value} | {'not measured' if met is None else 'yes' if met else 'NO'} |")
+    lines += harness.targets_table(met_all)
     if any(met is False and "prefill" in name for name, _, met in met_all):
         lines += ["", PREFILL_NOTE]
     for rep in reports:
