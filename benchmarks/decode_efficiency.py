@@ -1,44 +1,31 @@
-"""How close a batch-1 decode step comes to reading its bytes, on every published shape, measured in one run.
-
-    .venv/bin/python benchmarks/decode_efficiency.py [--work benchmarks/.cache] [--shapes enwik8-base,...]
-        [--rounds 9] [--steps-per-round 6] [--out benchmarks/results_efficiency.md]
-
-A batch-1 decode step reads every weight once and the keys and values of every memory slot, so its floor is the
-time one thread takes to read those bytes. For each shape, a random-weight stand-in (speed depends on shapes, not
-values) exported to ONNX fp32 (cached under --work), ONNX Runtime CPU, one intra-op thread, memory full at the
-shape's evaluation mem_len: the step's median time against the plain read (numpy's dot product, a pure read) and the
-copy floor (numpy copy, read + write) of the bytes the step reads, counted from the graph. The steps of every shape
-and the two probes take turns round by round (step, step, ..., read and copy), and each round's step is set
-against that round's bandwidth; medians. Target: every step within 1.5x the plain read of its bytes.
-
-Every step and every read is also timed in CPU time of its thread: on a shared machine a thread waits for a core,
-and wall time counts that wait on both sides of a ratio in different amounts (a 60 ms step waits more often than a
-25 ms read).
-
-For each shape that misses it, and for WikiText-103 base in any case: ONNX Runtime's profile of decode steps per
-op kind and per big MatMul (time per step, bytes read, GB/s), and each big MatMul run alone (a one-node model with
-the same weight) beside its time in the graph. For WikiText-103 base also: ONNX Runtime session options and ways of
-calling it, as sessions of the same graph taking turns step by step (what each side does is in the table).
-Writes a Markdown file (header: command, machine, load, date) and the raw numbers as JSON beside it.
-"""
+"""How close a batch-1 decode step comes to reading its bytes, on every published shape, in one run: each step
+against the plain read and the copy of the bytes it reads, round by round; for the shapes that miss the target,
+and WikiText-103 base always, ONNX Runtime's profile per op and session options compared. Method:
+docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe, graph_step_bytes, interleaved_efficiency
-from txl_deploy.bench.op_profile import EVICT_BYTES, matmul_alone, profile_nodes
+from benchmarks import harness
+from benchmarks.step_bytes import (
+    EFFICIENCY_HEAD,
+    EVICT_BYTES,
+    efficiency_cells,
+    graph_step_bytes,
+    interleaved_efficiency,
+    matmul_alone,
+    profile_nodes,
+)
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes
 from txl_deploy.bench.random_weights import shape_config, standin_checkpoint, standin_onnx
+from txl_deploy.contract import io_spec
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-HERE = Path(__file__).resolve().parent
 SHAPES = {"enwik8-base": "enwik8 base", "text8": "text8", "wt103-base": "WikiText-103 base",
           "wt103-large": "WikiText-103 large", "lm1b-large": "One Billion Word"}
 TARGET = 1.5  # step / plain read of its bytes
@@ -47,17 +34,12 @@ BIG_MATMUL_BYTES = 1_000_000  # a MatMul whose inputs are over this is listed by
 
 
 def weight_bytes(name: str) -> int:
-    from txl_deploy.bench.bandwidth_floor import decode_bytes
-
     config = shape_config(name)
     return decode_bytes(config, config.mem_len, 1)["weight_bytes"]
 
 
 def open_shape(name: str, work: Path, threads: int, seed: int = 0):
     """(graph path, runtime with its memory full, a callable running one decode step)."""
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-
     mem_len = shape_config(name).mem_len
     path = standin_onnx(standin_checkpoint(name, work), work, mem_len, max_segment=64)
     rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
@@ -87,8 +69,6 @@ def option_sides(path, rt) -> dict:
     """{label: (what it does, a callable running one decode step)}: sessions of the graph at `path` from the memory
     `rt` holds (kept fixed: every side reads the same full memory), one intra-op thread each."""
     import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
-
-    from txl_deploy.contract import io_spec
 
     state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
     outputs = rt.backend.output_names
@@ -129,14 +109,12 @@ def option_sides(path, rt) -> dict:
 def options_table(label: str, sides: dict, results: dict) -> list[str]:
     lines = [f"### {label}: session options and ways of calling it", "",
              "Sessions of the same graph, one intra-op thread each, taking turns round by round with the other sides "
-             "and the bandwidth probe; medians over rounds of each round's median step.", "",
-             "| side | what it does | step ms | step CPU ms | step / read (CPU time) | step / copy (CPU time) |",
-             "|---|---|---|---|---|---|"]
-    for name, (what, _) in sides.items():
-        r = results[name]
-        lines.append(f"| {name} | {what} | {r['step_ms']:.2f} | {r['step_cpu_ms']:.2f} | {r['over_read_cpu']:.2f}x | "
-                     f"{r['over_copy_cpu']:.2f}x |")
-    return lines + [""]
+             "and the bandwidth probe; medians over rounds of each round's median step.", ""]
+    rows = [[name, what, *(f"{results[name][k]:.2f}" for k in ("step_ms", "step_cpu_ms")),
+             *(f"{results[name][k]:.2f}x" for k in ("over_read_cpu", "over_copy_cpu"))]
+            for name, (what, _) in sides.items()]
+    return lines + harness.table(["side", "what it does", "step ms", "step CPU ms", "step / read (CPU time)",
+                                  "step / copy (CPU time)"], rows) + [""]
 
 
 def op_tables(label: str, prof: dict) -> list[str]:
@@ -145,11 +123,9 @@ def op_tables(label: str, prof: dict) -> list[str]:
              f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node). "
              "The session's time beyond its CPU time is time its thread waited for a core. Bytes: every input a "
              "kernel reads (its weights and its activations, the memory included) per step.", "",
-             "| op kind | nodes | ms / step | MB read / step | GB/s |", "|---|---|---|---|---|"]
-    for o in prof["ops"]:
-        if o["ms_per_step"] >= 0.005:
-            lines.append(f"| {o['op_type']} | {o['nodes']} | {o['ms_per_step']:.3f} | {o['bytes'] / 1e6:.2f} | "
-                         f"{o['gb_per_s']:.1f} |")
+             *harness.table(["op kind", "nodes", "ms / step", "MB read / step", "GB/s"],
+                            [[o["op_type"], o["nodes"], f"{o['ms_per_step']:.3f}", f"{o['bytes'] / 1e6:.2f}",
+                              f"{o['gb_per_s']:.1f}"] for o in prof["ops"] if o["ms_per_step"] >= 0.005])]
     lines += ["", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a "
               "one-node model with the same weight, as the graph stores it, one token's activation, same thread "
               f"count; each run alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory "
@@ -166,45 +142,22 @@ def op_tables(label: str, prof: dict) -> list[str]:
 
 
 def efficiency_rows(shapes: list, results: dict, skipped: dict) -> list[str]:
-    rows = ["| shape | mem_len | MB read / step | step ms | plain read ms | copy floor ms | step / read | "
-            "step / copy | step CPU ms | read CPU ms | copy floor CPU ms | step / read (CPU time) | "
-            "step / copy (CPU time) | within 1.5x read (CPU time) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name in shapes:
         label, mem_len = SHAPES.get(name, name), shape_config(name).mem_len
         if name in skipped:
-            rows.append(f"| {label} | {mem_len} | | | | | | | | | | | | not measured: {skipped[name]} |")
-            continue
-        r = results[name]
-        rows.append(f"| {label} | {mem_len} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | "
-                    f"{r['copy_ms']:.2f} | {r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | "
-                    f"{r['read_cpu_ms']:.2f} | {r['copy_cpu_ms']:.2f} | {r['over_read_cpu']:.2f}x | "
-                    f"{r['over_copy_cpu']:.2f}x | "
-                    f"{'yes' if r['over_read_cpu'] <= TARGET else 'NO'} |")
-    return rows
+            rows.append([label, mem_len, *[""] * len(EFFICIENCY_HEAD), f"not measured: {skipped[name]}"])
+        else:
+            r = results[name]
+            rows.append([label, mem_len, *efficiency_cells(r), "yes" if r["over_read_cpu"] <= TARGET else "NO"])
+    return harness.table(["shape", "mem_len", *EFFICIENCY_HEAD, "within 1.5x read (CPU time)"], rows)
 
 
-def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.bench.report import GENERATED_BY, command_line
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default=str(HERE / ".cache"), help="where stand-ins and exports are cached")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default {','.join(SHAPES)})")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of steps and probes")
-    ap.add_argument("--steps-per-round", type=int, default=6, help="decode steps per shape per round")
-    ap.add_argument("--max-weights-gb", type=float, default=2.0,
-                    help="shapes whose fp32 weights exceed this are not exported here (default 2.0)")
-    ap.add_argument("--no-options", action="store_true",
-                    help=f"skip the session options compared on {SHAPES[ALWAYS_PROFILED]}")
-    ap.add_argument("--out", default=str(HERE / "results_efficiency.md"))
-    args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    work = Path(args.work)
+def measure(args, command):
+    work = Path(args.cache_dir)
     work.mkdir(parents=True, exist_ok=True)
     shapes = [s for s in args.shapes.split(",") if s]
-    load_start = os.getloadavg()
+    load_start = harness.load_average()
     skipped, opened = {}, {}
     for name in shapes:
         gb = weight_bytes(name) / 1e9
@@ -230,55 +183,43 @@ def main(argv=None):
                 if name == ALWAYS_PROFILED or results[name]["over_read"] > TARGET}
     for _, rt, _ in opened.values():
         rt.close()
-    load_end = os.getloadavg()
-
-    m, v = machine_info(), versions()
+    load_end = harness.load_average()
     lines = [
-        "# Decode efficiency: each published shape's step against the bytes it reads",
-        "",
-        f"{GENERATED_BY}{command_line('benchmarks/decode_efficiency.py', argv)}` on "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not edit by hand (run the command "
-        "again).",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
-        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end); {m['platform']}",
-        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
-        f"txl-deploy {v['txl_deploy']}",
+        *harness.machine_lines(load_start, load_end),
         f"- each shape: random-weight stand-in, ONNX fp32, ONNX Runtime CPU, {args.threads} intra-op thread, batch 1, "
         "memory full at the shape's evaluation mem_len",
-        f"- {args.rounds} rounds; a round times {args.steps_per_round} decode steps of every shape (the order reversed "
-        "every other round), then a plain read and a copy of a 256 MB buffer (numpy, one thread, best of 3); each "
-        "round's step median is set against that round's bandwidth, and the table gives medians",
-        "- bytes a step reads: counted from the graph (the weight products' constants, the positional tables, the "
-        "memory's keys and values); plain read ms = those bytes over the read rate; copy floor ms = those bytes "
-        "over the copy rate (bytes read + written per second)",
-        "- CPU time: the same steps, read and copy timed on the calling thread's CPU clock (one intra-op thread runs "
-        "the graph on it), which leaves out the time a thread waits for a core on this shared machine; the ratios in "
-        "CPU time compare the step's work with the read's and the copy's",
+        f"- {args.rounds} rounds of {args.steps_per_round} decode steps of every shape, then a plain read and a copy "
+        "of a 256 MB buffer; each round's step median against that round's bandwidth, medians over rounds; bytes a "
+        "step reads counted from the graph; CPU time on the calling thread's clock (see docs/benchmarks.md)",
         "",
         f"## Every shape (target: step within {TARGET}x the plain read of its bytes)",
         "",
         *efficiency_rows(shapes, results, skipped),
-        "",
-        "step / read near 1 means the step streams its bytes as fast as one thread reads memory; the excess is time "
-        "spent outside reading weights (small ops between the products, softmax over the vocabulary, the attention "
-        "over the memory) or reading slower than a plain read does. A wall-time ratio above its CPU-time ratio is "
-        "the step waiting for a core more than the probe did (a long step is preempted more often than a short read).",
         "",
     ]
     if options:
         lines += options_table(SHAPES[ALWAYS_PROFILED], options, option_results)
     for name, prof in profiles.items():
         lines += op_tables(SHAPES.get(name, name), prof)
-    text = "\n".join(lines).rstrip() + "\n"
-    Path(args.out).write_text(text, encoding="utf-8")
-    raw = {"command": command_line("benchmarks/decode_efficiency.py", argv), "load_start": load_start,
-           "load_end": load_end, "results": results, "skipped": skipped, "profiles": profiles,
+    text = harness.results_markdown("Decode efficiency: each published shape's step against the bytes it reads",
+                                    "\n".join(lines), command)
+    raw = {"command": command, "load_start": load_start, "load_end": load_end, "results": results,
+           "skipped": skipped, "profiles": profiles,
            "options": {name: {"what": what, **option_results[name]} for name, (what, _) in options.items()},
            "target": TARGET}
-    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
-    print(text)
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("decode_efficiency", __doc__, md="results_efficiency.md")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default {','.join(SHAPES)})")
+    p.add_argument("--rounds", type=int, default=9, help="rounds of steps and probes")
+    p.add_argument("--steps-per-round", type=int, default=6, help="decode steps per shape per round")
+    p.add_argument("--max-weights-gb", type=float, default=2.0, help="shapes with more fp32 weights are not run")
+    p.add_argument("--no-options", action="store_true",
+                   help=f"skip the session options compared on {SHAPES[ALWAYS_PROFILED]}")
+    return harness.main("decode_efficiency", p, measure, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

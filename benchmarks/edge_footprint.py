@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from txl_deploy.config import TxlConfig, published_config
+
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {
     # name: (bytes per matrix weight, bytes per other value, state bytes, targets); int4's per-weight bytes depend on
@@ -87,8 +89,6 @@ def _mb(n: float) -> str:
 
 
 def main():
-    from txl_deploy.config import TxlConfig, published_config
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-segment", type=int, default=512, help="the export's max_segment (default 512)")
     ap.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32)")

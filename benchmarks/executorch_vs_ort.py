@@ -1,47 +1,31 @@
-"""ExecuTorch programs (.pte, XNNPACK) beside ONNX Runtime, measured in one run: step latency, file size, peak RAM.
-
-    .venv/bin/python benchmarks/executorch_vs_ort.py [--threads 1] [--steps 64] [--prefill 64] [--mem-len 512]
-
-Four files per shape, all exported by txl-deploy: ExecuTorch fp32 and int4 (8da4w: int8 dynamic activations, int4
-weights in groups of 32, torchao), ONNX Runtime fp32 and int4 (MatMulNBits). Shapes: the demo model `kjv-char`
-(its own mem_len, 128) and the enwik8-base shape (a random-weight stand-in, seed 0: speed depends on shapes, not
-values) at --mem-len.
-
-- decode: batch 1, the memory full (mem_len tokens fed first), --steps single-token steps per file, the files
-  taking turns token by token (A B C D, D C B A, ...), every runtime on --threads intra-op threads; medians;
-- prefill: --prefill tokens into the full memory (the state restored before each), --repeat rounds, alternating;
-- peak RAM: a fresh process per file that loads it, fills the memory and decodes 8 tokens: its high-water resident
-  set (VmHWM) and what it added to the resident set after the imports;
-- where an ExecuTorch decode step goes: ExecuTorch's event tracer (ETDump, read with its Inspector) over 20 steps,
-  split into the XNNPACK delegate calls and the operators left to the portable kernels, by operator;
-- parity: each ExecuTorch program's log-probs against the ONNX Runtime file of the same precision family on the
-  timed steps (max abs difference; int4 programs differ from fp32 by their quantization, reported, not enforced).
-
-The exports are cached under benchmarks/.cache, keyed by the exporters' code. The demo model's int4 program is
-exported with its accuracy gate (held-out bits per character within 2% of fp32), the stand-in's without (random
-weights). Writes benchmarks/results_executorch.md (header: command, machine, date) and the raw numbers as JSON.
-"""
+"""ExecuTorch programs (.pte, XNNPACK; fp32 and int4 8da4w) beside ONNX Runtime graphs (fp32 and int4) in one run:
+decode and prefill latency, file size, peak RAM of a fresh process, where an ExecuTorch step goes, and parity.
+Method: docs/benchmarks.md ("ExecuTorch beside ONNX Runtime")."""
 
 from __future__ import annotations
 
-import argparse
+import functools
 import hashlib
 import json
-import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from peak_ram import process_memory  # benchmarks/ is on the path of a script run from it
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CACHE = HERE / ".cache"
-COMMAND = "python benchmarks/executorch_vs_ort.py"
+from benchmarks import harness
+from benchmarks.harness import CACHE
+from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+from txl_deploy.contract.pte_file import read_pte_info
+from txl_deploy.errors import InputError
+from txl_deploy.exporters.onnx.ram import format_bytes as fb
+from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
+from txl_deploy.runtimes import TxlRuntime
+
 MAX_SEGMENT = 128  # the programs' and graphs' longest segment: the prefill size must fit in one call
 RSS_DECODE_STEPS = 8
 PROFILE_STEPS = 20
@@ -73,7 +57,6 @@ def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_t
 
 def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> tuple[Path, Path]:
     """The fp32 .onnx (incremental layout) and its int4 conversion (the export default block size)."""
-    from txl_deploy.bench.random_weights import standin_onnx
     from txl_deploy.exporters.precision import convert, folding, int4
 
     fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
@@ -86,9 +69,6 @@ def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> t
 
 def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
     """{file label: path} of one shape, and the mem_len its files were exported with."""
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.bench.random_weights import standin_checkpoint
-
     if shape == "demo":
         checkpoint, eval_text = DEMO_DIR / "kjv-char", DEMO_DIR / "heldout.txt"
         mem_len = json.loads((checkpoint / "config.json").read_text())["config"]["mem_len"]
@@ -103,37 +83,25 @@ def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
 
 def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, seed: int = 0) -> dict:
     """Decode and prefill times of every file in one process, interleaved; log-probs of the timed decode steps."""
-    from txl_deploy.runtimes import TxlRuntime
-
     runtimes = {label: TxlRuntime.load(path, threads=threads) for label, path in paths.items()}
-    rt0 = next(iter(runtimes.values()))
     rng = np.random.default_rng(seed)
-    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
-    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
-    prompt = rng.integers(0, rt0.n_token, size=(1, prefill))
-    full = {}
-    for label, rt in runtimes.items():
-        rt.prefill(context)  # every timed step attends to mem_len cached positions
-        full[label] = rt.save_state()
-        rt.step([[int(tokens[0])]])  # first-run allocations
-        rt.step([[int(tokens[1])]])
-    order = list(runtimes)
-    decode = {label: [] for label in order}
-    log_probs = {label: [] for label in order}
-    for k, tok in enumerate(tokens[2:]):
-        for label in (order if k % 2 == 0 else order[::-1]):  # A B C D, D C B A, ...
-            t0 = time.perf_counter()
-            lp = runtimes[label].step([[int(tok)]])
-            decode[label].append(time.perf_counter() - t0)
-            log_probs[label].append(lp[0, -1])
-    prefill_s = {label: [] for label in order}
-    for r in range(repeat + 1):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            runtimes[label].load_state(full[label])
-            t0 = time.perf_counter()
-            runtimes[label].prefill(prompt)
-            if r:  # the first round warms each side's prefill-sized buffers
-                prefill_s[label].append(time.perf_counter() - t0)
+    tokens, full = harness.fill_memories(runtimes, steps, rng)
+    prompt = rng.integers(0, next(iter(runtimes.values())).n_token, size=(1, prefill))
+    decode = {label: [] for label in runtimes}
+    log_probs = {label: [] for label in runtimes}
+
+    def step(label, k):
+        t0 = time.perf_counter()
+        log_probs[label].append(runtimes[label].step([[int(tokens[k])]])[0, -1])
+        decode[label].append(time.perf_counter() - t0)
+
+    def prefill(label, r):
+        runtimes[label].load_state(full[label])
+        return harness.seconds(lambda: runtimes[label].prefill(prompt))
+
+    harness.interleaved({label: functools.partial(step, label) for label in runtimes}, steps)
+    prefill_s = harness.interleaved({label: functools.partial(prefill, label) for label in runtimes}, repeat + 1)
+    prefill_s = {label: s[1:] for label, s in prefill_s.items()}  # the first round warms prefill-sized buffers
     for rt in runtimes.values():
         rt.close()
     lps = {label: np.stack(v) for label, v in log_probs.items()}
@@ -152,33 +120,26 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
 
 # -- peak RAM, in a fresh process per file ---------------------------------------------------------------------
 
-def child_memory(path: str, threads: int) -> dict:
+def child_memory(path: str, threads) -> dict:
     """Load `path`, fill its memory, decode a few tokens: the process's peak, and its resident set before loading."""
     if path.endswith(".pte"):  # the imports a .pte app pays for, before the base is taken
         import torch  # noqa: F401
         from executorch.runtime import Runtime  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
-    from txl_deploy.runtimes import TxlRuntime
-
-    base = process_memory()["VmRSS"]
-    rt = TxlRuntime.load(path, threads=threads)
-    loaded = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
+    rt = TxlRuntime.load(path, threads=int(threads))
+    loaded = harness.process_memory()["VmRSS"]
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
-    status = process_memory()
+    status = harness.process_memory()
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 
 def memory(path: Path, threads: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--child", str(path), str(threads)], capture_output=True,
-                          text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory measurement of {path.name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.in_fresh_process("executorch_vs_ort", path, threads)
 
 
 # -- where an ExecuTorch step goes -----------------------------------------------------------------------------
@@ -190,7 +151,6 @@ def profile_pte(path: Path, threads: int, steps: int = PROFILE_STEPS, seed: int 
     from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
     from executorch.runtime import Runtime  # optional (the executorch extra)
 
-    from txl_deploy.contract.pte_file import read_pte_info
     from txl_deploy.exporters.executorch.stream import RingStepper, program_call
 
     info = read_pte_info(path)
@@ -251,14 +211,10 @@ def _op(name: str) -> str:
 def state_bytes(cfg, mem_len: int) -> int:
     """The memory one stream carries (fp32 keys and values of every layer and the counter), as `info --memory`
     counts it."""
-    from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
-
     return int(ram_state_bytes(cfg, mem_len))
 
 
 def render(raw: dict) -> str:
-    from txl_deploy.exporters.onnx.ram import format_bytes as fb
-
     m, v = raw["machine"], raw["versions"]
     lines = [
         f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average {raw['load']}), "
@@ -338,12 +294,9 @@ def render(raw: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(args) -> dict:
+def measure_files(args) -> dict:
     import executorch
     import torch
-
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.contract.pte_file import read_pte_info
 
     raw = {"machine": machine_info(), "versions": versions(), "threads": args.threads, "steps": args.steps,
            "prefill": args.prefill, "repeat": args.repeat, "torch": torch.__version__,
@@ -374,40 +327,29 @@ def _version(package: str) -> str:
     return metadata.version(package)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.report import command_line, results_markdown
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every runtime (default 1)")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per file (default 64)")
-    ap.add_argument("--prefill", type=int, default=64, help=f"prefill tokens, at most {MAX_SEGMENT} (default 64)")
-    ap.add_argument("--repeat", type=int, default=5, help="prefill rounds per file (default 5)")
-    ap.add_argument("--mem-len", type=int, default=512, help="the enwik8-base stand-in's mem_len (default 512)")
-    ap.add_argument("--shapes", default="demo,enwik8-base", help="comma-separated: demo and published shape names")
-    ap.add_argument("--out", default=str(HERE / "results_executorch.md"))
-    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
-    args = ap.parse_args(argv)
+def measure(args, command):
     if not 1 <= args.prefill <= MAX_SEGMENT:
-        ap.error(f"--prefill must be 1 to {MAX_SEGMENT}")
-    out = Path(args.out)
-    json_path = out.with_suffix(".json")
+        raise InputError(f"--prefill must be 1 to {MAX_SEGMENT}")
     if args.report_only:
-        raw = json.loads(json_path.read_text())
+        raw = json.loads(Path(args.md).with_suffix(".json").read_text())
     else:
         CACHE.mkdir(exist_ok=True)
-        raw = measure(args)
-        raw["command"] = command_line("benchmarks/executorch_vs_ort.py", sys.argv[1:] if argv is None else argv)
-        json_path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    body = render(raw)
-    out.write_text(results_markdown("ExecuTorch (XNNPACK) beside ONNX Runtime, one thread each", body,
-                                    raw.get("command", COMMAND)), encoding="utf-8")
-    print(body)
-    return 0
+        raw = {**measure_files(args), "command": command}
+    text = harness.results_markdown("ExecuTorch (XNNPACK) beside ONNX Runtime, one thread each", render(raw),
+                                    raw["command"])
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("executorch_vs_ort", __doc__, md="results_executorch.md", cache=False)
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per file (default 64)")
+    p.add_argument("--prefill", type=int, default=64, help=f"prefill tokens, at most {MAX_SEGMENT} (default 64)")
+    p.add_argument("--repeat", type=int, default=5, help="prefill rounds per file (default 5)")
+    p.add_argument("--mem-len", type=int, default=512, help="the enwik8-base stand-in's mem_len (default 512)")
+    p.add_argument("--shapes", default="demo,enwik8-base", help="comma-separated: demo and published shape names")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    return harness.main("executorch_vs_ort", p, measure, argv)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child_memory(sys.argv[2], int(sys.argv[3]))))
-        sys.exit(0)
-    sys.exit(main())
+    sys.exit(0 if harness.child_main(child_memory) else main())

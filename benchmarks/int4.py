@@ -1,60 +1,38 @@
-"""int4 weight-only graphs against fp32 in one run: accuracy, decode speed, size, each step against its bytes.
-
-    .venv/bin/python benchmarks/int4.py [--threads 1] [--steps 128] [--block-size 64] [--other-blocks 32,128]
-        [--rounds 9] [--steps-per-round 6] [--generate-tokens 16] [--generate-rounds 3] [--out benchmarks/results_int4.md]
-
-fp32 runs as `TxlRuntime.load` runs it (OrtBackend's defaults for fp32: the shared weight pool, ONNX Runtime's
-prepacking off); each int4 graph runs prepacked ("prepacked", `OrtBackend(prepack=True)`, what `TxlRuntime.load`
-opens for a quantized graph) and unpacked (`OrtBackend(prepack=False)`): without prepacking MatMulNBits has no
-packed weights for its 4-bit kernels and dequantizes every weight to fp32 on every call.
-
-- accuracy: the demo model's bits per character on its whole held-out text, fp32 and int4 (ONNX Runtime CPU,
-  streaming evaluation with the memory), unpacked (the export's own evaluation) and prepacked, with the stream
-  comparison (KL divergence, top-1 agreement);
-- speed: ONNX Runtime CPU decode time per token with a full memory (mem_len tokens fed first) on the
-  WikiText-103 base shape (random weights: speed depends on shapes, not values) and on the demo model, every side
-  in one process, taking turns token by token, the same intra-op thread count on every side; medians;
-- against its own bytes: each WikiText-103 base step (fp32, int4, int4 prepacked) against the plain one-thread
-  read and the copy floor of the bytes that graph's step reads, the steps and the probes taking turns round by
-  round (txl_deploy/bench/bandwidth_floor.py), in wall and in CPU time;
-- generation: WikiText-103 base tokens per second of `TxlRuntime.generate` (greedy), lazy on the softmax parts
-  (int4 parts for the int4 graph) and full, against fp32 full;
-- size: the files, and the resident memory each session added when it loaded.
-
-Targets: demo bits per character within 2% of fp32; WikiText-103 base decode >= 3x fp32; file <= 1/6 of fp32 (at
-the export's default block size; the others are measured beside it, prepacked). The profiles of the runtime's
-sides and the bytes a step reads show where an int4 step's time goes.
-Writes a Markdown file (header: command, machine, load, date) and the raw numbers as JSON beside it.
-"""
+"""int4 weight-only graphs (MatMulNBits) against fp32: accuracy on the demo model, file size, decode speed and what
+a step reads on the WikiText-103 base shape, prepacked and not, other block sizes beside the default, generation
+lazy and full. Method: docs/edge.md ("int4") and docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
+import hashlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe, graph_step_bytes, interleaved_efficiency
+from benchmarks import harness
+from benchmarks.step_bytes import EFFICIENCY_HEAD, efficiency_cells, graph_step_bytes, interleaved_efficiency
+from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe
+from txl_deploy.bench.op_profile import profile_decode, profile_table
+from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.exporters.onnx.export import export_onnx
+from txl_deploy.exporters.precision import convert as precision
+from txl_deploy.exporters.precision import folding, int4
+from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
+from txl_deploy.exporters.precision.report import accuracy_report, evaluate_against_fp32
+from txl_deploy.exporters.precision.token_data import ids_from, segment_len
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
-HERE = Path(__file__).resolve().parent
-CACHE = HERE / ".cache"
-
+logger = logging.getLogger(__name__)
 
 
 def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
-    import hashlib
-
-    from txl_deploy.contract.metadata import read_onnx_info
-    from txl_deploy.exporters.precision import convert as precision
-    from txl_deploy.exporters.precision import folding, int4
-
     code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (precision, folding, int4))).hexdigest()[:8]
     out = fp32.with_name(fp32.stem + f"-int4-b{block}-{code}.onnx")
     if not out.exists():
@@ -65,8 +43,6 @@ def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
 
 
 def accuracy(block: int, work: Path) -> dict:
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.exporters.onnx.export import export_onnx
 
     fp32 = work / "kjv-char.onnx"
     if not fp32.exists():
@@ -75,36 +51,24 @@ def accuracy(block: int, work: Path) -> dict:
     return {"fp32_path": fp32, "int4_path": int4, "report": report}
 
 
-_RESIDENT = """
-import json, sys
-import numpy as np
-from txl_deploy.bench.peak_usage import rss_bytes
-from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-before = rss_bytes()
-rt = TxlRuntime(OrtBackend(sys.argv[1], providers=["cpu"], intra_op_threads=int(sys.argv[2]),
-                           prepack=sys.argv[3] == "1"))
-rt.step(np.zeros((1, 1), dtype=np.int64))
-print(json.dumps(rss_bytes() - before))
-"""
+def child_resident(path: str, threads: str, prepack: str) -> int:
+    """In a fresh process (`resident_bytes`): what loading the graph and one decode step add to its resident set."""
+    before = harness.process_memory()["VmRSS"]
+    rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=int(threads), prepack=prepack == "1"))
+    rt.step(np.zeros((1, 1), dtype=np.int64))
+    return harness.process_memory()["VmRSS"] - before
 
 
 def resident_bytes(path, threads: int, prepack: bool = False) -> int:
     """What loading the graph and one decode step add to a fresh process's resident set (weights as the runtime
     holds them, prepacked kernels' copies included where `prepack`)."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), str(threads), "1" if prepack else "0"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return harness.in_fresh_process("int4", path, threads, int(prepack))
 
 
 def open_runtime(path, threads: int, prepack: bool = False, lazy: bool = True):
     """A TxlRuntime over the graph with ONNX Runtime's prepacking off (the shared weight pool: what `TxlRuntime.load`
     opens for fp32) or on (`prepack`: each session its own packed weights, its default for int4); `lazy` as
     TxlRuntime's (generate computes the softmax's head first and tails on demand where the graph has parts)."""
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
     return TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads, prepack=prepack), lazy=lazy)
 
@@ -114,24 +78,11 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
     token by token."""
     runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
     loaded = {name: resident_bytes(path, threads, prepack) for name, (path, prepack) in sides.items()}
-    rt0 = next(iter(runtimes.values()))
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
-    tokens = rng.integers(0, rt0.n_token, size=steps + 2)
-    for rt in runtimes.values():
-        rt.prefill(context)  # every timed step attends to mem_len cached positions
-        rt.step([[int(tokens[0])]])  # first-run allocations
-        rt.step([[int(tokens[1])]])
-    times = {name: [] for name in runtimes}
-    for k, tok in enumerate(tokens[2:]):
-        order = list(runtimes.items()) if k % 2 == 0 else list(runtimes.items())[::-1]  # A B, B A, ...
-        for name, rt in order:
-            t0 = time.perf_counter()
-            rt.step([[int(tok)]])
-            times[name].append(time.perf_counter() - t0)
+    tokens, _ = harness.fill_memories(runtimes, steps, np.random.default_rng(seed))
+    times = harness.interleaved({name: lambda k, rt=rt: harness.seconds(lambda: rt.step([[int(tokens[k])]]))
+                                 for name, rt in runtimes.items()}, steps)
     profiles = {}
     if profile:  # where a step's time goes, by operator type (ONNX Runtime's profiler, median of steps)
-        from txl_deploy.bench.op_profile import profile_decode
 
         for name, rt in runtimes.items():
             if name != "fp32" and not sides[name][1]:  # the profiler opens each graph as the runtime does
@@ -201,10 +152,6 @@ def prepacked_accuracy(acc: dict) -> dict:
     """The demo model's held-out bits per character of the int4 graph run with ONNX Runtime's prepacking on (the
     int8-compute kernels of accuracy_level 4; without prepacking MatMulNBits dequantizes its weights to fp32 and
     multiplies in fp32, which is what the export's own evaluation measured), against fp32 as the runtime runs it."""
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.contract.metadata import read_onnx_info
-    from txl_deploy.exporters.precision.report import accuracy_report, evaluate_against_fp32
-    from txl_deploy.exporters.precision.token_data import ids_from, segment_len
 
     info = read_onnx_info(acc["fp32_path"])
     ids = ids_from(DEMO_DIR / "heldout.txt", info, "evaluation text")[0]
@@ -215,11 +162,10 @@ def prepacked_accuracy(acc: dict) -> dict:
         rt.close(), r32.close()
 
 
-def wt103_paths(block: int) -> dict:
-    from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
+def wt103_paths(block: int, work: Path) -> dict:
 
-    ckpt = standin_checkpoint("wt103-base", CACHE)
-    fp32 = standin_onnx(ckpt, CACHE, 640, max_segment=64)
+    ckpt = standin_checkpoint("wt103-base", work)
+    fp32 = standin_onnx(ckpt, work, 640, max_segment=64)
     # random weights: the stream comparison is recorded, not enforced (the gate is for trained models)
     int4, report = _int4(fp32, block, verify=False)
     return {"fp32": fp32, "int4": int4, "report": report}
@@ -229,39 +175,16 @@ def _resident(mb: float) -> str:
     return f"{mb:.1f}"
 
 
-def main():
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.bench.op_profile import profile_table
-    from txl_deploy.bench.report import GENERATED_BY
-    from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every side (default 1)")
-    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
-    others_default = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
-    ap.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK,
-                    help=f"int4 block size (default {INT4_DEFAULT_BLOCK}, the export default)")
-    ap.add_argument("--other-blocks", default=others_default,
-                    help=f"further block sizes measured beside it, prepacked, comma-separated (default "
-                         f"{others_default}; '' for none)")
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
-    ap.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
-    ap.add_argument("--generate-tokens", type=int, default=16,
-                    help="tokens per side per round of the generation speed (default 16; 0 to skip it)")
-    ap.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed (default 3)")
-    ap.add_argument("--out", default=str(HERE / "results_int4.md"))
-    args = ap.parse_args()
-    CACHE.mkdir(exist_ok=True)
-    command = "python benchmarks/int4.py" + "".join(f" {a}" for a in sys.argv[1:])
-    load_start = os.getloadavg()
-    acc = accuracy(args.block_size, CACHE)
-    acc_packed = prepacked_accuracy(acc)
-    wt = wt103_paths(args.block_size)
+def measure(args, command):
+    Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     others = [int(b) for b in args.other_blocks.split(",") if b.strip()]
-    acc_other = {b: accuracy(b, CACHE) for b in others}
+    load_start = harness.load_average()
+    acc = accuracy(args.block_size, Path(args.cache_dir))
+    acc_packed = prepacked_accuracy(acc)
+    wt = wt103_paths(args.block_size, Path(args.cache_dir))
+    acc_other = {b: accuracy(b, Path(args.cache_dir)) for b in others}
     acc_other_packed = {b: prepacked_accuracy(o) for b, o in acc_other.items()}
-    wt_other = {b: wt103_paths(b) for b in others}
+    wt_other = {b: wt103_paths(b, Path(args.cache_dir)) for b in others}
     speed_wt = decode_speed({"fp32": (wt["fp32"], False), "int4": (wt["int4"], False),
                              "int4, prepacked": (wt["int4"], True),
                              **{f"int4, block {b}, prepacked": (wt_other[b]["int4"], True) for b in others}},
@@ -279,7 +202,7 @@ def main():
                               "int4, prepacked, lazy": (wt["int4"], True, True),
                               "int4, prepacked, full": (wt["int4"], True, False)},
                              args.threads, args.generate_tokens, args.generate_rounds)
-    load_end = os.getloadavg()
+    load_end = harness.load_average()
 
     a, ap_ = acc["report"]["accuracy"], acc_packed
     s = acc["report"]["stream"]
@@ -293,36 +216,21 @@ def main():
                ("WikiText-103 base: decode >= 3x fp32, int4 unpacked", f"{speedup:.2f}x", speedup >= 3),
                ("WikiText-103 base: decode >= 3x fp32, int4 prepacked (both as the runtime runs them)", f"{speedup_packed:.2f}x", speedup_packed >= 3),
                ("WikiText-103 base: file <= 1/6 of fp32", f"1/{ratio:.2f}", ratio >= 6)]
-    m, v = machine_info(), versions()
     method = acc["report"]["method"]
     lines = [
-        "# int4 weight-only graphs (MatMulNBits)",
-        "",
-        f"{GENERATED_BY}{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; do not "
-        "edit by hand (run the command again).",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
-        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end); {m['platform']}",
-        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
-        f"txl-deploy {v['txl_deploy']}",
+        *harness.machine_lines(load_start, load_end),
         f"- int4: block size {method['block_size']}, accuracy_level {method['accuracy_level']} (int8 compute), "
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
         "fp16; memory state fp32",
-        "- sides: `fp32` is the graph as `TxlRuntime.load` runs it (OrtBackend's defaults for fp32: the shared "
-        "weight pool, ONNX Runtime's prepacking off); `int4, prepacked` is the int4 graph as `TxlRuntime.load` "
-        "runs it (`OrtBackend(prepack=True)`, its default for a quantized graph: each session its own packed "
-        "weights); `int4` is the same graph with `OrtBackend(prepack=False)`. Without prepacking, ONNX Runtime's "
-        "MatMulNBits has no packed weights to give its 4-bit kernels and dequantizes every weight to fp32 on every "
-        "call, then multiplies in fp32 (its unpacked path); accuracy_level only applies to the prepacked kernels",
+        "- sides: `fp32` and `int4, prepacked` as `TxlRuntime.load` runs each graph, `int4` with "
+        "`OrtBackend(prepack=False)` (see docs/benchmarks.md, \"int4\")",
         f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on every side, batch 1, memory full, median of "
         f"{args.steps} decode steps per side, the sides taking turns token by token",
         "",
         "## Targets",
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *[f"| {t} | {val} | {'yes' if ok else 'NO'} |" for t, val, ok in targets],
+        *harness.targets_table(targets),
         "",
         "## Accuracy (demo model `kjv-char`, its whole held-out text)",
         "",
@@ -356,9 +264,7 @@ def main():
                          f"{sp['median_ms']['fp32'] / sp['median_ms'][g]:.2f}x | {sp['file_mb'][g]:.1f} | "
                          f"{_resident(sp['loaded_rss_mb'][g])} |")
     wr = wt["report"]["stream"]
-    lines += ["", "Resident after load: what creating the ONNX Runtime sessions (the model and its softmax parts, "
-              "where it has them) and one decode step add to a fresh process's resident set; a prepacked side's "
-              "kernels hold their packed copies of the weights.", "",
+    lines += ["", "Resident after load: what the sessions and one decode step add to a fresh process.", "",
               f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
               f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
               "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
@@ -371,54 +277,49 @@ def main():
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
     reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
     measured = {"fp32": "fp32", "int4": "int4, prepacked", **{g: f"{g}, prepacked" for g in graphs if "block" in g}}
-    lines += ["What a WikiText-103 base decode step reads (batch 1, memory full; counted from each graph: the "
-              "weight products' constants with the scales as the fp32 the kernels get, the positional tables, "
-              "the memory's keys and values). At batch 1 every byte is read once per step, so fp32's bytes over a "
-              "graph's bound the speed-up a bandwidth-bound step could reach; a measured speed-up below that bound "
-              "is time spent computing (the int8 products, quantizing activations per block) or between "
-              "operators. Measured here: the prepacked side of each int4 graph (unpacked, the step also writes and "
-              "reads an fp32 copy of every weight):", "",
+    lines += ["What a WikiText-103 base decode step reads, counted from each graph, and the speed-up those bytes "
+              "bound (fp32's over the graph's) beside the one measured, prepacked:", "",
               "| graph | weight products MB | positional tables MB | memory MB | total MB | bound on the speed-up "
               "| measured speed-up (prepacked) |",
               "|---|---|---|---|---|---|---|",
               *[f"| {g} | {r['weights'] / 1e6:.1f} | {r['positional_tables'] / 1e6:.1f} | {r['memory'] / 1e6:.1f} | "
                 f"{r['total'] / 1e6:.1f} | {reads['fp32']['total'] / r['total']:.2f}x | "
                 f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x |" for g, r in reads.items()], ""]
-    lines += [f"Each WikiText-103 base step against the plain read of its own bytes (the bytes above; plain read: "
-              "numpy's dot product, a pure read; copy floor: numpy copy, read + written; both of a 256 MB buffer, "
-              f"one thread, measured in the rounds of the steps: {args.rounds} rounds of {args.steps_per_round} "
-              "steps of each side, one intra-op thread, then the probes; medians of each round's ratio; CPU time: "
-              "the step and the read on their thread's CPU clock, which leaves out waiting for a core):", "",
-              "| side | MB read / step | step ms | plain read ms | copy floor ms | step / read | step / copy | "
-              "step CPU ms | read CPU ms | step / read (CPU time) |",
-              "|---|---|---|---|---|---|---|---|---|---|",
-              *[f"| {g} | {r['bytes'] / 1e6:.1f} | {r['step_ms']:.2f} | {r['read_ms']:.2f} | {r['copy_ms']:.2f} | "
-                f"{r['over_read']:.2f}x | {r['over_copy']:.2f}x | {r['step_cpu_ms']:.2f} | {r['read_cpu_ms']:.2f} | "
-                f"{r['over_read_cpu']:.2f}x |" for g, r in own.items()], ""]
+    lines += [f"Each WikiText-103 base step against the plain read and the copy of its own bytes, {args.rounds} rounds "
+              f"of {args.steps_per_round} steps of each side, then the probes (as decode_efficiency measures them):",
+              "",
+              *harness.table(["side", *EFFICIENCY_HEAD], [[g, *efficiency_cells(r)] for g, r in own.items()]), ""]
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens from "
-                  f"a full memory, {args.generate_rounds} rounds, the sides taking turns (order reversed every other "
-                  "round), medians. `lazy`: the softmax parts (the body + head graph per token, a tail graph only "
-                  "when the decision needs it; the int4 graph's parts are int4); `full`: the main graph per token. "
-                  "Random weights give near-uniform distributions, where greedy decisions need tails far more often "
-                  "than a trained model's (benchmarks/lazy_decode.py measures lazy decoding at a trained model's "
-                  "rates):", "",
+                  f"a full memory, {args.generate_rounds} rounds, lazy (the softmax parts) and full (the main graph); "
+                  "random weights need tails far more often than a trained model (see lazy_decode):", "",
                   "| side | tokens / s | against fp32 full |", "|---|---|---|",
                   *[f"| {g} | {r:.2f} | {r / full:.2f}x |" for g, r in gen["tokens_per_s"].items()], ""]
-    text = "\n".join(lines).rstrip() + "\n"
-    Path(args.out).write_text(text, encoding="utf-8")
+    text = harness.results_markdown("int4 weight-only graphs (MatMulNBits)", "\n".join(lines), command)
     raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
            "accuracy_other_blocks": {b: o["report"] for b, o in acc_other.items()},
            "accuracy_other_blocks_prepacked": acc_other_packed,
            "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
            "wt103_stream": wt["report"]["stream"], "targets": [list(t) for t in targets], "command": command,
            "load_start": load_start, "load_end": load_end, "generate": gen}
-    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=2, default=str) + "\n", encoding="utf-8")
-    print(text)
     for t, val, ok in targets:
-        print(f"{'ok ' if ok else 'MISS'} {t}: {val}")
+        logger.info(f"{'ok ' if ok else 'MISS'} {t}: {val}")
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("int4", __doc__, md="results_int4.md")
+    others = ",".join(str(b) for b in (32, 64, 128) if b != INT4_DEFAULT_BLOCK)
+    p.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
+    p.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK, help="int4 block size (the export default)")
+    p.add_argument("--other-blocks", default=others, help=f"further block sizes, prepacked (default {others})")
+    p.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
+    p.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
+    p.add_argument("--generate-tokens", type=int, default=16, help="tokens per side per round of generation (0: skip)")
+    p.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed")
+    return harness.main("int4", p, measure, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if harness.child_main(child_resident) else main())

@@ -1,93 +1,326 @@
-"""Lazy against full adaptive-softmax generation on the WikiText-103 base shape, at a trained model's tail rates.
-
-    .venv/bin/python benchmarks/lazy_decode.py [--work benchmarks/.cache] [--rounds 7] [--tokens 32]
-        [--batch-tokens 12] [--out benchmarks/results_lazy_decode.md]
-
-Both sides are the same ONNX Runtime session set (CPU, one intra-op thread) on one export of a WikiText-103 base
-stand-in (267,735 words, cutoffs 20000/40000/200000, 16 x 410, memory full at mem_len 640), with the same seed:
-
-- lazy: each fed token runs the head graph (the model body, the shortlist and the cluster logits), and a decision
-  runs a tail graph only when its sampler asks for it (batch 1: `TxlRuntime.generate`; batch 8: the head graph on
-  every row, then `lazy_decode.decide`, each asked tail once per round on the rows that ask);
-- full: the same runtime with `lazy` off: each fed token runs the main graph (the body and the whole 267,735-word
-  distribution), and the sampler makes the same cluster-factored decision from it (`Sampler.choose`).
-
-The rates at which a tail is needed come from a trained model: the KJV word model (tests/data/kjv-words, three
-tail clusters) generates --trained-tokens tokens per mode in the same run, and the stand-in's head is fitted to its
-greedy and T=1 rates before export (txl_deploy/bench/lazy_decode.py says how); the rates the stand-in shows while
-timed are reported beside them. Rounds interleave the sides (lazy, full; then full, lazy), each side starting from
-the same saved memory and prompt token; tokens/s are medians over rounds, speed-ups the median of the rounds'
-full/lazy time ratios. Writes a Markdown file and the raw numbers as JSON beside it.
-"""
+"""Lazy against full adaptive-softmax generation, on a WikiText-103 base stand-in whose head is fitted so that its
+tails are needed as often as a trained model's (measured in the same run on the KJV word model). Method, and why a
+random model's rates would mislead: docs/benchmarks.md ("Lazy adaptive-softmax generation against full")."""
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import logging
-import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
-from txl_deploy.bench import lazy_decode as ld
-from txl_deploy.bench.random_weights import shape_config, standin_onnx
+from benchmarks import harness
+from benchmarks.step_bytes import graph_step_bytes
+from txl_deploy.bench.random_weights import INIT, char_vocab, random_model, shape_config, standin_onnx
+from txl_deploy.checkpoints import save_checkpoint
+from txl_deploy.contract import parts as parts_contract
+from txl_deploy.contract.clusters import Clusters
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.errors import InputError
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
+from txl_deploy.runtimes.lazy_decode import decide
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams
 
-logger = logging.getLogger("lazy_decode")
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-TRAINED = ROOT / "tests" / "data" / "kjv-words" / "model"
+logger = logging.getLogger(__name__)
+TRAINED = harness.ROOT / "tests" / "data" / "kjv-words" / "model"
 TRAINED_PROMPT = "And God said unto Moses,"
 SHAPE = "wt103-base"
 TARGET = 2.0  # lazy / full tokens per second at batch 1, greedy and T=1
 TARGET_MODES = ("greedy", "T=1")
 PART_REPS = 3  # head, tails and full step timed alone, per batch-1 round
 
+# The last layer's feed-forward output weight is multiplied by this: its output then outweighs the residual (the
+# input word's embedding, carried through the post-norm layers) about 50 to 1 after the layer norm.
+DECORRELATE = 50.0
+CALIBRATION_TOKENS = 512  # hidden states the head is fitted on (random words, the memory threaded)
+CALIBRATION_SEGMENT = 64
+
+# Sampling modes: name -> TxlRuntime.generate's keyword arguments (the seed is the benchmark's).
+MODES = {"greedy": {"temperature": 0.0}, "T=1": {"temperature": 1.0},
+         "top-k 40": {"temperature": 1.0, "top_k": 40}}
+
+
+# -- the trained model's rates -------------------------------------------------------------------------------------
+def trained_fractions(rt, prompt_ids, modes: dict, n_tokens: int, seed: int) -> dict:
+    """Per mode, the fraction of decisions that needed each tail when `rt` (a lazy runtime on a trained word
+    model) generates n_tokens from prompt_ids: {mode: {"fractions": [...], "decisions": n}}."""
+    out = {}
+    for name, controls in modes.items():
+        rt.reset()
+        rt.tail_stats = {"decisions": 0, "tails": [0] * len(rt.tail_stats["tails"])}
+        tokens = list(rt.generate(np.asarray(prompt_ids), max_new_tokens=n_tokens, seed=seed, **controls))
+        stats = rt.tail_stats
+        out[name] = {"fractions": [t / max(stats["decisions"], 1) for t in stats["tails"]],
+                     "decisions": stats["decisions"], "distinct_tokens": len(set(tokens))}
+    return out
+
+
+# -- the stand-in's head -------------------------------------------------------------------------------------------
+def _log_sum_exp(x: np.ndarray, axis: int) -> np.ndarray:
+    top = np.max(x, axis=axis, keepdims=True)
+    return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
+
+
+class HeadFit:
+    """What the head's fit sees: per calibration step the shortlist's best logit and log-sum-exp, and each
+    cluster's unscaled logit `w_i . h` (column i - 1 for cluster i)."""
+
+    def __init__(self, hidden: np.ndarray, shortlist_weight: np.ndarray, shortlist_bias: np.ndarray,
+                 cluster_logits: np.ndarray):
+        logits = hidden.astype(np.float64) @ shortlist_weight.astype(np.float64).T + shortlist_bias
+        self.best = logits.max(axis=1)
+        self.shortlist_lse = _log_sum_exp(logits, axis=1)
+        self.u = np.asarray(cluster_logits, dtype=np.float64)
+
+    def logits(self, scale, bias) -> np.ndarray:
+        return self.u * np.asarray(scale)[None] + np.asarray(bias)[None]
+
+    def rates(self, scale, bias) -> tuple[np.ndarray, np.ndarray]:
+        """(greedy, T=1) per cluster: the fraction of steps whose cluster logit reaches the best shortlist logit,
+        and the mean head probability of the cluster."""
+        c = self.logits(scale, bias)
+        total = np.logaddexp(self.shortlist_lse, _log_sum_exp(c, axis=1))
+        greedy = (c >= self.best[:, None]).mean(axis=0)
+        sampled = np.exp(c - total[:, None]).mean(axis=0)
+        return greedy, sampled
+
+    def bias_for(self, i: int, scale: float, greedy: float) -> float:
+        """Cluster i's bias at which a `greedy` fraction of steps has its logit at or above the best shortlist one."""
+        return float(np.quantile(self.best - scale * self.u[:, i - 1], min(max(greedy, 0.0), 1.0)))
+
+
+def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], sweeps: int = 6) -> dict:
+    """Per cluster the (scale, bias) whose rates are the targets: the bias from the greedy target at each scale,
+    the scale by bisection (in log space) on the T=1 target, the clusters coupled through the normaliser and
+    swept until they settle. Returns {"scale", "bias", "greedy", "sampled"} (the rates the fit achieves)."""
+    n = fit.u.shape[1]
+    scale = np.ones(n)
+    bias = np.array([fit.bias_for(i, 1.0, greedy[i - 1]) for i in range(1, n + 1)])
+    for _ in range(sweeps):
+        for i in range(1, n + 1):
+            lo, hi = np.log(1e-3), np.log(1e4)
+            for _ in range(50):
+                mid = 0.5 * (lo + hi)
+                scale[i - 1] = np.exp(mid)
+                bias[i - 1] = fit.bias_for(i, scale[i - 1], greedy[i - 1])
+                if fit.rates(scale, bias)[1][i - 1] < sampled[i - 1]:
+                    lo = mid
+                else:
+                    hi = mid
+            scale[i - 1] = np.exp(0.5 * (lo + hi))
+            bias[i - 1] = fit.bias_for(i, scale[i - 1], greedy[i - 1])
+    got_greedy, got_sampled = fit.rates(scale, bias)
+    return {"scale": scale.tolist(), "bias": bias.tolist(), "greedy": got_greedy.tolist(),
+            "sampled": got_sampled.tolist()}
+
+
+def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[float], seed: int = 0,
+                       threads: int = 1) -> tuple[Path, dict]:
+    """Our checkpoint folder for shape `name` with random weights, the last feed-forward output decorrelated and
+    the head fitted to the target rates; built once per cache_dir and targets. Returns (folder, the fit)."""
+    import torch  # optional (the torch extra): the stand-in is built and its hidden states computed in PyTorch
+
+    config = shape_config(name)
+    targets = [round(float(x), 4) for x in [*greedy, *sampled]]
+    key = hashlib.sha256(json.dumps([config.to_dict(), seed, INIT, DECORRELATE, CALIBRATION_TOKENS, targets],
+                                    sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"{name}-lazy-{key}"
+    fit_file = Path(cache_dir) / f"{path.name}.fit.json"
+    if path.exists() and fit_file.exists():
+        return path, json.loads(fit_file.read_text(encoding="utf-8"))
+    torch.set_num_threads(threads)
+    logger.info(f"building a {name} stand-in with a head fitted to greedy {greedy}, T=1 {sampled}")
+    model = random_model(config, seed)
+    clusters = Clusters.of(config)
+    crit = model.crit
+    with torch.no_grad():
+        model.layers[-1].pos_ff.CoreNet[3].weight.mul_(DECORRELATE)
+        gen = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(0, config.n_token, (1, CALIBRATION_TOKENS), generator=gen)
+        mems, hidden = None, []
+        for start in range(0, CALIBRATION_TOKENS, CALIBRATION_SEGMENT):
+            h, mems = model.body(tokens[:, start:start + CALIBRATION_SEGMENT], mems)
+            hidden.append(h[0])
+        hidden = torch.cat(hidden).double()
+        weight, bias, proj = crit.cluster_params(0)
+        if proj is not None:
+            hidden = hidden @ proj.double()
+        rows = [clusters.head_column(i) - clusters.shortlist for i in range(1, clusters.n_clusters + 1)]
+        u = (hidden @ crit.cluster_weight.double().T)[:, rows]
+        fit = HeadFit(hidden.numpy(), weight.double().numpy(), bias.double().numpy(), u.numpy())
+        result = calibrate_head(fit, greedy, sampled)
+        for i, row in enumerate(rows, start=1):
+            crit.cluster_weight[row].mul_(result["scale"][i - 1])
+            crit.cluster_bias[row] = result["bias"][i - 1]  # the fit's logit is r_i * (w_i . h) + b_i
+    save_checkpoint(path, model, char_vocab(config.n_token))
+    fit_file.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return path, result
+
+
+# -- timing --------------------------------------------------------------------------------------------------------
+def time_generate(rt, state: dict, prompt: int, n_tokens: int, seed: int, controls: dict, lazy: bool) -> dict:
+    """One stream's `generate` of n_tokens after `prompt`, from the saved `state`, with the lazy path on or off:
+    {"seconds", "tokens", "tails"} (tails: per cluster, the decisions that computed it; zeros on the full path)."""
+    rt.load_state(state)
+    rt.lazy = lazy
+    before = list(rt.tail_stats["tails"])
+    start = time.perf_counter()
+    tokens = list(rt.generate([prompt], max_new_tokens=n_tokens, seed=seed, **controls))
+    seconds = time.perf_counter() - start
+    tails = [a - b for a, b in zip(rt.tail_stats["tails"], before)]
+    return {"seconds": seconds, "tokens": tokens, "tails": tails}
+
+
+def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed: int, controls: dict,
+                 lazy: bool) -> dict:
+    """A batch of streams (row r: its own Sampler seeded seed + r) decoded n_tokens steps from the saved state
+    `arrays` (backend.state_arrays' form), as a batched decoder does: each step feeds every row's last token, then
+    decides every row's next one. Lazy: the head graph, then `lazy_decode.decide` runs each tail a row asks for,
+    once per round on all rows that ask. Full: the main graph's full distributions, `Sampler.choose` per row.
+    {"seconds", "tokens" [B, n], "tail_rows" per cluster (rows that computed it; zeros on the full path)}."""
+    clusters = Clusters.of(backend.config)
+    batch = len(prompts)
+    samplers = [Sampler(SamplingParams(seed=seed + r, max_tokens=n_tokens, **controls), backend.config.n_token,
+                        clusters=clusters) for r in range(batch)]
+    state = backend.state_from_arrays(arrays)
+    fed = np.asarray(prompts, dtype=np.int64).reshape(batch, 1)
+    last = np.zeros((batch, 1), dtype=np.int64)
+    tail_rows = np.zeros(clusters.n_clusters, dtype=np.int64)
+    out = np.empty((batch, n_tokens), dtype=np.int64)
+    start = time.perf_counter()
+    for step in range(n_tokens):
+        if lazy:
+            hidden, head = backend.run_head(state, fed, last)
+            decision = decide(backend, samplers, hidden[:, -1], head[:, -1])
+            tail_rows += decision.tail_rows
+            tokens = decision.tokens
+        else:
+            log_probs = backend.run(state, fed, last)[:, -1]
+            tokens = np.array([s.choose(log_probs[r]) for r, s in enumerate(samplers)], dtype=np.int64)
+        out[:, step] = tokens
+        fed = tokens.reshape(batch, 1)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": out, "tail_rows": tail_rows.tolist()}
+
+
+def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
+    """Median milliseconds, at batch 1 from the saved state `arrays`, of one step through the head graph, of each
+    tail graph on that step's hidden state, and of one step through the main graph, taking turns rep by rep:
+    {"head_ms", "tail_ms": [...], "full_ms"}."""
+    clusters = backend.clusters
+    tok, last = np.array([[prompt]], dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    head_ms, full_ms, tail_ms = [], [], [[] for _ in range(clusters.n_clusters)]
+    for _ in range(reps):
+        state = backend.state_from_arrays(arrays)
+        start = time.perf_counter()
+        hidden, head = backend.run_head(state, tok, last)
+        head_ms.append(1e3 * (time.perf_counter() - start))
+        for i in range(1, clusters.n_clusters + 1):
+            h = np.ascontiguousarray(hidden[:, -1], dtype=np.float32)
+            col = np.ascontiguousarray(head[:, -1, clusters.head_column(i)], dtype=np.float32)
+            start = time.perf_counter()
+            backend.run_tail(i, h, col)
+            tail_ms[i - 1].append(1e3 * (time.perf_counter() - start))
+        state = backend.state_from_arrays(arrays)
+        start = time.perf_counter()
+        backend.run(state, tok, last)
+        full_ms.append(1e3 * (time.perf_counter() - start))
+    return {"head_ms": float(np.median(head_ms)), "tail_ms": [float(np.median(t)) for t in tail_ms],
+            "full_ms": float(np.median(full_ms))}
+
+
+def at_rates(summary: dict, parts: dict, fractions) -> dict:
+    """Batch 1's lazy time moved to other tail rates: each round's lazy seconds per token plus, per tail, the
+    difference between `fractions` and the rate the lazy side showed over all rounds, times that tail's time alone
+    (`time_parts`). {"lazy_tokens_per_s", "speedup"} at those rates (medians over rounds)."""
+    extra = sum((f - g) * t / 1e3 for f, g, t in zip(fractions, summary["tail_fractions"], parts["tail_ms"]))
+    n = summary["tokens_per_round"]
+    lazy = np.array(summary["lazy_seconds"]) / n + extra
+    full = np.array(summary["full_seconds"]) / n
+    return {"lazy_tokens_per_s": float(np.median(1 / lazy)), "speedup": float(np.median(full / lazy))}
+
+
+def byte_bound(main_path, fractions) -> dict:
+    """The most a batch-1 lazy token can gain over a full one by reading fewer bytes: what a full step reads (the
+    main graph, counted as `graph_step_bytes` counts it), what a lazy one reads (the same less the tails' weights,
+    plus each tail's weights times the rate it is needed at), and their ratio. A lazy step saves bytes, nothing
+    else: an implementation that reads both at the same rate gains exactly this ratio, so a speed-up above it needs
+    the full side to read slower than the lazy side. {"full_mb", "lazy_mb", "tail_mb": [...], "bound"}."""
+    full = graph_step_bytes(main_path)["total"]
+    info = read_onnx_info(main_path)
+    parts = parts_contract.Parts.from_export(info.export, info.config, main_path)
+    tails = [_weight_bytes(f) for f in parts.files(main_path)[1:]]
+    lazy = full - sum(tails) + sum(f * t for f, t in zip(fractions, tails))
+    return {"full_mb": full / 1e6, "lazy_mb": lazy / 1e6, "tail_mb": [t / 1e6 for t in tails], "bound": full / lazy}
+
+
+def _weight_bytes(path) -> int:
+    """Bytes of a tail graph's float initializers of two or more dimensions and of its biases: its weights."""
+    graph = onnx.load(str(path)).graph
+    return sum(int(np.prod(t.dims)) * 4 for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+               and int(np.prod(t.dims)) > 1)
+
+
+def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> dict:
+    """Medians over rounds: tokens/s of each side (generated tokens of every row per second), the median of the
+    rounds' full/lazy time ratios, whether every round's tokens agreed (and, for each stream that did not, its
+    first differing token), and the tail fractions of the lazy side."""
+    lazy_s = np.array([x["seconds"] for x in lazy])
+    full_s = np.array([x["seconds"] for x in full])
+    differ = []  # per stream that differs: where its first differing token is, and the two tokens there
+    for r, (a, b) in enumerate(zip(lazy, full)):
+        a, b = np.asarray(a["tokens"]).reshape(batch, -1), np.asarray(b["tokens"]).reshape(batch, -1)
+        for row in np.flatnonzero((a != b).any(axis=1)):
+            step = int(np.flatnonzero(a[row] != b[row])[0])
+            differ.append({"round": r, "row": int(row), "step": step, "lazy": int(a[row, step]),
+                           "full": int(b[row, step])})
+    key = "tails" if "tails" in lazy[0] else "tail_rows"
+    tails = np.sum([x[key] for x in lazy], axis=0)
+    decisions = len(lazy) * n_tokens * batch
+    return {"batch": batch, "rounds": len(lazy), "tokens_per_round": n_tokens * batch,
+            "lazy_tokens_per_s": float(np.median(n_tokens * batch / lazy_s)),
+            "full_tokens_per_s": float(np.median(n_tokens * batch / full_s)),
+            "speedup": float(np.median(full_s / lazy_s)),
+            "speedup_range": [float(np.min(full_s / lazy_s)), float(np.max(full_s / lazy_s))],
+            "lazy_seconds": lazy_s.tolist(), "full_seconds": full_s.tolist(),
+            "tokens_identical": not differ, "differ": differ, "tail_fractions": (tails / decisions).tolist(),
+            "distinct_tokens": len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy])))}
+
+
 
 def fractions_cells(fr) -> str:
     return " / ".join(f"{100 * f:.1f}%" for f in fr)
 
 
-def report(args, argv, trained, fit, results, parts, load_start, load_end, clusters) -> str:
-    from txl_deploy.bench.benchmark import machine_info, versions
-    from txl_deploy.bench.report import command_line, results_markdown
-
-    m, v = machine_info(), versions()
+def report(args, command, trained, fit, results, parts, load_start, load_end, clusters) -> str:
     sizes = [hi - lo for lo, hi in clusters.bounds]
     lines = [
-        f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
-        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end); {m['platform']}",
-        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
-        f"txl-deploy {v['txl_deploy']}",
-        "- model: a random-weight stand-in of the WikiText-103 base shape (267,735 words; shortlist 20,000, tail "
-        f"clusters of {', '.join(f'{s:,}' for s in sizes)} words; 16 layers, d_model 410), ONNX fp32 with the "
-        "adaptive softmax's head and tail graphs, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len "
-        "640 before every timed call",
-        "- lazy: each fed token runs the head graph (body, shortlist, cluster logits); a decision runs a tail graph "
-        "only when its sampler asks for it. Batch 1 is `TxlRuntime.generate` (which, when the call ends, also "
-        "assembles the last position's full distribution once: included in its time); batch 8 feeds every row "
-        "through the head graph, then `lazy_decode.decide` runs each asked tail once per round on the rows that "
-        "ask",
-        "- full: the same runtime with `lazy=False`: each fed token runs the main graph (body and the whole "
-        "distribution), and the sampler makes the same cluster-factored decision from it",
-        f"- {args.rounds} rounds, sides interleaved (lazy then full, full then lazy); a round generates "
-        f"{args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8, both sides from the same "
-        "saved memory and prompt token with the same seed (a new seed and prompt token each round); tokens/s are "
-        "medians over rounds, the speed-up the median of the rounds' full/lazy time ratios (range in brackets)",
+        *harness.machine_lines(load_start, load_end),
+        f"- model: a WikiText-103 base stand-in (tail clusters of {', '.join(f'{s:,}' for s in sizes)} words), "
+        "ONNX fp32 with the softmax's parts, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len 640",
+        f"- {args.rounds} rounds, lazy and full taking turns from the same saved memory, prompt token and seed; a "
+        f"round generates {args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; medians, "
+        "speed-ups the median of the rounds' full/lazy ratios (range in brackets). What each side runs: "
+        "docs/benchmarks.md (\"Lazy adaptive-softmax generation against full\")",
         "",
         "## Tail rates: the trained model's, and the stand-in's while timed",
         "",
         f"The trained model is the KJV word model (tests/data/kjv-words: 16,579 words, cutoffs 500/2000/6000), "
         f"{args.trained_tokens} tokens per mode generated lazily from \"{TRAINED_PROMPT}\" with seed "
         f"{args.seed} in this run. The stand-in's head was fitted to its greedy and T=1 rates on "
-        f"{ld.CALIBRATION_TOKENS} hidden states of the stand-in (the fit's own rates: greedy "
+        f"{CALIBRATION_TOKENS} hidden states of the stand-in (the fit's own rates: greedy "
         f"{fractions_cells(fit['greedy'])}, T=1 {fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
         "",
         "| mode | trained model: tail 1 / 2 / 3 | stand-in, batch 1 | stand-in, batch 8 |",
         "|---|---|---|---|",
     ]
-    for mode in ld.MODES:
+    for mode in MODES:
         lines.append(f"| {mode} | {fractions_cells(trained[mode]['fractions'])} | "
                      f"{fractions_cells(results[mode]['1']['tail_fractions'])} | "
                      f"{fractions_cells(results[mode]['8']['tail_fractions'])} |")
@@ -98,7 +331,7 @@ def report(args, argv, trained, fit, results, parts, load_start, load_end, clust
         "| mode | batch | lazy tokens/s | full tokens/s | lazy / full | tokens identical | target |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in ld.MODES:
+    for mode in MODES:
         for batch in ("1", "8"):
             r = results[mode][batch]
             lo, hi = r["speedup_range"]
@@ -109,7 +342,7 @@ def report(args, argv, trained, fit, results, parts, load_start, load_end, clust
     tails = " / ".join(f"{t:.1f}" for t in parts["tail_ms"])
     lines += ["", "tokens identical: whether in every round the lazy side generated exactly the full side's tokens "
               "(same seed, same memory)."]
-    differ = [(mode, batch, d) for mode in ld.MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
+    differ = [(mode, batch, d) for mode in MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
     if differ:
         pairs = {(m, b) for m, b, _ in differ}
         decisions = sum(results[m][b]["rounds"] * results[m][b]["tokens_per_round"] for m, b in pairs)
@@ -124,25 +357,20 @@ def report(args, argv, trained, fit, results, parts, load_start, load_end, clust
                                                                       for _, _, d in differ) else "")]
     lines += [
         "",
-        f"What lazy saves is the tails' share of a step times the fraction of decisions that do not need them; with "
-        f"no tail ever computed, a batch-1 step would take the head graph's time: the graphs alone give at most "
-        f"full / head = {parts['full_ms'] / parts['head_ms']:.2f}x (times below). The full side's decisions also "
-        "derive the head from the 267,735 log-probs (float64), which the lazy side's do not.",
+        f"With no tail ever computed a batch-1 step would take the head graph's time: at most full / head = "
+        f"{parts['full_ms'] / parts['head_ms']:.2f}x.",
         "",
         "## Batch 1 at the trained model's tail rates",
         "",
-        f"Where the stand-in's rates differ from the trained model's, the measured lazy time is moved by the "
-        f"difference: each graph alone, timed at batch 1 in the same rounds ({PART_REPS} turns per round, medians), "
-        f"takes {parts['head_ms']:.1f} ms for a step through the head graph, {tails} ms for tail 1 / 2 / 3 on its "
-        f"hidden state, and {parts['full_ms']:.1f} ms for a step through the main graph (head and every tail: "
-        f"{parts['head_ms'] + sum(parts['tail_ms']):.1f} ms). Each round's lazy seconds per token plus, per tail, "
-        "(trained rate - the stand-in's rate) x that tail's time:",
+        f"Each round's lazy seconds per token plus, per tail, (trained rate - the stand-in's rate) x that tail's "
+        f"time alone ({PART_REPS} turns per round, medians): head graph {parts['head_ms']:.1f} ms, tail 1 / 2 / 3 "
+        f"{tails} ms, main graph {parts['full_ms']:.1f} ms.",
         "",
         "| mode | lazy tokens/s at the trained rates | full tokens/s (measured) | lazy / full | target | "
         "MB a lazy token reads | bound from the bytes |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in ld.MODES:
+    for mode in MODES:
         r = results[mode]["1"]
         est, bound = r["at_trained_rates"], r["byte_bound"]
         target = ("yes" if est["speedup"] >= TARGET else "NO") if mode in TARGET_MODES else ""
@@ -152,50 +380,30 @@ def report(args, argv, trained, fit, results, parts, load_start, load_end, clust
     full_mb = next(iter(results.values()))["1"]["byte_bound"]["full_mb"]
     lines += [
         "",
-        f"Bound from the bytes: a full step reads {full_mb:.0f} MB (weights, positional tables, memory), tails 1 / 2 / "
-        f"3 {tail_mb} MB of it; a lazy token reads the full step's bytes less the tails', plus each tail's bytes "
-        "times the trained rate it is needed at. Reading fewer bytes is all a lazy token does, so read at the same "
-        "rate as the full step's it gains at most full MB / lazy MB, whatever the implementation; a measured "
-        "speed-up above that bound comes from the full side's extra work per token (its sampler derives the head "
-        "from the 267,735 log-probs).",
+        f"Bound from the bytes: a full step reads {full_mb:.0f} MB, tails 1 / 2 / 3 {tail_mb} MB of it; a lazy token "
+        "reads the rest plus each tail's bytes times its trained rate, and gains at most full MB / lazy MB.",
     ]
-    return results_markdown("Lazy adaptive-softmax generation against full, WikiText-103 base shape",
-                            "\n".join(lines), command_line("benchmarks/lazy_decode.py", argv))
+    return harness.results_markdown("Lazy adaptive-softmax generation against full, WikiText-103 base shape",
+                                    "\n".join(lines), command)
 
 
-def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
-    from txl_deploy.runtimes.sampling import Clusters
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default=str(HERE / ".cache"), help="where the stand-in and the exports are cached")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per mode and batch (default 7)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens a batch-1 round generates (default 32)")
-    ap.add_argument("--batch-tokens", type=int, default=12, help="steps a batch-8 round decodes (default 12)")
-    ap.add_argument("--trained-tokens", type=int, default=1024, help="tokens per mode on the trained model")
-    ap.add_argument("--seed", type=int, default=7, help="sampling seed of the trained model's run and round 0")
-    ap.add_argument("--out", default=str(HERE / "results_lazy_decode.md"))
-    args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    work = Path(args.work)
+def measure(args, command):
+    work = Path(args.cache_dir)
     work.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
-
+    load_start = harness.load_average()
     trained_config = json.loads((TRAINED / "config.json").read_text(encoding="utf-8"))["config"]
     trained_onnx = standin_onnx(TRAINED, work, trained_config["mem_len"], max_segment=16)
     with TxlRuntime.load(trained_onnx, threads=1) as rt:
         prompt = rt.vocab.encode(TRAINED_PROMPT, add_eos=False)
-        trained = ld.trained_fractions(rt, prompt, ld.MODES, args.trained_tokens, args.seed)
+        trained = trained_fractions(rt, prompt, MODES, args.trained_tokens, args.seed)
     logger.info(f"trained model's tail rates: {json.dumps(trained)}")
 
-    ckpt, fit = ld.calibrated_standin(SHAPE, work, trained["greedy"]["fractions"], trained["T=1"]["fractions"])
+    ckpt, fit = calibrated_standin(SHAPE, work, trained["greedy"]["fractions"], trained["T=1"]["fractions"])
     mem_len = shape_config(SHAPE).mem_len
     path = standin_onnx(ckpt, work, mem_len, max_segment=64)
     rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=1))
     if rt.backend.clusters is None:
-        raise SystemExit(f"{path}: the adaptive softmax's parts were not opened ({rt.backend.parts_error})")
+        raise InputError(f"{path}: the adaptive softmax's parts were not opened ({rt.backend.parts_error})")
     clusters = Clusters.of(rt.config)
     rng = np.random.default_rng(0)
     saved = {}
@@ -207,43 +415,46 @@ def main(argv=None):
     prompts = rng.integers(0, clusters.shortlist, size=(args.rounds, 8))
 
     results, parts_rounds = {}, []
-    for mode, controls in ld.MODES.items():
+    for mode, controls in MODES.items():
         results[mode] = {}
         logger.info(f"{mode}: batch 1")
-        sides = {side: (lambda r, lazy=(side == "lazy"), controls=controls: ld.time_generate(
+        sides = {side: (lambda r, lazy=(side == "lazy"), controls=controls: time_generate(
             rt, saved[1], int(prompts[r, 0]), args.tokens, args.seed + r, controls, lazy)) for side in ("lazy", "full")}
-        sides["parts"] = lambda r: ld.time_parts(rt.backend, arrays1, int(prompts[r, 0]), PART_REPS)
-        out = ld.interleaved(sides, args.rounds)
-        results[mode]["1"] = ld.summarize(out["lazy"], out["full"], args.tokens, 1)
+        sides["parts"] = lambda r: time_parts(rt.backend, arrays1, int(prompts[r, 0]), PART_REPS)
+        out = harness.interleaved(sides, args.rounds)
+        results[mode]["1"] = summarize(out["lazy"], out["full"], args.tokens, 1)
         parts_rounds += out["parts"]
         logger.info(f"{mode}: batch 8")
-        sides = {side: (lambda r, lazy=(side == "lazy"), controls=controls: ld.time_batched(
+        sides = {side: (lambda r, lazy=(side == "lazy"), controls=controls: time_batched(
             rt.backend, arrays8, prompts[r], args.batch_tokens, args.seed + 100 * r, controls, lazy))
             for side in ("lazy", "full")}
-        out = ld.interleaved(sides, args.rounds)
-        results[mode]["8"] = ld.summarize(out["lazy"], out["full"], args.batch_tokens, 8)
-        logger.info(json.dumps({b: {k: v for k, v in r.items() if "seconds" not in k}
-                                 for b, r in results[mode].items()}))
+        out = harness.interleaved(sides, args.rounds)
+        results[mode]["8"] = summarize(out["lazy"], out["full"], args.batch_tokens, 8)
     rt.close()
-    load_end = os.getloadavg()
-    parts = {"head_ms": float(np.median([p["head_ms"] for p in parts_rounds])),
+    load_end = harness.load_average()
+    parts = {"head_ms": harness.median([p["head_ms"] for p in parts_rounds]),
              "tail_ms": np.median([p["tail_ms"] for p in parts_rounds], axis=0).tolist(),
-             "full_ms": float(np.median([p["full_ms"] for p in parts_rounds])), "rounds": parts_rounds}
-    for mode in ld.MODES:
-        results[mode]["1"]["at_trained_rates"] = ld.at_rates(results[mode]["1"], parts, trained[mode]["fractions"])
-        results[mode]["1"]["byte_bound"] = ld.byte_bound(path, trained[mode]["fractions"])
-
-    text = report(args, argv, trained, fit, results, parts, load_start, load_end, clusters)
-    Path(args.out).write_text(text, encoding="utf-8")
-    from txl_deploy.bench.report import command_line
-
-    raw = {"command": command_line("benchmarks/lazy_decode.py", argv), "load_start": load_start,
-           "load_end": load_end, "shape": SHAPE, "export": Path(path).name, "trained": trained, "fit": fit,
+             "full_ms": harness.median([p["full_ms"] for p in parts_rounds]), "rounds": parts_rounds}
+    for mode in MODES:
+        results[mode]["1"]["at_trained_rates"] = at_rates(results[mode]["1"], parts, trained[mode]["fractions"])
+        results[mode]["1"]["byte_bound"] = byte_bound(path, trained[mode]["fractions"])
+    text = report(args, command, trained, fit, results, parts, load_start, load_end, clusters)
+    raw = {"command": command, "load_start": load_start, "load_end": load_end, "shape": SHAPE,
+           "export": Path(path).name, "trained": trained, "fit": fit,
            "settings": {k: getattr(args, k) for k in ("rounds", "tokens", "batch_tokens", "trained_tokens", "seed")},
-           "decorrelate": ld.DECORRELATE, "results": results, "parts": parts, "target": TARGET}
-    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-    print(text)
+           "decorrelate": DECORRELATE, "results": results, "parts": parts, "target": TARGET}
+    return text, raw, 0
+
+
+def main(argv=None) -> int:
+    p = harness.parser("lazy_decode", __doc__, md="results_lazy_decode.md")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per mode and batch (default 7)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens a batch-1 round generates (default 32)")
+    p.add_argument("--batch-tokens", type=int, default=12, help="steps a batch-8 round decodes (default 12)")
+    p.add_argument("--trained-tokens", type=int, default=1024, help="tokens per mode on the trained model")
+    p.add_argument("--seed", type=int, default=7, help="sampling seed of the trained model's run and round 0")
+    return harness.main("lazy_decode", p, measure, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

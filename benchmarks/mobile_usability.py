@@ -1,16 +1,13 @@
 """ONNX Runtime's mobile-usability checker on the demo model's graphs: how much of each graph the NNAPI and Core ML
 execution providers would take, as exported (dynamic batch, segment and memory slots) and with the shapes fixed by
 `onnxruntime.tools.make_dynamic_shape_fixed` to a decode step (batch 1, segment 1, the whole memory), and the ops
-each lacks. Writes results_mobile_usability.json and .md beside this script (quoted by docs/onnxruntime-mobile.md).
-
-    python benchmarks/mobile_usability.py [--work DIR]
+each lacks (quoted by docs/onnxruntime-mobile.md).
 
 The checker covers NNAPI and Core ML (NeuralNetwork and MLProgram); the CPU provider runs every op of the graph, and
 the checker does not look at XNNPACK."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -18,15 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from txl_deploy.bench.report import results_markdown
+from benchmarks import harness
+from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.exporters.export import export_checkpoint
 
-HERE = Path(__file__).resolve().parent
-DEMO = HERE.parent / "txl_deploy" / "assets" / "demo" / "kjv-char"
+DEMO = harness.ROOT / "txl_deploy" / "assets" / "demo" / "kjv-char"
 GRAPHS = {"fp32": {}, "fp32-full-state": {"state": "full"}, "int4": {"precision": "int4"},
           "int8-dynamic": {"precision": "int8-dynamic"}}
 CHECKER = "onnxruntime.tools.check_onnx_model_mobile_usability"
-COMMAND = "python benchmarks/mobile_usability.py"
 COVERAGE = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can be handled by the (.+) EP")
 
 
@@ -61,36 +57,32 @@ def check(path: Path) -> dict:
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, help="folder for the exported graphs [default: a temporary one]")
-    parser.add_argument("--report-only", action="store_true",
-                        help="measure nothing: rewrite the .md from results_mobile_usability.json")
-    args = parser.parse_args()
+def measure(args, command):
     if args.report_only:
-        results = json.loads((HERE / "results_mobile_usability.json").read_text())
-        (HERE / "results_mobile_usability.md").write_text(report(results))
-        return
-    work = args.work or Path(tempfile.mkdtemp(prefix="mobile_usability."))
+        results = json.loads(Path(args.md).with_suffix(".json").read_text())
+        return report(results, results.get("command", command)), results, 0
+    work = Path(args.work or tempfile.mkdtemp(prefix="mobile_usability."))
     work.mkdir(parents=True, exist_ok=True)
     results = {"model": "the bundled demo model (kjv-char)", "decode_shapes": "batch 1, segment 1, mem_len slots",
-               "graphs": {}}
+               "graphs": {}, "command": command}
     for name, options in GRAPHS.items():
         onnx_path = work / f"{name}.onnx"
         if not onnx_path.exists():
             export_checkpoint(DEMO, onnx_path, verify=False, **options)
-        from txl_deploy.contract.metadata import read_onnx_info
-
-        mem_len = read_onnx_info(onnx_path).mem_len
         fixed = work / f"{name}.decode-shapes.onnx"
-        fix_shapes(onnx_path, fixed, mem_len)
+        fix_shapes(onnx_path, fixed, read_onnx_info(onnx_path).mem_len)
         results["graphs"][name] = {"as_exported": check(onnx_path), "fixed_decode_shapes": check(fixed)}
-        print(name, json.dumps(results["graphs"][name]["fixed_decode_shapes"], sort_keys=True)[:300])
-    (HERE / "results_mobile_usability.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    (HERE / "results_mobile_usability.md").write_text(report(results))
+    return report(results, command), results, 0
 
 
-def report(results: dict) -> str:
+def main(argv=None) -> int:
+    p = harness.parser("mobile_usability", __doc__, md="results_mobile_usability.md", cache=False, threads=None)
+    p.add_argument("--work", help="folder for the exported graphs [default: a temporary one]")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    return harness.main("mobile_usability", p, measure, argv)
+
+
+def report(results: dict, command: str) -> str:
     lines = ["The checker: onnxruntime.tools.check_onnx_model_mobile_usability; fixed shapes by "
              "onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ".", "",
              "| graph | provider | as exported (nodes, partitions) | checker's fixed-shape prediction | "
@@ -110,9 +102,9 @@ def report(results: dict) -> str:
                          f"{', '.join(found.get('unsupported_ops', []))} |")
         lines.append(f"| {name} | recommendation | {graph['as_exported'].get('recommendation', '-')} | | "
                      f"{graph['fixed_decode_shapes'].get('recommendation', '-')} | |")
-    return results_markdown("ONNX Runtime mobile-usability checker on the demo model's graphs", "\n".join(lines),
-                            COMMAND)
+    return harness.results_markdown("ONNX Runtime mobile-usability checker on the demo model's graphs",
+                                    "\n".join(lines), command)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

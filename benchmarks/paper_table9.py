@@ -1,82 +1,310 @@
-"""The paper's Table 9 on the deployed runtime: Transformer-XL's evaluation against a vanilla Transformer's.
-
-    python benchmarks/paper_table9.py [--lengths 800,1800,2800,3800] [--model enwik8-base] [--segment 80]
-                                      [--rounds 3] [--threads 1] [--md benchmarks/results_table9.md] [--force]
-
-Both sides in ONNX Runtime with the same intra-op thread count: Transformer-XL (the enwik8 base shape, random
-weights, exported by txl-deploy with mem_len = L, run through TxlRuntime) and a vanilla Transformer of the same
-size with absolute positions and no memory, which recomputes its whole window of L tokens for every predicted token
-(`txl_deploy/bench/paper_table9.py` says exactly what each side computes). Writes the results file (included in
-RESULTS.md by run_all.py), its JSON beside it, and a plot of the slowdown against L (matplotlib, the bench extra).
-"""
+"""The paper's Table 9 on the deployed runtime: Transformer-XL's evaluation against a vanilla Transformer of the
+same size that recomputes its whole window for every token (Dai et al., 2019: 363x to 1,874x at L = 800 to 3,800).
+What each side computes: docs/benchmarks.md ("The paper's Table 9")."""
 
 from __future__ import annotations
 
-import argparse
+import datetime
+import hashlib
 import json
 import logging
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from txl_deploy.bench.paper_table9 import (
-    DEFAULT_LENGTHS,
-    DEFAULT_SEGMENT,
-    DEFAULT_SHAPE,
-    markdown,
-    plot,
-    run_table9,
-)
-from txl_deploy.bench.report import command_line, int_list, results_markdown, write_text
-from txl_deploy.errors import TxlError
-from txl_deploy.files import check_writable
+import numpy as np
+from tqdm import tqdm
 
-HERE = Path(__file__).resolve().parent
-TITLE = "The paper's Table 9: evaluation speed against a vanilla Transformer"
+from benchmarks import harness
+from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.checkpoints import load_model
+from txl_deploy.errors import InputError
+from txl_deploy.files import atomic_path
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "txl-deploy-table9/1"
+# Dai et al. (2019), Table 9: how much slower the vanilla model evaluates than Transformer-XL, by attention length.
+PAPER_SLOWDOWN = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}
+DEFAULT_LENGTHS = (800, 1800, 2800, 3800)
+DEFAULT_SHAPE = "enwik8-base"
+DEFAULT_SEGMENT = 80  # enwik8 base's evaluation segment (tgt_len 80)
+INPUT, OUTPUT = "tokens", "log_probs"  # the vanilla graph's input and output
 
 
+@dataclass
+class Inputs:
+    fill: np.ndarray  # [1, L]: the memory's tokens, fed before anything is timed
+    segment: np.ndarray  # [1, segment]: Transformer-XL's measured tokens, stream positions L .. L + segment - 1
+    windows: list  # vanilla window r: [1, L], the L tokens ending at stream position L + r
+
+
+def inputs(stream: np.ndarray, length: int, segment: int, windows: int) -> Inputs:
+    """The tokens each side reads from one stream (at least length + segment tokens long)."""
+    if windows > segment:
+        raise InputError(f"{windows} vanilla windows need a segment of at least as many tokens, got {segment}")
+    if stream.shape[-1] < length + segment:
+        raise InputError(f"the stream needs {length + segment} tokens, got {stream.shape[-1]}")
+    s = stream.reshape(1, -1)
+    return Inputs(s[:, :length], s[:, length:length + segment],
+                  [s[:, r + 1:length + r + 1] for r in range(windows)])
+
+
+def export_vanilla(model, path, opset: int = 18):
+    """A `VanillaTransformerLM`'s `forward` as ONNX: tokens [B, L] int64 (batch and window length dynamic) ->
+    log_probs [B, n_token]."""
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    # torch.export specialises any dimension whose example size is 0 or 1: the example is [2, 8].
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    window = torch.export.Dim("window", min=2, max=65536)
+    example = torch.zeros(2, 8, dtype=torch.long)
+    quiet = logging.getLogger("torch.onnx")  # registry warnings about absent torchvision ops say nothing here
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
+                                        dynamic_shapes=({0: batch, 1: window},), opset_version=opset, dynamo=True,
+                                        verbose=False, report=False)
+    finally:
+        quiet.setLevel(level)
+    program.save(str(path))
+    return path
+
+
+def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tuple[Path, dict]:
+    """The vanilla model of a Transformer-XL config's size as ONNX (random weights), cached by size, seed and this
+    code; and the export's check: ONNX Runtime against PyTorch on one window of `check_window` tokens."""
+    import onnxruntime as ort  # optional (the cpu or gpu extra)
+    import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+
+    from txl_deploy.model import vanilla  # imports torch
+
+    cfg = vanilla.VanillaConfig.like(config)
+    code = hashlib.sha256(Path(vanilla.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:8]
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, code]).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"vanilla-{key}.onnx"
+    check_path = path.with_suffix(".check.json")
+    if path.exists() and check_path.exists():
+        return path, json.loads(check_path.read_text())
+    logger.info(f"exporting a vanilla Transformer of {cfg.n_layer} layers, d_model {cfg.d_model} to ONNX ...")
+    model = vanilla.random_vanilla(cfg, seed)
+    with atomic_path(path, force=True) as tmp:
+        export_vanilla(model, tmp)
+        window = np.random.default_rng(seed).integers(0, cfg.n_token, (1, check_window))
+        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+        got = session.run([OUTPUT], {INPUT: window})[0]
+        with torch.no_grad():
+            want = model(torch.from_numpy(window)).numpy()
+        check = {"window": check_window, "max_abs_diff": float(np.abs(got - want).max()),
+                 "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).mean()), "config": cfg.to_dict()}
+    check_path.write_text(json.dumps(check))
+    return path, check
+
+
+def vanilla_session(path, threads: int | None):
+    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one
+    inter-op thread (the graph runs sequentially), and its default CPU arena (the window's [L, L] score blocks are
+    reused between runs instead of allocated anew)."""
+    import onnxruntime as ort  # optional (the cpu or gpu extra)
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = int(threads)
+        opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int = DEFAULT_SEGMENT,
+               rounds: int = 3, decode_steps: int = 16, warmup: int = 1, threads: int | None = 1, cache_dir=None,
+               seed: int = 0, progress: bool = True) -> dict:
+    """Both sides at every attention length in `lengths`; returns the JSON report (`SCHEMA`).
+
+    model: a published shape name (a random-weight stand-in; the default, enwik8 base, is the paper's Table 9
+    setting) or a checkpoint; the vanilla model takes its sizes."""
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 2 or rounds < 1 or segment < 1 or decode_steps < 1 or warmup < 0:
+        raise InputError("lengths must be >= 2; rounds, segment and decode steps >= 1; warmup >= 0")
+    if cache_dir is None:
+        raise InputError("run_table9 needs a cache folder for the exports")
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    decode_steps = min(decode_steps, segment)
+    if is_shape_name(model):
+        checkpoint, label = standin_checkpoint(model, cache_dir), f"{model} shape, random weights"
+    elif Path(model).exists():
+        checkpoint, label = Path(model), Path(model).name
+    else:
+        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    config = load_model(checkpoint).config
+    vanilla_path, vanilla_check = vanilla_onnx(config, cache_dir, seed)
+    graphs = {n: standin_onnx(checkpoint, cache_dir, n, max_segment=segment) for n in lengths}  # exports first
+    vanilla = vanilla_session(vanilla_path, threads)
+    rows = []
+    bar = tqdm(total=len(lengths) * (rounds + warmup), desc="table 9", unit="round", disable=not progress, leave=False)
+    for n in lengths:
+        bar.set_postfix_str(f"L {n}")
+        rt = TxlRuntime(OrtBackend(graphs[n], providers=["cpu"], intra_op_threads=threads))
+        stream = np.random.default_rng(seed).integers(0, rt.n_token, n + segment)
+        io = inputs(stream, n, segment, rounds + warmup)
+        rt.prefill(io.fill)
+        full = rt.save_state()
+        evaluation, single, windows = [], [], []
+
+        def txl_segment():
+            rt.load_state(full)
+            evaluation.append(harness.seconds(lambda: rt.step(io.segment)) / segment)
+
+        def txl_single():
+            rt.load_state(full)
+            single.append([harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)])
+
+        def vanilla_window():
+            window = io.windows[len(windows)]
+            windows.append(harness.seconds(lambda: vanilla.run(None, {INPUT: window})))
+
+        sides = [txl_segment, txl_single, vanilla_window]
+        for r in range(warmup + rounds):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                side()
+            bar.update(1)
+        rt.close()
+        evaluation, single, windows = evaluation[warmup:], single[warmup:], windows[warmup:]
+        ev_ms, one_ms, van_ms = (1e3 * float(np.median(x)) for x in (evaluation, np.concatenate(single), windows))
+        rows.append({
+            "length": n, "paper_slowdown": PAPER_SLOWDOWN.get(n),
+            "txl_evaluation_ms_per_token": ev_ms, "txl_one_token_per_call_ms": one_ms, "vanilla_ms_per_token": van_ms,
+            "slowdown_evaluation": van_ms / ev_ms, "slowdown_one_token_per_call": van_ms / one_ms,
+            "slowdown_evaluation_rounds": [w / e for w, e in zip(windows, evaluation)],
+            "rounds_s": {"txl_evaluation_per_token": evaluation, "txl_one_token_per_call": [list(s) for s in single],
+                         "vanilla_window": windows},
+        })
+    bar.close()
+    return {
+        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "versions": versions(),
+        "settings": {"model": label, "lengths": lengths, "segment": segment, "rounds": rounds, "warmup": warmup,
+                     "decode_steps": decode_steps, "threads": threads, "seed": seed, "batch": 1},
+        "config": config.to_dict(), "vanilla_check": vanilla_check, "rows": rows,
+    }
+
+
+NOTE = """\
+What differs from the paper: one CPU thread per side, not a GPU; random weights (values change no timing);
+Transformer-XL segments of {segment} tokens. What each side computes, and the advantages the vanilla side is
+given: docs/benchmarks.md ("The paper's Table 9")."""
+
+
+def _x(v: float) -> str:
+    return f"{v:,.0f}x" if v >= 10 else f"{v:.1f}x"
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.1f}" if v >= 100 else f"{v:.3g}"
+
+
+def markdown(result: dict) -> str:
+    s, rows = result["settings"], result["rows"]
+    m, v, c = result["machine"], result["versions"], result["config"]
+    threads = s["threads"] or "ONNX Runtime's default"
+    lines = [
+        f"Model: {s['model']} ({c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads of "
+        f"{c['d_head']}, d_inner {c['d_inner']}, {c['n_token']} symbols), batch 1, "
+        f"{threads} ONNX Runtime thread(s) per side, fp32, measured {result['date']} on {m['cpu']} "
+        f"({m['cores']} cores, {m['platform']}); python {v['python']}, onnxruntime {v['onnxruntime']}, torch "
+        f"{v['torch']}, txl-deploy {v['txl_deploy']}.",
+        "",
+        "| attention length L | Transformer-XL ms/token, evaluation | Transformer-XL ms/token, one token per call "
+        "| vanilla ms/token | vanilla slower, evaluation | vanilla slower, one token per call | paper (GPU) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ev = r["slowdown_evaluation_rounds"]
+        paper = f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"
+        lines.append(f"| {r['length']:,} | {_ms(r['txl_evaluation_ms_per_token'])} | "
+                     f"{_ms(r['txl_one_token_per_call_ms'])} | {_ms(r['vanilla_ms_per_token'])} | "
+                     f"**{_x(r['slowdown_evaluation'])}** ({_x(min(ev))} to {_x(max(ev))}) | "
+                     f"{_x(r['slowdown_one_token_per_call'])} | {paper} |")
+    vc = result["vanilla_check"]
+    lines += [
+        "",
+        f"What each side computes, per predicted token, with {s['rounds']} measured rounds per L (after "
+        f"{s['warmup']} unmeasured), the sides alternating in every round:",
+        f"- Transformer-XL, evaluation: its memory holds the L tokens before the measured ones; a segment of "
+        f"{s['segment']} tokens goes in and comes out as the next-token distribution at each of its positions "
+        "(`TxlRuntime.step`, ONNX Runtime); the time divided by the segment length. Brackets: the slowest and the "
+        "fastest round's ratio.",
+        f"- Transformer-XL, one token per call: the same full memory, {s['decode_steps']} of the same tokens fed one "
+        "per call (`TxlRuntime.step`); the median call.",
+        "- vanilla: a Transformer of the same size with absolute sinusoidal positions and no memory, exported to "
+        "ONNX (`txl_deploy/model/vanilla.py`) and run in ONNX Runtime; for each predicted token, the window of the "
+        "L tokens ending at it, recomputed whole, gives the next-token distribution after its last position; the "
+        "median window. Window r ends at the token whose distribution Transformer-XL's segment gives at position "
+        f"r. Its export matches PyTorch within {vc['max_abs_diff']:.1e} (max abs log-prob difference, a "
+        f"{vc['window']}-token window).",
+        "",
+        NOTE.format(segment=s["segment"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path, force: bool = False):
+    """The measured slowdowns and the paper's against L."""
+    import matplotlib  # optional (the bench extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # optional (the bench extra)
+
+    rows = result["rows"]
+    xs = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(xs, [r["slowdown_evaluation"] for r in rows], marker="o", label="measured, evaluation (segments)")
+    ax.plot(xs, [r["slowdown_one_token_per_call"] for r in rows], marker="s",
+            label="measured, Transformer-XL one token per call")
+    paper = [(r["length"], r["paper_slowdown"]) for r in rows if r.get("paper_slowdown")]
+    if paper:
+        ax.plot(*zip(*paper), marker="^", linestyle="--", label="paper, Table 9 (GPU)")
+    ax.set(xlabel="attention length L", ylabel="vanilla time / Transformer-XL time per token", yscale="log",
+           title=f"Evaluation speed: vanilla vs Transformer-XL ({result['settings']['model']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, force=force) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def measure(args, command):
+    md = Path(args.md)
+    result = run_table9(args.lengths, model=args.model, segment=args.segment, rounds=args.rounds,
+                        decode_steps=args.decode_steps, threads=args.threads or None, cache_dir=args.cache_dir)
+    result["command"] = command
+    body = markdown(result)
+    try:
+        plot(result, md.with_suffix(".png"), force=args.force)
+        body += f"\n![vanilla time over Transformer-XL time per token against L]({md.with_suffix('.png').name})\n"
+    except ImportError:
+        logger.warning("no plot: matplotlib is not installed (pip install matplotlib)")
+    title = "The paper's Table 9: evaluation speed against a vanilla Transformer"
+    return harness.results_markdown(title, body, command), result, 0
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    p = argparse.ArgumentParser(prog="python benchmarks/paper_table9.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
+    p = harness.parser("paper_table9", __doc__, md="results_table9.md")
+    p.add_argument("--lengths", type=harness.int_list, default=list(DEFAULT_LENGTHS),
                    help="attention lengths L, comma-separated (default: the paper's 800,1800,2800,3800)")
-    p.add_argument("--model", default=DEFAULT_SHAPE,
-                   help=f"a published shape name (random weights) or a checkpoint (default {DEFAULT_SHAPE})")
-    p.add_argument("--segment", type=int, default=DEFAULT_SEGMENT,
-                   help=f"Transformer-XL's evaluation segment in tokens (default {DEFAULT_SEGMENT}, enwik8 base's)")
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds per L: one vanilla window each (default 3)")
-    p.add_argument("--decode-steps", type=int, default=16,
-                   help="Transformer-XL one-token calls per round (default 16)")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of both sides (default 1)")
-    p.add_argument("--cache-dir", default=str(HERE / ".cache"), help="exports are kept here (default benchmarks/.cache)")
-    p.add_argument("--md", default=str(HERE / "results_table9.md"),
-                   help="the results file; its JSON and plot (.png) are written beside it")
-    p.add_argument("--force", action="store_true", help="overwrite the results file, its JSON and its plot")
-    args = p.parse_args(argv)
-    md = Path(args.md)
-    try:
-        for path in (md, md.with_suffix(".json"), md.with_suffix(".png")):  # refuse before the measuring
-            check_writable(path, args.force)
-        result = run_table9(args.lengths, model=args.model, segment=args.segment, rounds=args.rounds,
-                            decode_steps=args.decode_steps, threads=args.threads or None, cache_dir=args.cache_dir)
-        command = command_line("benchmarks/paper_table9.py", sys.argv[1:] if argv is None else argv)
-        result["command"] = command
-        body = markdown(result)
-        try:
-            plot(result, md.with_suffix(".png"), force=args.force)
-            body += f"\n![vanilla time over Transformer-XL time per token against L]({md.with_suffix('.png').name})\n"
-        except ImportError:
-            print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-        write_text(md.with_suffix(".json"), json.dumps(result, indent=1) + "\n", args.force)
-        text = results_markdown(TITLE, body, command)
-        write_text(md, text, args.force)
-        print(text)
-    except TxlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    p.add_argument("--model", default=DEFAULT_SHAPE, help=f"a shape name or a checkpoint (default {DEFAULT_SHAPE})")
+    p.add_argument("--segment", type=int, default=DEFAULT_SEGMENT, help="Transformer-XL's evaluation segment")
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds per L: one vanilla window each")
+    p.add_argument("--decode-steps", type=int, default=16, help="Transformer-XL one-token calls per round")
+    return harness.main("paper_table9", p, measure, argv, outputs=(".json", ".png"))
 
 
 if __name__ == "__main__":

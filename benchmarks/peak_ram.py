@@ -1,8 +1,8 @@
 """Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
 
-    python benchmarks/peak_ram.py                      # WikiText-103 large, our format and an original model.pt
-    python benchmarks/peak_ram.py --shape enwik8-large --formats ours
-    python benchmarks/peak_ram.py --runtime-only --shape wt103-base --cache benchmarks/.cache   # the runtime alone
+    python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
+    python -m benchmarks.peak_ram --shape enwik8-large --formats ours
+    python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
 
 Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
 `peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
@@ -24,30 +24,14 @@ Writes benchmarks/results_peak_ram_runtime.md (and .json).
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-COMMAND = "python benchmarks/peak_ram.py"
-
-
-def process_memory() -> dict:
-    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+from benchmarks import harness
 
 
 def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> dict:
@@ -57,11 +41,11 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     from txl_deploy.checkpoints import load_model
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    base = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
     start = time.perf_counter()
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     export_onnx(loaded, out, verify=verify, force=True, consume=True)
-    return {"seconds": time.perf_counter() - start, "peak": process_memory()["VmHWM"], "base": base}
+    return {"seconds": time.perf_counter() - start, "peak": harness.process_memory()["VmHWM"], "base": base}
 
 
 def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: bool = False) -> dict:
@@ -85,20 +69,20 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
 
         ort.SessionOptions = Prepacked
         ort_backend.SharedWeights = lambda *_: None  # noqa: E731  (no pool: OrtBackend opens each file itself)
-    base = process_memory()["VmRSS"]
+    base = harness.process_memory()["VmRSS"]
     rt = TxlRuntime.load(model, threads=os.cpu_count())
-    loaded = process_memory()["VmRSS"]
+    loaded = harness.process_memory()["VmRSS"]
     tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
     start = time.perf_counter()
     rt.prefill(tokens[:, :prefill])
     prefill_s = time.perf_counter() - start
-    prompted = process_memory()["VmRSS"]  # what the runtime keeps once a prompt has been read
+    prompted = harness.process_memory()["VmRSS"]  # what the runtime keeps once a prompt has been read
     times = []
     for i in range(decode):
         t = time.perf_counter()
         rt.step(tokens[:, prefill + i:prefill + i + 1])
         times.append(time.perf_counter() - t)
-    return {"peak": process_memory()["VmHWM"], "base": base, "loaded": loaded, "prompted": prompted,
+    return {"peak": harness.process_memory()["VmHWM"], "base": base, "loaded": loaded, "prompted": prompted,
             "prefill_s": prefill_s,
             "sessions": 1 + (rt.backend._head is not None) + len(rt.backend._tails),
             "decode_ms": 1e3 * float(np.median(times)),
@@ -106,13 +90,14 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
 
 
 def run_child(*args) -> dict:
-    """This file's --child mode in a fresh interpreter; its last stdout line is the JSON result."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
-                          env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measurement failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """This file's child_export or child_runtime (args[0]: export, runtime) in a fresh interpreter."""
+    return harness.in_fresh_process("peak_ram", *args)
+
+
+def child(kind: str, *rest) -> dict:
+    if kind == "export":
+        return child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
+    return child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ("1",))
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -121,7 +106,7 @@ def checkpoint_bytes(path: Path) -> int:
 
 def original_model_pt(ours: Path, out: Path) -> Path:
     """The stand-in written as the original code's `torch.save(model)` (tests/helpers/original_checkpoints.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(harness.ROOT / "tests"))
     from helpers import original_checkpoints as oc
     from helpers.reference_models import kwargs_of
 
@@ -146,7 +131,7 @@ def measure(args) -> dict:
     from txl_deploy.bench.benchmark import machine_info
     from txl_deploy.bench.random_weights import standin_checkpoint
 
-    ours = standin_checkpoint(args.shape, args.cache)
+    ours = standin_checkpoint(args.shape, args.cache_dir)
     mem_len, export_est, runtime_est = estimates(ours)
     raw = {"shape": args.shape, "mem_len": mem_len, "decode_steps": args.decode, "machine": machine_info(),
            "runtime_estimate": runtime_est.total, "export": [], "runtime": []}
@@ -185,7 +170,7 @@ def measure_runtime(args) -> dict:
 
     mem_len = shape_config(args.shape).mem_len
     # Segments up to 64, as decode_efficiency.py exports the shape (the same cached file; a prefill runs in 64s)
-    model = standin_onnx(standin_checkpoint(args.shape, args.cache), args.cache, mem_len, max_segment=64)
+    model = standin_onnx(standin_checkpoint(args.shape, args.cache_dir), args.cache_dir, mem_len, max_segment=64)
     info = read_onnx_info(model)
     parts = Parts.from_export(info.export, info.config, model)
     files = [model, *(parts.files(model) if parts is not None else [])]
@@ -265,9 +250,6 @@ def render(raw: dict) -> str:
     plain = [r for r in raw["export"] if not r["verify"]]
     speed = default_rt["decode_ms"] / ours_rt["decode_ms"]
 
-    def met(ok):
-        return "yes" if ok else "NO"
-
     worst_v = max(r["peak"] / r["checkpoint_bytes"] for r in verified)
     worst_p = max(r["peak"] / r["checkpoint_bytes"] for r in plain)
     slowest = max(r["seconds"] for r in verified)
@@ -278,13 +260,12 @@ def render(raw: dict) -> str:
         "",
         "## Targets",
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        f"| export with verification <= 4x the checkpoint | {worst_v:.2f}x | {met(worst_v <= 4)} |",
-        f"| export with --no-verify <= 2.5x the checkpoint | {worst_p:.2f}x | {met(worst_p <= 2.5)} |",
-        f"| verified export <= 90 s | {slowest:.0f} s | {met(slowest <= 90)} |",
-        f"| runtime <= 2x (weights + state) | {ours_rt['peak'] / budget:.2f}x | {met(ours_rt['peak'] <= 2 * budget)} |",
-        f"| runtime decode within 10% of ONNX Runtime's defaults | {speed:.2f}x their speed | {met(speed >= 0.9)} |",
+        *harness.targets_table([
+            ("export with verification <= 4x the checkpoint", f"{worst_v:.2f}x", worst_v <= 4),
+            ("export with --no-verify <= 2.5x the checkpoint", f"{worst_p:.2f}x", worst_p <= 2.5),
+            ("verified export <= 90 s", f"{slowest:.0f} s", slowest <= 90),
+            ("runtime <= 2x (weights + state)", f"{ours_rt['peak'] / budget:.2f}x", ours_rt["peak"] <= 2 * budget),
+            ("runtime decode within 10% of ONNX Runtime's defaults", f"{speed:.2f}x their speed", speed >= 0.9)]),
         "",
         "Why the time target is missed: the verification feeds the same stream as before (2,062 tokens, batch 2, four "
         "512-token segments, the ring wrapping) to the paper's formulation, which re-projects the whole memory in "
@@ -323,52 +304,32 @@ def render(raw: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="wt103-large")
-    ap.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")
-    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/txl-deploy/bench"))
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
-    ap.add_argument("--runtime-only", action="store_true",
-                    help="the runtime's rows only, with every session an adaptive-softmax model loads "
-                         "(results_peak_ram_runtime.md)")
-    args = ap.parse_args(argv)
-
-    from txl_deploy.bench.report import results_markdown
-
-    if args.runtime_only:
-        json_path = HERE / "results_peak_ram_runtime.json"
-        raw = json.loads(json_path.read_text()) if args.report_only else measure_runtime(args)
-        json_path.write_text(json.dumps(raw, indent=2))
-        body = render_runtime(raw)
-        (HERE / "results_peak_ram_runtime.md").write_text(results_markdown(
-            "Resident memory of the ONNX Runtime backend with an adaptive softmax's parts", body,
-            f"{COMMAND} --runtime-only --shape {raw['shape']} --cache benchmarks/.cache"))
-        print(body)
-        return 0
-
-    json_path = HERE / "results_peak_ram.json"
+def measure_and_render(args, command):
+    """Measure (with --report-only, read an earlier run's JSON instead) and render the results file."""
+    runtime = args.runtime_only
     if args.report_only:
-        raw = json.loads(json_path.read_text())
+        raw = json.loads(Path(args.md).with_suffix(".json").read_text())
     else:
-        raw = measure(args)
-        json_path.write_text(json.dumps(raw, indent=2))
-    body = render(raw)
-    (HERE / "results_peak_ram.md").write_text(results_markdown(
-        "Peak RAM and time of export and runtime on the large shapes", body, COMMAND))
-    print(body)
-    return 0
+        raw = {**(measure_runtime if runtime else measure)(args), "command": command}
+    title = ("Resident memory of the ONNX Runtime backend with an adaptive softmax's parts" if runtime
+             else "Peak RAM and time of export and runtime on the large shapes")
+    body = (render_runtime if runtime else render)(raw)
+    return harness.results_markdown(title, body, raw.get("command", command)), raw, 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    md = "results_peak_ram_runtime.md" if "--runtime-only" in argv else "results_peak_ram.md"
+    p = harness.parser("peak_ram", __doc__, md=md, threads=None)
+    p.add_argument("--shape", default="wt103-large")
+    p.add_argument("--formats", default="ours,model.pt", help="comma-separated: ours, model.pt")
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--report-only", action="store_true", help="measure nothing: rewrite the .md from the .json")
+    p.add_argument("--runtime-only", action="store_true",
+                   help="the runtime's rows only, with every session an adaptive-softmax model loads "
+                        "(default results file benchmarks/results_peak_ram_runtime.md)")
+    return harness.main("peak_ram", p, measure_and_render, argv)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kind, rest = sys.argv[2], sys.argv[3:]
-        if kind == "export":
-            result = child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
-        else:
-            result = child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ["1"])
-        print(json.dumps(result))
-        sys.exit(0)
-    sys.exit(main())
+    sys.exit(0 if harness.child_main(child) else main())

@@ -1,83 +1,255 @@
-"""Peers side by side: decode latency of the same model in ONNX Runtime (txl-deploy), OpenVINO, HuggingFace
-transformers' TransfoXL, PyTorch eager and torch.compile, in one run.
-
-    python benchmarks/peers.py [--model enwik8-base --model wt103-base --model txl_deploy/assets/demo/kjv-char]
-                               [--batch 1,8] [--gen-len 24] [--repeat 3] [--threads 1] [--peers ...]
-                               [--md benchmarks/results_peers.md] [--force]
-
-Each model at its own memory length (enwik8 base 2100, WikiText-103 base 640, the demo model 128; --mem-len
-overrides, one value per --model), memory full, one thread per side, the sides alternating in every round
-(`txl_deploy/bench/peers.py` says what each side runs). Needs the test extra (openvino, transformers) and torch.
-Writes the results file (included in RESULTS.md by run_all.py) and its JSON beside it.
-"""
+"""Peers side by side: decode latency of the same model in ONNX Runtime through txl-deploy, OpenVINO, HuggingFace
+transformers' TransfoXL, PyTorch eager and torch.compile, interleaved in one run, each side's log-probs against
+eager's. What each side runs: docs/benchmarks.md ("Peers")."""
 
 from __future__ import annotations
 
-import argparse
-import json
+import datetime
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from txl_deploy.bench.peers import PEERS, faster_than_reference, results_file, run_peers
-from txl_deploy.bench.report import command_line, int_list, write_text
-from txl_deploy.errors import TxlError
-from txl_deploy.files import check_writable
+from tqdm import tqdm
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks import harness
+from benchmarks.peer_compile import TorchCompileBackend
+from benchmarks.peer_huggingface import HuggingFaceBackend
+from benchmarks.peer_openvino import OpenVinoBackend, cpu_default_precision
+from txl_deploy.bench import timing
+from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.eager_baseline import EagerAtPositions
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.runners import torch_threads
+from txl_deploy.checkpoints import load_model
+from txl_deploy.errors import InputError
+from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "txl-deploy-peers/1"
+PEERS = ("onnxruntime", "openvino-f32", "openvino-default", "transformers", "eager", "torch-compile")
+LABELS = {"onnxruntime": "onnxruntime (txl-deploy)", "openvino-f32": "openvino (f32 hint)",
+          "openvino-default": "openvino (default precision)", "transformers": "transformers TransfoXL (mems)",
+          "eager": "torch (eager)", "torch-compile": "torch.compile (cached step)"}
+REFERENCE, BASELINE = "onnxruntime", "eager"
+_OV_TYPE_NAMES = {"fp32": "f32", "fp16": "f16"}  # a graph's precision (`Backend.precision`) in OpenVINO's names
+
+
+def computed_precision(backend) -> str:
+    """The precision a side's arithmetic ran in, in OpenVINO's names (f32, bf16, f16): what the OpenVINO plugin
+    reports it compiled the model for, else the precision of the model or graph the backend runs."""
+    reported = getattr(backend, "inference_precision", None)
+    return reported or _OV_TYPE_NAMES.get(backend.precision, backend.precision)
+
+
+def row_label(peer: str, precision: str) -> str:
+    """A side's name in the results: its label, and the precision it computed in where that was not f32 (the
+    tables' "fp32 unless said")."""
+    return LABELS[peer] if precision == "f32" else f"{LABELS[peer]}, computed in {precision}"
+
+
+def _recording(peer: str, open_fn, precisions: dict):
+    """`open_fn`, noting in `precisions[peer]` the precision the opened side computes in."""
+    def open_side():
+        rt = open_fn()
+        precisions[peer] = computed_precision(rt.backend)
+        return rt
+    return open_side
+
+
+def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
+    """peer name -> () -> TxlRuntime, for the peers asked for."""
+    table = {
+        "onnxruntime": lambda: TxlRuntime(OrtBackend(onnx_path, providers=["cpu"], intra_op_threads=threads)),
+        "openvino-f32": lambda: TxlRuntime(OpenVinoBackend(onnx_path, "f32", threads)),
+        "openvino-default": lambda: TxlRuntime(OpenVinoBackend(onnx_path, None, threads)),
+        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len, threads=threads)),
+        "eager": lambda: TxlRuntime(EagerAtPositions.from_checkpoint(checkpoint, mem_len=mem_len)),
+        "torch-compile": lambda: TxlRuntime(TorchCompileBackend.from_checkpoint(checkpoint, mem_len=mem_len)),
+    }
+    return {p: table[p] for p in peers}
+
+
+def _peer_versions() -> dict:
+    out = {}
+    for dist in ("openvino", "transformers"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: int = 24, repeat: int = 3,
+              warmup: int = 2, threads: int | None = 1, cache_dir=None, peers=PEERS, seed: int = 0,
+              name: str | None = None, progress: bool = True) -> dict:
+    """Every peer in `peers` (names of `PEERS`; onnxruntime and eager always run, as the references) on `model`;
+    returns the JSON report (`SCHEMA`)."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise InputError(f"unknown peers {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    if gen_len < 1 or repeat < 1 or warmup < 0 or not batches or min(batches) < 1:
+        raise InputError("gen-len, repeat and batch sizes must be >= 1, warmup >= 0")
+    if cache_dir is None:
+        raise InputError("run_peers needs a cache folder for the exports")
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if is_shape_name(model) and not Path(model).exists():
+        checkpoint, source = standin_checkpoint(model, cache_dir), "shape"
+    elif Path(model).exists():
+        checkpoint, source = Path(model), "checkpoint"
+    else:
+        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    config = load_model(checkpoint).config
+    mem_len = int(mem_len or config.mem_len)
+    if mem_len < 1:
+        raise InputError(f"{model}: the model has no memory length; pass one")
+    default_precision = cpu_default_precision() if "openvino-default" in peers else None
+    chosen = [p for p in PEERS if p in set(peers) | {REFERENCE, BASELINE}]
+    notes = []
+    if default_precision == "f32" and "openvino-f32" in chosen:
+        chosen.remove("openvino-default")
+        notes.append("OpenVINO's CPU plugin defaults to f32 on this CPU (no AVX512-BF16 or AMX): its default is the "
+                     "f32-hint row, measured once")
+    torch_threads(threads)
+    onnx_path = standin_onnx(checkpoint, cache_dir, mem_len)  # exported before anything is timed
+    open_fns = openers(checkpoint, onnx_path, mem_len, threads, chosen)
+    results = []
+    bar = tqdm(total=len(batches) * len(chosen) * (repeat + 1), desc="peers", unit="phase", disable=not progress,
+               leave=False)
+    for batch in batches:
+        bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
+        precisions = {}
+        sides = [timing.Side(p, _recording(p, open_fns[p], precisions), decode_only=True) for p in chosen]
+        stream = timing.make_stream(config.n_token, batch, mem_len, gen_len, 1, seed)
+        timing.run_pair(sides, stream, repeat, warmup, progress=bar.update)
+        by = {s.label: s for s in sides}
+        summary = {p: {"backend": row_label(p, precisions[p]), "precision": precisions[p],
+                       **timing.summarise(by[p], stream)} for p in chosen}
+        for p in chosen:
+            summary[p]["decode_rounds_ms"] = timing.decode_rounds_ms(by[p], repeat)
+        ref, base = summary[REFERENCE]["decode_ms"]["p50"], summary[BASELINE]["decode_ms"]["p50"]
+        results.append({
+            "mem_len": mem_len, "batch": batch, "sides": summary,
+            "relative_to_onnxruntime": {p: ref / s["decode_ms"]["p50"] for p, s in summary.items()},
+            "relative_to_eager": {p: base / s["decode_ms"]["p50"] for p, s in summary.items()},
+            "parity_vs_eager": {p: timing.parity(by[p], by[BASELINE]) for p in chosen if p != BASELINE},
+        })
+    bar.close()
+    return {
+        "schema": SCHEMA, "name": name or (model if source == "shape" else Path(model).name), "model": str(model),
+        "source": source, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "versions": {**versions(), **_peer_versions()},
+        "settings": {"mem_len": mem_len, "batches": list(batches), "gen_len": gen_len, "repeat": repeat,
+                     "warmup": warmup, "threads": threads, "seed": seed, "peers": chosen},
+        "openvino": {"cpu_default_precision": default_precision}, "notes": notes,
+        "config": config.to_dict(), "results": results,
+    }
+
+
+def faster_than_reference(reports) -> list[tuple[str, int, str, float]]:
+    """(model, batch, peer label, how many times faster) for every row where a peer beat ONNX Runtime's median."""
+    out = []
+    for rep in reports:
+        for res in rep["results"]:
+            for p, x in res["relative_to_onnxruntime"].items():
+                if p != REFERENCE and x > 1:
+                    out.append((rep["name"], res["batch"], res["sides"][p]["backend"], x))
+    return out
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def section(rep: dict) -> str:
+    s, c = rep["settings"], rep["config"]
+    batches = [res["batch"] for res in rep["results"]]
+    head = ["side"] + [f"batch {b}: ms/step (p50)" for b in batches] + [f"batch {b}: vs ONNX Runtime" for b in batches] \
+        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "KL vs eager", "top-1 vs eager"]
+    lines = [f"## {rep['name']}", "",
+             f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
+             f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
+             f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
+             f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured "
+             f"{rep['date']}.", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for p in s["peers"]:
+        cells = [rep["results"][0]["sides"][p]["backend"]]
+        cells += [_ms(res["sides"][p]["decode_ms"]["p50"]) for res in rep["results"]]
+        cells += [f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in rep["results"]]
+        cells += [f"{res['relative_to_eager'][p]:.1f}x" for res in rep["results"]]
+        par = [res["parity_vs_eager"].get(p) for res in rep["results"]]
+        cells += ["-" if None in par else f"{max(q['max_abs_diff'] for q in par):.1e}",
+                  "-" if None in par else f"{max(q['kl_divergence'] for q in par):.1e}",
+                  "-" if None in par else f"{min(q['top1_agreement'] for q in par):.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *[f"- {n}" for n in rep["notes"]]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+HOW_TO_READ = """\
+`vs ONNX Runtime` = ONNX Runtime's median step / the side's (above 1x the side is faster); `vs eager` likewise
+against the model as trained; the last three columns compare each side's log-probs with eager's on every timed step
+of the first round. What each side runs and how the rounds alternate: docs/benchmarks.md ("Peers")."""
+
+
+def results_file(reports: list[dict], command: str) -> str:
+    first = reports[0]
+    m, v = first["machine"], first["versions"]
+    faster = faster_than_reference(reports)
+    if faster:
+        verdict = ["Rows where a peer's median step beat ONNX Runtime through txl-deploy:", "",
+                   *[f"- {name}, batch {b}: {label}, {x:.2f}x" for name, b, label, x in faster]]
+    else:
+        verdict = ["No peer's median step beat ONNX Runtime through txl-deploy on any row."]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}. Versions: python {v['python']}, onnxruntime "
+        f"{v['onnxruntime']}, openvino {v.get('openvino')}, torch {v['torch']}, transformers {v.get('transformers')}, "
+        f"numpy {v['numpy']}, txl-deploy {v['txl_deploy']}. OpenVINO CPU default precision here: "
+        f"{next((r['openvino']['cpu_default_precision'] for r in reports if r['openvino']['cpu_default_precision']), 'not asked')}.",
+        "",
+        *verdict,
+        "",
+        HOW_TO_READ,
+        "",
+    ]
+    for rep in reports:
+        lines += [section(rep), ""]
+    return harness.results_markdown("Peers: the same model in other engines", "\n".join(lines), command)
+
+
+
 DEFAULT_MODELS = ("enwik8-base", "wt103-base", "txl_deploy/assets/demo/kjv-char")
 NAMES = {"txl_deploy/assets/demo/kjv-char": "kjv-char-demo"}
 
 
+def measure(args, command):
+    models = args.model or list(DEFAULT_MODELS)
+    if args.mem_len and len(args.mem_len) != len(models):
+        raise InputError(f"--mem-len has {len(args.mem_len)} values for {len(models)} models")
+    reports = [run_peers(str(harness.ROOT / m) if (harness.ROOT / m).exists() else m, mem_len, args.batch,
+                         args.gen_len, args.repeat, args.warmup, args.threads or None, args.cache_dir,
+                         [s for s in args.peers.split(",") if s], name=NAMES.get(m))
+               for m, mem_len in zip(models, args.mem_len or [None] * len(models))]
+    for name, batch, label, x in faster_than_reference(reports):
+        logger.info(f"FASTER than ONNX Runtime: {name} batch {batch}: {label} {x:.2f}x")
+    return results_file(reports, command), {"command": command, "reports": reports}, 0
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    p = argparse.ArgumentParser(prog="python benchmarks/peers.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", action="append", default=None,
-                   help="a published shape name (random weights) or a checkpoint, repeatable (default: "
-                        f"{', '.join(DEFAULT_MODELS)})")
-    p.add_argument("--mem-len", type=int_list, default=None,
-                   help="memory lengths, one per --model (default: each model's own)")
-    p.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
+    p = harness.parser("peers", __doc__, md="results_peers.md")
+    p.add_argument("--model", action="append", help=f"a shape name or a checkpoint, repeatable (default: "
+                   f"{', '.join(DEFAULT_MODELS)})")
+    p.add_argument("--mem-len", type=harness.int_list, help="memory lengths, one per --model (default: their own)")
+    p.add_argument("--batch", type=harness.int_list, default=[1, 8], help="batch sizes (default 1,8)")
     p.add_argument("--gen-len", type=int, default=24, help="decode steps timed per side and round (default 24)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per side first (default 2)")
-    p.add_argument("--threads", type=int, default=1, help="threads per side (default 1)")
-    p.add_argument("--peers", default=",".join(PEERS),
-                   help=f"comma-separated (default all: {','.join(PEERS)}); onnxruntime and eager always run")
-    p.add_argument("--cache-dir", default=str(HERE / ".cache"), help="exports are kept here (default benchmarks/.cache)")
-    p.add_argument("--md", default=str(HERE / "results_peers.md"), help="the results file; its JSON goes beside it")
-    p.add_argument("--force", action="store_true", help="overwrite the results file and its JSON")
-    args = p.parse_args(argv)
-    models = args.model or list(DEFAULT_MODELS)
-    md = Path(args.md)
-    try:
-        if args.mem_len and len(args.mem_len) != len(models):
-            raise TxlError(f"--mem-len has {len(args.mem_len)} values for {len(models)} models")
-        for path in (md, md.with_suffix(".json")):  # refuse before the measuring
-            check_writable(path, args.force)
-        mem_lens = args.mem_len or [None] * len(models)
-        reports = []
-        for model, mem_len in zip(models, mem_lens):
-            path = model if not (ROOT / model).exists() else str(ROOT / model)
-            reports.append(run_peers(path, mem_len, args.batch, args.gen_len, args.repeat, args.warmup,
-                                     args.threads or None, args.cache_dir, [s for s in args.peers.split(",") if s],
-                                     name=NAMES.get(model)))
-        command = command_line("benchmarks/peers.py", sys.argv[1:] if argv is None else argv)
-        text = results_file(reports, command)
-        write_text(md.with_suffix(".json"), json.dumps({"command": command, "reports": reports}, indent=1) + "\n",
-                   args.force)
-        write_text(md, text, args.force)
-        print(text)
-        for name, batch, label, x in faster_than_reference(reports):
-            print(f"FASTER than ONNX Runtime: {name} batch {batch}: {label} {x:.2f}x")
-    except TxlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated (default all); onnxruntime and eager "
+                   "always run")
+    return harness.main("peers", p, measure, argv)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,30 @@
-"""Reduced-precision ONNX: accuracy on held-out text (benchmarks/results_precision.md, included in RESULTS.md).
-
-    # accuracy of fp16 / int8 / int8-dynamic against fp32 (default: the demo model and its held-out text;
-    # the first half of the text calibrates int8, the second half is evaluated, so they never overlap)
-    python benchmarks/precision.py accuracy [--model CKPT] [--text FILE] [--out DIR] [--md FILE [--force]]
-
-Prints a Markdown table and writes it with the raw numbers as JSON beside the models in --out; --md writes it as
-a results file that names this command (benchmarks/run_all.py includes benchmarks/results_*.md in RESULTS.md).
-The decode speed of int8-dynamic against fp32 is measured by benchmarks/run_all.py (configuration
-wt103-base-int8-dynamic), at the same thread setting as every other row there.
-"""
+"""Reduced-precision ONNX: fp16, int8 and int8-dynamic against fp32 on held-out text (default: the demo model; the
+first half of its held-out text calibrates int8, the second half is evaluated). The decode speed of int8-dynamic is
+a configuration of run_all.py."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import onnxruntime
+
+from benchmarks import harness
+from txl_deploy.assets import DEMO_DIR
+from txl_deploy.checkpoints import load_model
+from txl_deploy.exporters.onnx.export import export_onnx
+from txl_deploy.exporters.precision.convert import reduce_onnx
+from txl_deploy.exporters.precision.token_data import read_token_ids
+
 # The accuracy targets (relative change in bits per character or perplexity against fp32) this benchmark checks.
 TARGETS = {"fp16": 0.002, "int8": 0.02, "int8-dynamic": 0.01}
 
 
 
-def accuracy(args):
-    from txl_deploy.assets import DEMO_DIR
-    from txl_deploy.checkpoints import load_model
-    from txl_deploy.exporters.onnx.export import export_onnx
-    from txl_deploy.exporters.precision.convert import reduce_onnx
-    from txl_deploy.exporters.precision.token_data import read_token_ids
-
+def accuracy(args, command):
     model = Path(args.model or DEMO_DIR / "kjv-char")
     text = Path(args.text or DEMO_DIR / "heldout.txt")
     out = Path(args.out or tempfile.mkdtemp(prefix="txl-precision-bench-"))
@@ -69,47 +61,20 @@ def accuracy(args):
               + ", ".join(f"{k} <= {100 * v:g}%" for k, v in TARGETS.items() if k in met) + ": "
               + ("all met" if all(met.values()) else "missed by " + ", ".join(k for k, ok in met.items() if not ok))
               + "."]
-    _emit(out / "precision_accuracy", lines, rows)
-    if args.md:
-        import onnxruntime
-
-        from txl_deploy.bench.report import command_line, results_markdown, write_text
-
-        gpu = "a GPU (not used)" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "no GPU"
-        body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, {gpu}, onnxruntime {onnxruntime.__version__}.",
-                           "", *lines])
-        write_text(args.md, results_markdown("Reduced precision: accuracy on held-out text", body,
-                                             command_line("benchmarks/precision.py", sys.argv[1:])), args.force)
-        print(f"wrote {args.md}")
+    gpu = "a GPU (not used)" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "no GPU"
+    body = "\n".join([f"Measured on {os.cpu_count()} CPU cores, {gpu}, onnxruntime {onnxruntime.__version__}.", "",
+                      *lines])
+    return harness.results_markdown("Reduced precision: accuracy on held-out text", body, command), rows, 0
 
 
-def _emit(stem: Path, lines, raw):
-    table = "\n".join(lines)
-    print(table)
-    stem.with_suffix(".md").write_text(table + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(raw, indent=2))
-    print(f"wrote {stem}.md and {stem}.json")
-
-
-
-
-def main():
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("accuracy", help="fp16/int8/int8-dynamic vs fp32 on held-out text")
-    a.add_argument("--model", help="checkpoint [default: the demo model]")
-    a.add_argument("--text", help="text file [default: the demo held-out text]")
-    a.add_argument("--max-segment", type=int, default=128)
-    a.add_argument("--out", help="folder for the models and the table [default: a temporary folder]")
-    a.add_argument("--md", help="also write the table as a results file naming this command, e.g. "
-                                "benchmarks/results_precision.md")
-    a.add_argument("--force", action="store_true", help="overwrite an existing --md file")
-    args = p.parse_args()
-    if args.md and Path(args.md).exists() and not args.force:  # refuse before minutes of measuring, not after
-        raise SystemExit(f"{args.md} already exists (use --force to overwrite)")
-    accuracy(args)
+def main(argv=None) -> int:
+    p = harness.parser("precision", __doc__, md="results_precision.md", cache=False, threads=None)
+    p.add_argument("--model", help="checkpoint [default: the demo model]")
+    p.add_argument("--text", help="text file [default: the demo held-out text]")
+    p.add_argument("--max-segment", type=int, default=128)
+    p.add_argument("--out", help="folder for the models [default: a temporary folder]")
+    return harness.main("precision", p, accuracy, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

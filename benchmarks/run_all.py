@@ -1,19 +1,6 @@
-"""Run every configuration of benchmarks/configs.json and write benchmarks/RESULTS.md (+ results/*.json).
-
-    .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--threads N] [--report-only] [--scripts NAME,...]
-
-Each configuration measures its backend against the PyTorch eager reference in one process, interleaved
-(`txl_deploy.bench`); stand-ins (random weights of the published shapes) and their ONNX exports are cached in
-benchmarks/.cache. The memory bandwidth for the floor is measured in the same run (numpy copy), and one ONNX
-Runtime decode step per configuration is profiled by op type.
-
---scripts runs other benchmark scripts first, each with the command that writes its results file (`SCRIPTS`;
-`all` for every one), so that one run of this file measures everything.
-
-RESULTS.md is written whole by this script: its own tables, then every benchmarks/results_*.md that another
-benchmark script generated (each says which command wrote it on its first lines, `txl_deploy.bench.report.
-results_markdown`); a results_*.md without that header is left out and listed as such.
-"""
+"""Every configuration of benchmarks/configs.json through `txl-deploy bench`'s `run_benchmark`, then
+benchmarks/RESULTS.md written whole: its own tables, then every results_*.md that names the command that wrote it.
+--scripts runs the other benchmarks first (`SCRIPTS`). How to read it: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -24,9 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CACHE = HERE / ".cache"
+from benchmarks import harness
+from benchmarks.harness import CACHE, HERE, ROOT, command, generating_command
+from txl_deploy.bench import run_benchmark
+from txl_deploy.bench.op_profile import profile_table
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.report import plot, table
+from txl_deploy.exporters.precision.convert import reduce_onnx
 
 TARGETS_DOC = """\
 Targets (batch 1 unless said, fp32, decode with a full memory, full next-token distribution):
@@ -50,24 +41,19 @@ it trails eager on prefill; it is built for decode, where it is faster than eage
 # The other benchmark scripts, each with the command that writes its results file (the command every results
 # file names), in the order --scripts all runs them.
 SCRIPTS = {
-    "table9": ["benchmarks/paper_table9.py", "--force"],
-    "peers": ["benchmarks/peers.py", "--force"],
-    "int4": ["benchmarks/int4.py"],
-    "efficiency": ["benchmarks/decode_efficiency.py"],
-    "lazy-decode": ["benchmarks/lazy_decode.py"],
-    "precision": ["benchmarks/precision.py", "accuracy", "--out", "/tmp/bench/prec", "--md",
-                  "benchmarks/results_precision.md", "--force"],
-    "triton": ["benchmarks/triton_load.py", "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_triton.md",
-               "--force"],
-    "serve": ["benchmarks/serve_load.py", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base",
-              "--cache-dir", "benchmarks/.cache", "--md", "benchmarks/results_serve.md", "--force"],
-    "chaos": ["benchmarks/serve_chaos.py", "--md", "benchmarks/results_chaos.md", "--json",
-              "benchmarks/results_chaos.json", "--force"],
-    "peak-ram": ["benchmarks/peak_ram.py"],
-    "peak-ram-runtime": ["benchmarks/peak_ram.py", "--runtime-only", "--shape", "wt103-base", "--cache",
-                         "benchmarks/.cache"],
-    "executorch": ["benchmarks/executorch_vs_ort.py"],
-    "mobile": ["benchmarks/mobile_usability.py"],
+    "table9": ["paper_table9", "--force"],
+    "peers": ["peers", "--force"],
+    "int4": ["int4", "--force"],
+    "efficiency": ["decode_efficiency", "--force"],
+    "lazy-decode": ["lazy_decode", "--force"],
+    "precision": ["precision", "--out", "/tmp/bench/prec", "--force"],
+    "triton": ["triton_load", "--force"],
+    "serve": ["serve_load", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base", "--force"],
+    "chaos": ["serve_chaos", "--force"],
+    "peak-ram": ["peak_ram", "--force"],
+    "peak-ram-runtime": ["peak_ram", "--runtime-only", "--shape", "wt103-base", "--force"],
+    "executorch": ["executorch_vs_ort", "--force"],
+    "mobile": ["mobile_usability", "--force"],
 }
 
 
@@ -75,18 +61,16 @@ def run_scripts(names: list[str]):
     """Each named script in a fresh process, from the repository root (so every results file names the same
     command as when run by hand); stops at the first that fails."""
     for name in names:
-        cmd = [sys.executable, *SCRIPTS[name]]
-        print(f"[{name}] python {' '.join(SCRIPTS[name])}", file=sys.stderr)
-        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-            raise SystemExit(f"[{name}] failed: python {' '.join(SCRIPTS[name])}")
+        module, *args = SCRIPTS[name]
+        print(f"[{name}] {command(module, args)}", file=sys.stderr)
+        if subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, check=False).returncode:
+            raise SystemExit(f"[{name}] failed: {command(module, args)}")
 
 
 def reduced(fp32_path: Path, precision: str) -> Path:
     """The stand-in's export converted to `precision` by txl-deploy's own converter (exporters/precision.py), cached.
 
     Not verified here: the benchmark itself compares its log-probs with the eager fp32 reference."""
-    from txl_deploy.exporters.precision.convert import reduce_onnx
-
     out = fp32_path.with_name(fp32_path.stem + f"-{precision}.onnx")
     if not out.exists():
         reduce_onnx(fp32_path, out, precision=precision, verify=False)
@@ -94,8 +78,6 @@ def reduced(fp32_path: Path, precision: str) -> Path:
 
 
 def run_config(cfg: dict, threads) -> dict | None:
-    from txl_deploy.bench import run_benchmark
-    from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
 
     model, reference, compare = cfg["model"], None, None
     if not is_shape_name(model):
@@ -182,8 +164,6 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
 def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
     """Every benchmarks/results_*.md: (path, generating command, text) for those that name their command, and the
     paths of those that do not (left out of RESULTS.md)."""
-    from txl_deploy.bench.report import generating_command
-
     ok, left_out = [], []
     for path in sorted(HERE.glob("results_*.md")):
         text = path.read_text(encoding="utf-8")
@@ -196,9 +176,6 @@ def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
 
 
 def results_md(reports, bandwidth_note: str, command: str) -> str:
-    from txl_deploy.bench.op_profile import profile_table
-    from txl_deploy.bench.report import table
-
     first = reports[0]
     v, m = first["versions"], first["machine"]
     threads = {rep["settings"]["threads"] for rep in reports}
@@ -219,38 +196,16 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         + ", every row; fp32 unless the name says otherwise",
         f"- {bandwidth_note}",
         "",
-        "How to read this: every row of a (mem_len, batch) group was measured in one process on the same token "
-        "stream, the sides alternating per repeat (A B C, C B A, A B C), because this machine is shared (2 cores, "
-        "other jobs running): absolute milliseconds move with the load, the ratios between medians of interleaved "
-        "measurements are what to compare. Decode = one token with a full memory, the full next-token "
-        "distribution; prefill = the prompt into an empty memory, the next-token distribution after its last "
-        "token. `torch (eager)` is the PyTorch reference with the paper's memory of hidden states, its output "
-        "layer applied only at the positions a caller needs (the last one of a prompt); `torch (eager, as "
-        "written)` is the same model applying its output layer at every prompt position, as "
-        "`MemTransformerLM.forward` does (prefill only: a decode step is one position either way). Speedup "
-        "columns are against `torch (eager)` of the same group. Peak memory = resident memory added by loading "
-        "plus the largest rise during a call, measured in a separate untimed pass (nothing samples memory while "
-        "a call is timed). All sides of a configuration share one process and its heap: memory that an earlier "
-        "side or configuration freed is reused without growing the resident set, so a side can show a peak near "
-        "0 MB; `txl-deploy bench` on one model in a fresh process gives the cleanest figure. `floor gap` = "
-        "measured decode p50 / ((weight bytes + memory bytes read per step) / copy bandwidth), the bandwidth "
-        "measured as the list above says (in the rounds of the decode steps, a turn of its own in each round's "
-        "alternation, so that both see the same moments of the machine). A copy counts the bytes it reads and "
-        "the bytes it writes, and one thread's read rate can differ from its copy rate either way, while a "
-        "decode step only reads; so the same turn also times a pure read of the buffer (numpy's dot product of "
-        "its two halves), and a floor line gives the step's bytes at that rate too: where that read is faster "
-        "than the copy floor, it is the tighter floor. Stand-ins have random weights.",
+        "How to read this (every row of a group measured in one process, the sides interleaved; the floor; peak "
+        "memory): docs/benchmarks.md, \"Reading the results\". Stand-ins have random weights.",
         "",
         "## Targets",
         "",
         TARGETS_DOC,
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
     ]
     met_all = targets(reports)
-    for name, value, met in met_all:
-        lines.append(f"| {name} | {value} | {'not measured' if met is None else 'yes' if met else 'NO'} |")
+    lines += harness.targets_table(met_all)
     if any(met is False and "prefill" in name for name, _, met in met_all):
         lines += ["", PREFILL_NOTE]
     for rep in reports:
@@ -304,8 +259,6 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
-    from txl_deploy.bench.report import command_line
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="configuration names to run (default: all); the others keep their "
                                               "last results (results/NAME.json)")
@@ -360,11 +313,9 @@ def main(argv=None):
             f"{max(bws):.1f} GB/s (it moves with the other jobs' load; each floor uses its own configuration's)"
             if bws else "memory bandwidth: not measured")
     # The command that reproduces the whole file (a configuration re-run alone with --only lands in the same place)
-    command = command_line("benchmarks/run_all.py", [] if args.threads == 1 else ["--threads", str(args.threads)])
-    Path(args.out).write_text(results_md(reports, note, command))
+    cmd = command("run_all", [] if args.threads == 1 else ["--threads", str(args.threads)])
+    Path(args.out).write_text(results_md(reports, note, cmd))
     try:  # latency against memory length and batch size, where matplotlib is installed
-        from txl_deploy.bench.report import plot
-
         for rep in reports:
             if len(rep["results"]) > 1:
                 plot(rep, results_dir / f"{rep['name']}.png", force=True)

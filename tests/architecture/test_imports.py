@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("txl_deploy", "exporters", "runtimes")
 # Imported where they are used, because a base install (numpy, onnx, click, tqdm) does not have them.
-# openvino: a peer the benchmarks compare with (txl_deploy/bench/peer_openvino.py), from the test extra.
+# openvino: a peer the benchmarks compare with (benchmarks/peer_openvino.py), from the test extra.
 # sacremoses: the `text` extra (word vocabularies read with the Moses tokenizers); huggingface_hub: the `hub` extra.
 # executorch, torchao: the `executorch` extra (ExecuTorch programs and their quantization).
 OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",

@@ -271,21 +271,17 @@ def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monk
 
 
 def _run_all_module():
-    import importlib.util
+    from benchmarks import run_all
 
-    path = ROOT / "benchmarks" / "run_all.py"
-    spec = importlib.util.spec_from_file_location("run_all", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_all
 
 
 def test_results_md_is_generated_whole_and_takes_in_every_generated_results_file(tiny_onnx, tiny_ckpt, tmp_path,
                                                                               monkeypatch):
     """RESULTS.md = run_all's own tables + every benchmarks/results_*.md that names the command that wrote it; a
     hand-written one is listed as left out, not pasted in."""
+    from benchmarks.harness import generating_command, results_markdown
     from txl_deploy.bench import run_benchmark
-    from txl_deploy.bench.report import generating_command, results_markdown
 
     run_all = _run_all_module()
     monkeypatch.setattr(run_all, "HERE", tmp_path)
@@ -305,13 +301,13 @@ def test_results_md_is_generated_whole_and_takes_in_every_generated_results_file
 
 def test_run_all_scripts_regenerate_every_shipped_results_file():
     """`run_all.py --scripts all` runs a script for every benchmarks/results_*.md, and each script it names exists."""
-    from txl_deploy.bench.report import generating_command
+    from benchmarks.harness import generating_command
 
     run_all = _run_all_module()
-    scripts = {command[0] for command in run_all.SCRIPTS.values()}
-    assert all((ROOT / script).is_file() for script in scripts), scripts
+    scripts = {f"benchmarks.{command[0]}" for command in run_all.SCRIPTS.values()}
+    assert all((ROOT / f"{s.replace('.', '/')}.py").is_file() for s in scripts), scripts
     for part in sorted((ROOT / "benchmarks").glob("results_*.md")):
-        wrote = generating_command(part.read_text()).split()[1]  # "python benchmarks/NAME.py ..."
+        wrote = generating_command(part.read_text()).split()[2]  # "python -m benchmarks.NAME ..."
         assert wrote in scripts, f"{part.name} was written by {wrote}, which --scripts all does not run"
 
 
@@ -322,16 +318,16 @@ def test_shipped_results_name_their_commands_and_no_issue_numbers():
     import subprocess
     import sys
 
-    from txl_deploy.bench.report import generating_command
+    from benchmarks.harness import generating_command
 
     bench_dir = ROOT / "benchmarks"
     parts = sorted(bench_dir.glob("results_*.md"))
     for part in parts:
         assert generating_command(part.read_text()), f"{part.name} does not name the command that wrote it"
     texts = {p.name: p.read_text() for p in [bench_dir / "RESULTS.md", *parts, *bench_dir.glob("*.md")]}
-    for script in ("run_all.py", "precision.py", "triton_load.py", "paper_table9.py", "peers.py"):
-        out = subprocess.run([sys.executable, str(bench_dir / script), "--help"], capture_output=True, text=True,
-                             timeout=120)
+    for script in ("run_all", "precision", "triton_load", "paper_table9", "peers"):
+        out = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         texts[f"{script} --help"] = out.stdout
     for name, text in texts.items():

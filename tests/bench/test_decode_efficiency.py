@@ -4,14 +4,16 @@ MatMuls run alone (no timing is asserted)."""
 import numpy as np
 import onnx
 
-from txl_deploy.bench.bandwidth_floor import (
-    Bandwidth,
-    BandwidthProbe,
+from benchmarks.step_bytes import (
+    constant_input_bytes,
     efficiency,
     graph_step_bytes,
+    input_bytes,
     interleaved_efficiency,
+    matmul_alone,
+    profile_nodes,
 )
-from txl_deploy.bench.op_profile import constant_input_bytes, input_bytes, matmul_alone, profile_nodes
+from txl_deploy.bench.bandwidth_floor import Bandwidth, BandwidthProbe
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 

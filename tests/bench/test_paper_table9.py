@@ -3,15 +3,15 @@ writing its results file (naming its command), its JSON and its plot. Nothing is
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from txl_deploy.bench.paper_table9 import inputs
-from txl_deploy.bench.report import generating_command
+from benchmarks import paper_table9
+from benchmarks.harness import generating_command
+from benchmarks.paper_table9 import inputs
 from txl_deploy.errors import InputError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paper_table9.py"
@@ -34,21 +34,13 @@ def test_both_sides_predict_the_same_positions_from_the_same_stream():
         inputs(stream, length=30, segment=3, windows=4)  # more windows than segment positions
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("paper_table9_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_end_to_end_at_tiny_size(tiny_ckpt, tmp_path):
     md = tmp_path / "results_table9.md"
     args = ["--model", str(tiny_ckpt), "--lengths", "12", "--segment", "4", "--rounds", "2", "--decode-steps", "2",
             "--cache-dir", str(tmp_path / "cache"), "--md", str(md)]
-    script = _script()
-    assert script.main(args) == 0
+    assert paper_table9.main(args) == 0
     text = md.read_text()
-    assert generating_command(text) == "python benchmarks/paper_table9.py " + " ".join(args)
+    assert generating_command(text) == "python -m benchmarks.paper_table9 " + " ".join(args)
     assert "| attention length L |" in text and "| 12 |" in text and "What each side computes" in text
     result = json.loads(md.with_suffix(".json").read_text())
     (row,) = result["rows"]
@@ -70,6 +62,6 @@ def test_end_to_end_at_tiny_size(tiny_ckpt, tmp_path):
         assert md.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "(results_table9.png)" in text
     before = text
-    assert script.main(args) == 2  # nothing is overwritten without --force, and nothing measured first
+    assert paper_table9.main(args) == 2  # nothing is overwritten without --force, and nothing measured first
     assert md.read_text() == before
 

@@ -15,16 +15,13 @@ Nothing is timed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from txl_deploy.runtimes import TxlRuntime
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 # Every f32 side is within about 1e-5 of eager. bf16 keeps 8 significant bits, so a bf16 side is some 1e-2 off
 # (3.4e-2 max abs on the tiny model, whose log-probs reach -11) and is held to what the reduced-precision export
 # gates check instead: mean KL divergence from eager and top-1 agreement. OpenVINO 2026.4's bf16 on an
@@ -55,7 +52,7 @@ def _bf16(x):
 
 
 def test_openvino_driver_matches_onnxruntime(tiny_onnx):
-    from txl_deploy.bench.peer_openvino import OpenVinoBackend
+    from benchmarks.peer_openvino import OpenVinoBackend
 
     ov = TxlRuntime(OpenVinoBackend(tiny_onnx, precision_hint="f32", threads=1))
     ort = TxlRuntime.load(tiny_onnx, threads=1)
@@ -74,7 +71,7 @@ def test_openvino_driver_matches_onnxruntime(tiny_onnx):
 
 
 def test_openvino_driver_refuses_a_full_state_graph(tiny_onnx_full):
-    from txl_deploy.bench.peer_openvino import OpenVinoBackend
+    from benchmarks.peer_openvino import OpenVinoBackend
     from txl_deploy.errors import InputError
 
     with pytest.raises(InputError, match="incremental"):
@@ -90,8 +87,8 @@ def transfo_xl():
 
 
 def test_huggingface_transfo_xl_from_our_weights_matches_the_reference(transfo_xl, tiny_ckpt):
+    from benchmarks.peer_huggingface import HuggingFaceBackend
     from txl_deploy.bench.eager_baseline import EagerAtPositions
-    from txl_deploy.bench.peer_huggingface import HuggingFaceBackend
 
     hf = TxlRuntime(HuggingFaceBackend.from_checkpoint(tiny_ckpt, threads=1))
     ref = TxlRuntime(EagerAtPositions.from_checkpoint(tiny_ckpt))
@@ -108,7 +105,7 @@ def test_huggingface_transfo_xl_from_our_weights_matches_the_reference(transfo_x
 def test_without_reversing_the_cluster_rows_huggingface_would_read_the_wrong_tail_logits(transfo_xl, tiny_ckpt):
     import torch
 
-    from txl_deploy.bench import peer_huggingface
+    from benchmarks import peer_huggingface
     from txl_deploy.checkpoints import load_model
     from txl_deploy.checkpoints.keymap import Rule
     from txl_deploy.model.weights import build_model
@@ -137,7 +134,7 @@ def test_without_reversing_the_cluster_rows_huggingface_would_read_the_wrong_tai
 
 
 def test_torch_compile_of_the_cached_step_matches_the_cached_step(tiny_ckpt):
-    from txl_deploy.bench.peer_compile import TorchCompileBackend
+    from benchmarks.peer_compile import TorchCompileBackend
     from txl_deploy.runtimes.backends.pytorch import TorchCachedBackend
 
     compiled = TorchCompileBackend.from_checkpoint(tiny_ckpt)
@@ -152,25 +149,19 @@ def test_torch_compile_of_the_cached_step_matches_the_cached_step(tiny_ckpt):
     assert len(calls) == 14 and all(tuple(s) == (2, 1) for s in calls)  # every decode step ran compiled
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("peers_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_peers_benchmark_end_to_end_at_tiny_size(transfo_xl, tiny_ckpt, tmp_path):
     """Every peer runs (torch.compile's compilation is the test above's, at the same batch size), the report has
     its fields, every side agrees with eager as its precision allows, and the results file names its command."""
-    from txl_deploy.bench.peers import LABELS, faster_than_reference, results_file
+    from benchmarks import peers
+    from benchmarks.peers import LABELS, faster_than_reference, results_file
 
     md = tmp_path / "results_peers.md"
     args = ["--model", str(tiny_ckpt), "--batch", "2", "--gen-len", "3", "--repeat", "2", "--warmup", "1",
             "--cache-dir", str(tmp_path / "cache"), "--md", str(md)]
-    assert _script().main(args) == 0
+    assert peers.main(args) == 0
     text = md.read_text()
     (rep,) = json.loads(md.with_suffix(".json").read_text())["reports"]
-    assert text.startswith("# Peers") and "python benchmarks/peers.py " + " ".join(args) in text
+    assert text.startswith("# Peers") and "python -m benchmarks.peers " + " ".join(args) in text
     (res,) = rep["results"]
     peers = rep["settings"]["peers"]
     default = rep["openvino"]["cpu_default_precision"]
@@ -199,8 +190,8 @@ def test_a_bf16_row_is_named_so_and_held_to_kl_and_top1(tiny_ckpt, tiny_onnx, tm
     its log-probs carry bf16's rounding. The report names the row's precision, the reduced-precision check passes
     it, and the f32 check would refuse it (so the check applied is the one its precision asks for). The session's
     export of the tiny model stands in for the benchmark's own (the test above makes that one)."""
-    from txl_deploy.bench import peers as peers_module
-    from txl_deploy.bench.peer_openvino import OpenVinoBackend
+    from benchmarks import peers as peers_module
+    from benchmarks.peer_openvino import OpenVinoBackend
 
     class Bf16Plugin(OpenVinoBackend):
         def __init__(self, path, precision_hint=None, threads=None):

@@ -3,8 +3,8 @@ session continuation timed, and a results file that names its command (so run_al
 
 from __future__ import annotations
 
-from txl_deploy.bench.report import generating_command
-from txl_deploy.bench.serve_load import results_file, run_benchmark
+from benchmarks.harness import generating_command
+from benchmarks.serve_load import results_file, run_benchmark
 
 
 def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
@@ -13,14 +13,14 @@ def test_a_small_run_measures_every_path_and_writes_a_results_file(tiny_onnx):
     assert set(result["paths"]) == {"serve", "in-process, batched"}
     serve = result["paths"]["serve"]
     assert serve["tokens_per_s"] > 0 and len(serve["ratio_to_batched_rounds"]) == 2
-    assert serve["ttft_p50_ms"] > 0 and serve["itl_p99_ms"] >= serve["itl_p50_ms"] >= 0
+    assert serve["first_token_p50_ms"] > 0 and serve["p99_ms"] >= serve["p50_ms"] >= 0
     assert result["tokens_match"] == {"serve": True}
     assert [len(t) for t in serve["tokens"]] == [4, 4, 4]
     s = result["sessions"]["serve"]
     assert len(s["session_ttft_ms"]) == 2 and s["speedup"] > 0 and s["same_token"]
     assert "memory per session" in result["memory_per_session_log"]
-    text = results_file([result], "python benchmarks/serve_load.py --model tiny.onnx")
-    assert generating_command(text) == "python benchmarks/serve_load.py --model tiny.onnx"
+    text = results_file([result], "python -m benchmarks.serve_load --model tiny.onnx")
+    assert generating_command(text) == "python -m benchmarks.serve_load --model tiny.onnx"
     assert "| serve |" in text and "Session continuation" in text
 
 
@@ -29,6 +29,7 @@ def test_the_script_explains_itself():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
-    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve_load", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=root)
     assert out.returncode == 0 and "--context" in out.stdout and "--no-triton" in out.stdout

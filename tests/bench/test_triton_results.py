@@ -4,13 +4,8 @@ configuration the documentation quotes. No server runs here (tests/test_triton_l
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-from txl_deploy.bench import triton_load
-from txl_deploy.bench.report import generating_command
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_load.py"
+from benchmarks import triton_load
+from benchmarks.harness import generating_command
 
 
 def _row(c, rates, **extra):
@@ -37,8 +32,8 @@ def _result(queue_delay_us=10000):
 
 
 def test_every_round_the_spread_and_every_setting_are_in_the_results_file():
-    text = triton_load.results_file([_result()], "python benchmarks/triton_load.py --repeat 3")
-    assert generating_command(text) == "python benchmarks/triton_load.py --repeat 3"
+    text = triton_load.results_file([_result()], "python -m benchmarks.triton_load --repeat 3")
+    assert generating_command(text) == "python -m benchmarks.triton_load --repeat 3"
     # every round of every path, and the min / median / max of each
     assert "| Triton gRPC, tokens/s | 1 | 16 | 80 | 95 | 70 | 70 / 80 / 95 |" in text
     assert "| in-process batched, tokens/s | - | 16 | 89 | 118 | 115 | 89 / 115 / 118 |" in text
@@ -55,15 +50,8 @@ def test_every_round_the_spread_and_every_setting_are_in_the_results_file():
     assert "enwik8-base shape, random weights (`e.onnx`: 12 layers, d_model 512, mem_len 512" in text
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("triton_load_script_defaults", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_run_without_model_is_the_documented_configuration(monkeypatch, tmp_path):
-    script = _script()
+    script = triton_load
     calls = []
 
     def fake(model, concurrency, tokens, instances, prompt_len, max_batch, delay, repeat, **kw):
@@ -74,5 +62,5 @@ def test_a_run_without_model_is_the_documented_configuration(monkeypatch, tmp_pa
     assert script.main(["--md", str(tmp_path / "a.md")]) == 0
     assert calls == [("enwik8-base", 10000, 64, 48, [1, 16], 5), (None, 4000, 64, 48, [1, 16], 5)]
     calls.clear()
-    assert script.main(["--model", "x.onnx"]) == 0  # another model: triton-repo's own delay
+    assert script.main(["--model", "x.onnx", "--md", str(tmp_path / "b.md")]) == 0  # another model: triton-repo's own delay
     assert calls == [("x.onnx", 1000, 64, 48, [1, 16], 5)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from txl_deploy.bench.paper_table9 import INPUT, OUTPUT, export_vanilla
+from benchmarks.paper_table9 import INPUT, OUTPUT, export_vanilla
 from txl_deploy.model.vanilla import VanillaConfig, VanillaTransformerLM, random_vanilla
 
 CFG = VanillaConfig(n_token=50, n_layer=3, n_head=2, d_model=16, d_head=8, d_inner=32)

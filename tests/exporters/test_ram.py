@@ -198,7 +198,7 @@ def test_export_peak_ram_ratio_on_a_small_shape(tmp_path, verify):
     ckpt = tmp_path / "guard"
     save_checkpoint(ckpt, random_model(TxlConfig(**GUARD_SHAPE)), char_vocab(GUARD_SHAPE["n_token"]))
     size = sum(p.stat().st_size for p in ckpt.iterdir())
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peak_ram.py"), "--child", "export", str(ckpt),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peak_ram", "--child", "export", str(ckpt),
                            str(tmp_path / "g.onnx"), str(int(verify)), ""], capture_output=True, text=True,
                           cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,30 +6,17 @@ there) and that the conversations it streams through the server produce exactly 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
-from helpers.paths import ROOT
 
-from txl_deploy.bench import triton_load
-
-BENCH = ROOT / "benchmarks" / "triton_load.py"
+from benchmarks import triton_load
 
 
 @pytest.fixture(scope="module")
 def bench(tritonserver):
     """The load benchmark's library, where a tritonserver is there for it to start."""
     return triton_load
-
-
-@pytest.fixture(scope="module")
-def script():
-    """benchmarks/triton_load.py, the command line around txl_deploy.bench.triton_load."""
-    spec = importlib.util.spec_from_file_location("triton_load_script", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_load_benchmark_reports_every_field_and_server_tokens_equal_in_process(bench, tiny_onnx):
@@ -62,14 +49,14 @@ def test_load_benchmark_reports_every_field_and_server_tokens_equal_in_process(b
     assert "**yes**" in table
 
 
-def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, script, tiny_onnx, tmp_path):
+def test_load_benchmark_refuses_bad_settings_before_starting_anything(bench, tiny_onnx, tmp_path):
     from txl_deploy.errors import InputError
 
     with pytest.raises(InputError, match="--tokens must be at least 2"):
         bench.run_benchmark(tiny_onnx, concurrency=[1], tokens=1)
     existing = tmp_path / "out.json"
     existing.write_text("{}")
-    assert script.main(["--model", str(tiny_onnx), "--json", str(existing)]) == 2
+    assert bench.main(["--model", str(tiny_onnx), "--md", str(tmp_path / "out.md")]) == 2  # its JSON exists
     assert existing.read_text() == "{}"
 
 

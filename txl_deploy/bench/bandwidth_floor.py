@@ -1,21 +1,8 @@
-"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read over the bandwidth.
-
-A decode step (Q = 1, full memory) reads every weight it multiplies by once, and the keys and values of every
-memory slot of every layer. At batch 1 each weight is used for one multiply-add, so no cache helps: the step
-is a stream over (weight bytes + memory bytes). `floor_ms = bytes / bandwidth`, with the bandwidth measured
-by a numpy copy (STREAM-style: bytes read + bytes written over the time, one thread).
-
-A copy counts two bytes moved per byte it reads, and one thread's read rate can differ from its copy rate
-either way, while a decode step only reads. So the probe also times a pure read of the same buffer (numpy's dot
-product of its two halves in float64 and in float32: OpenBLAS's streaming kernels, the fastest reads of the numpy
-kernels tried here), and the report gives the step against that read of its bytes too. Where the read is faster
-than the copy floor, the copy floor overstates what the step must take; where it is slower, the copy floor is out
-of one thread's reach.
-
-The bandwidth a shared machine gives one thread moves with the other jobs' load, so it is measured in the same
-rounds as the decode steps it is compared with (`BandwidthProbe`, a turn of `timing.run_pair`): each round's
-decode median is set against that round's bandwidth, and a floor ratio compares like with like.
-"""
+"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read (every weight once,
+the keys and values of every memory slot) over the bandwidth one thread gets, measured by a numpy copy and by a
+pure read of the same buffer, in the same rounds as the decode steps (`BandwidthProbe`, a turn of
+`timing.run_pair`), since a shared machine's bandwidth moves with its load. Why both, and how to read the gap:
+docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 
@@ -25,11 +12,8 @@ import time
 from typing import NamedTuple
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from txl_deploy.contract.clusters import pieces
-from txl_deploy.contract.metadata import read_onnx_info
 
 logger = logging.getLogger(__name__)
 
@@ -138,117 +122,3 @@ def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float
     return out
 
 
-ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
-
-
-def graph_step_bytes(path) -> dict:
-    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
-    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
-    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
-    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
-    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
-    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
-    graph = onnx.load(str(path)).graph
-    inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-
-    def constant(name):
-        """(dims, bytes per element as the kernel reads it) of a constant input, or None for an activation."""
-        if name in inits:
-            t = inits[name]
-            return list(t.dims), ELEMENT_BYTES.get(t.data_type, 4)
-        node = producer.get(name)
-        if node is None or node.op_type not in ("Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
-                                                "Concat"):
-            return None
-        srcs = [constant(i) for i in node.input[:1 if node.op_type != "Concat" else None]]
-        if any(c is None for c in srcs):
-            return None
-        dims, size = srcs[0]
-        if node.op_type == "Cast":
-            return dims, ELEMENT_BYTES.get(next(a.i for a in node.attribute if a.name == "to"), 4)
-        if node.op_type == "Concat":  # the pieces of an adaptive-softmax head: their elements, in one block
-            return [sum(int(np.prod(d)) for d, _ in srcs)], size
-        if node.op_type == "Slice":  # the rows of a cluster, cut from the tied embedding
-            starts, ends = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
-            axes = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 else range(len(starts))
-            dims = list(dims)
-            for axis, a, b in zip(axes, starts, ends):
-                dims[axis] = max(0, min(int(b), dims[axis]) - min(int(a), dims[axis]))
-        return dims, size
-
-    out = {"weights": 0, "positional_tables": 0}
-    for node in graph.node:
-        if node.op_type == "MatMulNBits":
-            inputs = node.input[1:]
-        elif node.op_type in ("MatMul", "Gemm"):
-            inputs = node.input
-        else:
-            continue
-        for name in inputs:
-            c = constant(name) if name else None
-            if c is not None:
-                kind = "positional_tables" if node.op_type == "MatMul" and len(c[0]) == 3 else "weights"
-                out[kind] += int(np.prod(c[0])) * c[1]
-    info = read_onnx_info(path)
-    cfg = info.config
-    state_bytes = 2 if info.precision == "fp16" else 4
-    out["memory"] = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * info.mem_len * state_bytes
-    out["total"] = out["weights"] + out["positional_tables"] + out["memory"]
-    return out
-
-
-def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, rounds: int, steps_per_round: int) -> dict:
-    """Each side's decode step against the copy floor and the plain read of the bytes it reads, in one run.
-
-    steps: {side: a callable running one decode step}; n_bytes: {side: bytes that step reads}. A round times
-    `steps_per_round` steps of every side (the order alternating from round to round), then the probe's copy and
-    read; each round's step median is set against that round's bandwidth (`efficiency`). Every step is timed in
-    wall time and in CPU time of the calling thread (one intra-op thread runs the graph on it)."""
-    step_rounds = {side: [] for side in steps}
-    cpu_rounds = {side: [] for side in steps}
-    bandwidths = []
-    for k in range(rounds):
-        order = list(steps.items()) if k % 2 == 0 else list(steps.items())[::-1]
-        for side, step in order:
-            times, cpu = [], []
-            for _ in range(steps_per_round):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                step()
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.thread_time() - c0)
-            step_rounds[side].append(1e3 * float(np.median(times)))
-            cpu_rounds[side].append(1e3 * float(np.median(cpu)))
-        bandwidths.append(probe())
-    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths, cpu_rounds[side]) for side in steps}
-
-
-def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None) -> dict:
-    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` (the
-    bytes over the median plain-read rate), `copy_ms` (the copy floor: the bytes over the median copy rate, which
-    counts a byte read and a byte written), and the medians of each round's own ratios (`over_read`,
-    `over_copy`), so a round slowed by another job compares its step with its own bandwidth.
-
-    step_cpu_ms_rounds: the same rounds' step medians in CPU time; adds `step_cpu_ms`, `read_cpu_ms` (the bytes over
-    the read's CPU-time rate), `copy_cpu_ms` and `over_read_cpu`, `over_copy_cpu`: the step against the read and
-    the copy floor with the time either side waited for a core left out."""
-    step_ms_rounds = [float(ms) for ms in step_ms_rounds]
-    read = [float(bw.read) for bw in bandwidths]
-    copy = [float(bw.copy) for bw in bandwidths]
-    out = {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
-           "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
-           "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
-           "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
-           "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}
-    read_cpu, copy_cpu = [bw.read_cpu for bw in bandwidths], [bw.copy_cpu for bw in bandwidths]
-    if step_cpu_ms_rounds is None:
-        return out
-    cpu = [float(ms) for ms in step_cpu_ms_rounds]
-    out.update(step_cpu_ms=float(np.median(cpu)), step_cpu_ms_rounds=cpu)
-    if all(r is not None for r in read_cpu + copy_cpu):
-        out.update(read_cpu_bytes_per_s=float(np.median(read_cpu)), copy_cpu_bytes_per_s=float(np.median(copy_cpu)),
-                   read_cpu_ms=n_bytes / float(np.median(read_cpu)) * 1e3,
-                   copy_cpu_ms=n_bytes / float(np.median(copy_cpu)) * 1e3,
-                   over_read_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, read_cpu)])),
-                   over_copy_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, copy_cpu)])))
-    return out

@@ -87,7 +87,7 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
             raise InputError(f"{source.path}: the {backend} backend needs the checkpoint; pass --reference CKPT")
 
         def open_torch():
-            _torch_threads(threads)
+            torch_threads(threads)
 
             klass = {"torch": TorchEagerBackend, "eager-as-written": TorchEagerBackend, "eager": EagerAtPositions,
                      "torch-fast": TorchCachedBackend}[backend]
@@ -125,7 +125,7 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
     raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def _torch_threads(threads):
+def torch_threads(threads):
     if threads:
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 

@@ -1,18 +1,10 @@
 """Timing one configuration (memory length, batch) of several runtimes side by side, interleaved.
 
-All sides see the same token stream (drawn once from a seed): the first `mem_len` tokens fill the memory, then
-every repeat starts from that full memory (a saved state, restored), times `gen_len` single-token decode steps,
-and separately times a `prompt_len`-token prefill from an empty memory. The sides alternate per repeat
-(A B C, C B A, A B C, ...) so a slow phase of a shared machine hits all; ratios are taken between medians.
-A side may be prefill-only (the "eager as written" column) or decode-only (the peers, whose prefill is not what they
-are compared on). Log-probabilities of every side are kept on every timed position of the first repeat for the
-parity check. A `probe` (the memory bandwidth of the floor) takes its turn in every round like a side, so what it
-measures shares the rounds, and the machine's moments, of the decode steps it is compared with.
-
-Nothing but the calls runs while they are timed: peak memory is measured in a separate, untimed pass after the
-timed repeats (one prefill and a few decode steps under the resident-set sampler, whose thread would otherwise
-wake every 2 ms inside the timed loops).
-"""
+All sides see the same token stream: the memory filled once and restored before every repeat, `gen_len` decode
+steps and a `prompt_len` prefill timed per repeat, the sides alternating (A B C, C B A, ...) so that a slow phase
+of a shared machine hits all; ratios are between medians. A `probe` (the floor's bandwidth) takes its turn in every
+round like a side. Peak memory comes from a separate untimed pass: the resident-set sampler's thread would
+otherwise wake inside the timed loops."""
 
 from __future__ import annotations
 

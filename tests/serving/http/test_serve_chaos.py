@@ -1,5 +1,5 @@
 """A bounded chaos run (about a minute) against the app on a real uvicorn socket over loopback: mixed load and the
-faults a client can make (txl_deploy/bench/serve_chaos.py), then every pass criterion its own assert. The longer
+faults a client can make (benchmarks/serve_chaos.py), then every pass criterion its own assert. The longer
 run is benchmarks/serve_chaos.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 from helpers import conversations
 
-from txl_deploy.bench.chaos_mix import MIX
-from txl_deploy.bench.serve_chaos import ChaosSettings, Target, markdown, run_chaos, summary
+from benchmarks.chaos_mix import MIX
+from benchmarks.serve_chaos import ChaosSettings, Target, markdown, run_chaos, summary
 
 KEY = "chaos-key-0123456789"
 MAX_BATCH, MAX_SESSIONS, MAX_PROMPT = 8, 16, 256

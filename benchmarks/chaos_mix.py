@@ -237,6 +237,12 @@ class ChaosClient:
             return rng.choice(self.texts)
         return [rng.randrange(self.n_token) for _ in range(rng.randint(1, min(longest, self.t.max_prompt_tokens)))]
 
+    async def new_session(self, op: str, kind: str) -> str | None:
+        """A session of a fresh id made for `op`: its id, or None where the server refused (full: 503)."""
+        sid = self.sid(kind)
+        got = await self.request(op, "POST", "/v1/sessions", {201, BUSY}, json_body={"id": sid})
+        return sid if got and got[0] == 201 else None
+
     async def gone(self, op, sid):
         """DELETE a session until it is gone (200 or 404); a session may be busy for a moment (409)."""
         for _ in range(100):
@@ -269,9 +275,8 @@ class ChaosClient:
         await self.stream("stream", body)
 
     async def op_conversation(self, rng):
-        sid = self.sid("conv")
-        got = await self.request("conversation", "POST", "/v1/sessions", {201, BUSY}, json_body={"id": sid})
-        if not got or got[0] != 201:
+        sid = await self.new_session("conversation", "conv")
+        if sid is None:
             return
         answered = False  # a turn without a prompt continues what the last answered turn left
         for _ in range(rng.randint(2, 4)):
@@ -287,9 +292,8 @@ class ChaosClient:
     async def op_disconnect_stream(self, rng):
         body = {"prompt": self.prompt(rng), "max_tokens": 200, "temperature": 0.8, "stream": True}
         if rng.random() < 0.5:  # a session's request cut off: the session keeps what was fed
-            sid = self.sid("cut")
-            got = await self.request("disconnect_stream", "POST", "/v1/sessions", {201, BUSY}, json_body={"id": sid})
-            if got and got[0] == 201:
+            sid = await self.new_session("disconnect_stream", "cut")
+            if sid is not None:
                 await self.stream("disconnect_stream", {**body, "session_id": sid}, events=rng.randint(1, 5))
                 await self.gone("disconnect_stream", sid)
                 return
@@ -333,9 +337,8 @@ class ChaosClient:
 
     async def op_session_pair(self, rng):
         """Two requests on one session at once (one may be refused with 409), and a DELETE while one runs."""
-        sid = self.sid("pair")
-        got = await self.request("session_pair", "POST", "/v1/sessions", {201, BUSY}, json_body={"id": sid})
-        if not got or got[0] != 201:
+        sid = await self.new_session("session_pair", "pair")
+        if sid is None:
             return
         await self.request("session_pair", "POST", "/v1/completions", ANSWERED,
                            json_body={"prompt": self.prompt(rng), "max_tokens": 2, "session_id": sid})
@@ -381,9 +384,8 @@ class ChaosClient:
 
     async def op_churn(self, rng):
         """Create, feed, park, restore under a new id, continue, delete; and the refusals on the way."""
-        sid, again = self.sid("churn"), self.sid("churn")
-        got = await self.request("churn", "POST", "/v1/sessions", {201, BUSY}, json_body={"id": sid})
-        if not got or got[0] != 201:
+        sid, again = await self.new_session("churn", "churn"), self.sid("churn")
+        if sid is None:
             return
         if rng.random() < 0.3:  # parking a session that holds nothing is refused, and leaves it as it was
             await self.request("churn", "POST", f"/v1/sessions/{sid}/park", {400})

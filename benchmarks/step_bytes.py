@@ -1,0 +1,272 @@
+"""What a decode step reads and how close it comes to reading it: the bytes counted from the graph, each step against
+the plain read and the copy of its bytes round by round, and ONNX Runtime's profile per node with each big weight
+product run alone. Used by decode_efficiency, int4 and lazy_decode; method: docs/benchmarks.md ("Decode
+efficiency")."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from txl_deploy.bench.bandwidth_floor import BandwidthProbe
+from txl_deploy.bench.op_profile import node_events, trace_steps
+from txl_deploy.contract.metadata import read_onnx_info
+
+ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
+
+
+def graph_step_bytes(path) -> dict:
+    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
+    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
+    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
+    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
+    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
+    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def constant(name):
+        """(dims, bytes per element as the kernel reads it) of a constant input, or None for an activation."""
+        if name in inits:
+            t = inits[name]
+            return list(t.dims), ELEMENT_BYTES.get(t.data_type, 4)
+        node = producer.get(name)
+        if node is None or node.op_type not in ("Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
+                                                "Concat"):
+            return None
+        srcs = [constant(i) for i in node.input[:1 if node.op_type != "Concat" else None]]
+        if any(c is None for c in srcs):
+            return None
+        dims, size = srcs[0]
+        if node.op_type == "Cast":
+            return dims, ELEMENT_BYTES.get(next(a.i for a in node.attribute if a.name == "to"), 4)
+        if node.op_type == "Concat":  # the pieces of an adaptive-softmax head: their elements, in one block
+            return [sum(int(np.prod(d)) for d, _ in srcs)], size
+        if node.op_type == "Slice":  # the rows of a cluster, cut from the tied embedding
+            starts, ends = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
+            axes = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 else range(len(starts))
+            dims = list(dims)
+            for axis, a, b in zip(axes, starts, ends):
+                dims[axis] = max(0, min(int(b), dims[axis]) - min(int(a), dims[axis]))
+        return dims, size
+
+    out = {"weights": 0, "positional_tables": 0}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            inputs = node.input[1:]
+        elif node.op_type in ("MatMul", "Gemm"):
+            inputs = node.input
+        else:
+            continue
+        for name in inputs:
+            c = constant(name) if name else None
+            if c is not None:
+                kind = "positional_tables" if node.op_type == "MatMul" and len(c[0]) == 3 else "weights"
+                out[kind] += int(np.prod(c[0])) * c[1]
+    info = read_onnx_info(path)
+    cfg = info.config
+    state_bytes = 2 if info.precision == "fp16" else 4
+    out["memory"] = 2 * cfg.n_layer * cfg.n_head * cfg.d_head * info.mem_len * state_bytes
+    out["total"] = out["weights"] + out["positional_tables"] + out["memory"]
+    return out
+
+
+def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, rounds: int, steps_per_round: int) -> dict:
+    """Each side's decode step against the copy floor and the plain read of the bytes it reads, in one run.
+
+    steps: {side: a callable running one decode step}; n_bytes: {side: bytes that step reads}. A round times
+    `steps_per_round` steps of every side (the order alternating from round to round), then the probe's copy and
+    read; each round's step median is set against that round's bandwidth (`efficiency`). Every step is timed in
+    wall time and in CPU time of the calling thread (one intra-op thread runs the graph on it)."""
+    step_rounds = {side: [] for side in steps}
+    cpu_rounds = {side: [] for side in steps}
+    bandwidths = []
+    for k in range(rounds):
+        order = list(steps.items()) if k % 2 == 0 else list(steps.items())[::-1]
+        for side, step in order:
+            times, cpu = [], []
+            for _ in range(steps_per_round):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                step()
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            step_rounds[side].append(1e3 * float(np.median(times)))
+            cpu_rounds[side].append(1e3 * float(np.median(cpu)))
+        bandwidths.append(probe())
+    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths, cpu_rounds[side]) for side in steps}
+
+
+def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None) -> dict:
+    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` (the
+    bytes over the median plain-read rate), `copy_ms` (the copy floor: the bytes over the median copy rate, which
+    counts a byte read and a byte written), and the medians of each round's own ratios (`over_read`,
+    `over_copy`), so a round slowed by another job compares its step with its own bandwidth.
+
+    step_cpu_ms_rounds: the same rounds' step medians in CPU time; adds `step_cpu_ms`, `read_cpu_ms` (the bytes over
+    the read's CPU-time rate), `copy_cpu_ms` and `over_read_cpu`, `over_copy_cpu`: the step against the read and
+    the copy floor with the time either side waited for a core left out."""
+    step_ms_rounds = [float(ms) for ms in step_ms_rounds]
+    read = [float(bw.read) for bw in bandwidths]
+    copy = [float(bw.copy) for bw in bandwidths]
+    out = {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
+           "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
+           "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
+           "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
+           "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}
+    read_cpu, copy_cpu = [bw.read_cpu for bw in bandwidths], [bw.copy_cpu for bw in bandwidths]
+    if step_cpu_ms_rounds is None:
+        return out
+    cpu = [float(ms) for ms in step_cpu_ms_rounds]
+    out.update(step_cpu_ms=float(np.median(cpu)), step_cpu_ms_rounds=cpu)
+    if all(r is not None for r in read_cpu + copy_cpu):
+        out.update(read_cpu_bytes_per_s=float(np.median(read_cpu)), copy_cpu_bytes_per_s=float(np.median(copy_cpu)),
+                   read_cpu_ms=n_bytes / float(np.median(read_cpu)) * 1e3,
+                   copy_cpu_ms=n_bytes / float(np.median(copy_cpu)) * 1e3,
+                   over_read_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, read_cpu)])),
+                   over_copy_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, copy_cpu)])))
+    return out
+
+
+EFFICIENCY_HEAD = ["MB read / step", "step ms", "plain read ms", "copy floor ms", "step / read", "step / copy",
+                   "step CPU ms", "read CPU ms", "copy floor CPU ms", "step / read (CPU time)",
+                   "step / copy (CPU time)"]
+
+
+def efficiency_cells(r: dict) -> list[str]:
+    """An `efficiency` result as the cells under EFFICIENCY_HEAD."""
+    return [f"{r['bytes'] / 1e6:.1f}", f"{r['step_ms']:.2f}", f"{r['read_ms']:.2f}", f"{r['copy_ms']:.2f}",
+            f"{r['over_read']:.2f}x", f"{r['over_copy']:.2f}x", f"{r['step_cpu_ms']:.2f}", f"{r['read_cpu_ms']:.2f}",
+            f"{r['copy_cpu_ms']:.2f}", f"{r['over_read_cpu']:.2f}x", f"{r['over_copy_cpu']:.2f}x"]
+
+
+# Bytes per element of the type names ONNX Runtime's profiler writes in a node's input_type_shape.
+PROFILE_TYPE_BYTES = {"float": 4, "float16": 2, "double": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def input_bytes(event, constants=None) -> int:
+    """The bytes a profiled kernel reads: its activations from its input_type_shape, and its constant inputs
+    from the graph (`constants`: {input position: bytes}), since a weight ONNX Runtime prepacked at load is not
+    always listed with its shape."""
+    constants = constants or {}
+    total = sum(constants.values())
+    for i, entry in enumerate(event.get("args", {}).get("input_type_shape", [])):
+        if i in constants:
+            continue
+        for type_name, dims in entry.items():
+            total += int(np.prod(dims, dtype=np.int64)) * PROFILE_TYPE_BYTES.get(type_name, 4)
+    return total
+
+
+def constant_input_bytes(onnx_path) -> dict:
+    """{node name: {input position: bytes}} of the initializers each node of the graph reads."""
+    graph = onnx.load(str(onnx_path)).graph
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in graph.initializer}
+    return {n.name: {i: sizes[x] for i, x in enumerate(n.input) if x in sizes} for n in graph.node}
+
+
+def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | None = None, steps: int = 5,
+                  providers=("cpu",)) -> dict:
+    """Like `profile_decode`, per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first,
+    "ops": [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being what the node reads per step (its
+    inputs, the initializers among them) and GB/s those bytes over its time."""
+    runs, events, cpu = trace_steps(onnx_path, state, tokens, threads, steps, providers)
+    constants = constant_input_bytes(onnx_path)
+    per_step = [defaultdict(float) for _ in runs]
+    info = {}
+    for k, e in node_events(runs, events):
+        # A node ONNX Runtime fused with its activation (Gemm + Relu: FusedGemm) is named "fused <graph node name>"
+        name = e["name"][:-len("_kernel_time")].removeprefix("fused ")
+        per_step[k][name] += e["dur"] / 1e3
+        info[name] = (e.get("args", {}).get("op_name", "?"), input_bytes(e, constants.get(name)))
+    nodes = [{"name": n, "op_type": info[n][0], "bytes": info[n][1],
+              "ms_per_step": float(np.median([step.get(n, 0.0) for step in per_step]))} for n in info]
+    nodes.sort(key=lambda n: -n["ms_per_step"])
+    ops = defaultdict(lambda: {"ms_per_step": 0.0, "bytes": 0, "nodes": 0})
+    for n in nodes:
+        o = ops[n["op_type"]]
+        o["ms_per_step"] += n["ms_per_step"]
+        o["bytes"] += n["bytes"]
+        o["nodes"] += 1
+    op_rows = [{"op_type": op, **o, "gb_per_s": o["bytes"] / max(o["ms_per_step"], 1e-9) / 1e6}
+               for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_step"])]
+    step_ms = float(np.median([(b - a) / 1e3 for a, b in runs])) if runs else 0.0
+    return {"step_ms": step_ms, "step_cpu_ms": float(np.median(cpu)), "kernel_ms": sum(n["ms_per_step"] for n in nodes),
+            "nodes": nodes, "ops": op_rows}
+
+
+def _constant(graph, name):
+    """The value of a MatMul's B when it is an initializer or an initializer's Transpose (a tied output layer
+    that ONNX Runtime folds once at load), else None."""
+    inits = {t.name: t for t in graph.initializer}
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    node = next((n for n in graph.node if name in n.output), None)
+    if node is not None and node.op_type == "Transpose" and node.input[0] in inits:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        return np.transpose(numpy_helper.to_array(inits[node.input[0]]), perm)
+    return None
+
+
+# Read between the runs of `matmul_alone` so that each run finds its weight in memory, not in a cache, as it does in a
+# decode step (which reads hundreds of MB between two reads of one weight). Larger than the last-level caches of the
+# machines measured here (32 MB).
+EVICT_BYTES = 128 * 2**20
+
+
+def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
+    """Each named weight product of the graph (MatMul, or Gemm with its transB and bias) run alone: a one-node model
+    with the same constant B, fed one token's activation, median ms of `runs` runs, the models taking turns run by
+    run, each run after a read of EVICT_BYTES so that its weight comes from memory as in a step. Names whose B is
+    not a constant are left out."""
+    import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
+
+    graph = onnx.load(str(onnx_path)).graph
+    by_name = {n.name: n for n in graph.node if n.op_type in ("MatMul", "Gemm")}
+    sessions = {}
+    for name in names:
+        node = by_name.get(name)
+        b = _constant(graph, node.input[1]) if node is not None else None
+        if b is None or b.ndim != 2:
+            continue
+        b = np.ascontiguousarray(b, dtype=np.float32)
+        weights = [numpy_helper.from_array(b, "b")]
+        if node.op_type == "Gemm":
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            k = b.shape[1] if trans_b else b.shape[0]
+            n_out = b.shape[0] if trans_b else b.shape[1]
+            inputs = ["x", "b"]
+            bias = _constant(graph, node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if bias is not None:
+                weights.append(numpy_helper.from_array(bias, "c"))
+                inputs.append("c")
+            one = helper.make_node("Gemm", inputs, ["y"], transB=int(trans_b))
+            x_shape, y_shape = [1, k], [1, n_out]
+        else:
+            one = helper.make_node("MatMul", ["x", "b"], ["y"])
+            x_shape, y_shape = [1, 1, b.shape[0]], [1, 1, b.shape[1]]
+        model = helper.make_model(
+            helper.make_graph([one], "product", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)], weights),
+            opset_imports=[helper.make_opsetid("", 18)])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.disable_prepacking", "1")  # as the runtime runs fp32 graphs
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
+        session.run(None, {"x": x})  # first-run allocation
+        sessions[name] = (session, x, b.nbytes)
+    evict = np.ones(EVICT_BYTES // 8)
+    times = {name: [] for name in sessions}
+    for _ in range(runs):
+        for name, (session, x, _) in sessions.items():
+            float(evict.sum())
+            t0 = time.perf_counter()
+            session.run(None, {"x": x})
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"ms": 1e3 * float(np.median(times[name])), "b_bytes": sessions[name][2]} for name in sessions}
