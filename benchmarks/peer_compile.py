@@ -25,8 +25,5 @@ class TorchCompileBackend(TorchCachedBackend):
         torch._dynamo.reset()
         self.compiled = torch.compile(self.cached, dynamic=False)
 
-    def _step(self, tokens, out_positions, state):
-        step = self.compiled if tokens.shape[1] == 1 else self.cached
-        outs = step(tokens, out_positions, *[state[n] for n in self._state_names])
-        self._write_ring(state, outs[1:])
-        return outs[0]
+    def _module_for(self, tokens):
+        return self.compiled if tokens.shape[1] == 1 else self.cached

@@ -254,8 +254,13 @@ class TorchCachedBackend(HostRingBackend, _TorchBase):
                 # A prompt into an empty memory attends a 1-slot stand-in, not mem_len masked slots (CachedTxl)
                 outs = self.cached(x, pos, *self._empty_memory(tokens.shape[0]), count)
             else:
-                outs = self.cached(x, pos, *[state[n] for n in self._state_names])
+                outs = self._module_for(x)(x, pos, *[state[n] for n in self._state_names])
         return outs[0].float().cpu().numpy(), outs[1:]
+
+    def _module_for(self, tokens):
+        """The module that runs a segment of `tokens` over a memory: the cached step (a peer may swap in a compiled
+        one for some lengths)."""
+        return self.cached
 
     def _empty_memory(self, batch):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
