@@ -38,10 +38,15 @@ def shared(tiny_onnx):
         mp.undo()
 
 
+def _part_files(backend, path):
+    """The softmax parts' files the backend opened beside `path`, head first (as the backend finds them)."""
+    return parts_contract.Parts.from_export(backend.info.export, backend.config, path).files(path)
+
+
 def test_the_parts_add_no_weights_to_the_main_graphs(shared, tiny_onnx):
     assert shared.clusters is not None and len(shared._tails) == shared.config.n_clusters
     pool = shared.weights
-    files = [tiny_onnx, *shared.clusters.files(tiny_onnx)]
+    files = [tiny_onnx, *_part_files(shared, tiny_onnx)]
     # Every graph's tensors were read; the head repeats the body and the embedding, the tails their clusters' rows
     assert pool.read_bytes > 1.5 * _initializer_bytes(tiny_onnx)
     assert pool.held_bytes <= _initializer_bytes(tiny_onnx), (pool.held_bytes, [_initializer_bytes(f) for f in files])
@@ -52,13 +57,13 @@ def test_sessions_on_the_pool_compute_what_their_files_compute(shared, tiny_onnx
     tokens = rng.integers(0, shared.config.n_token, size=(2, 5))
     positions = np.tile(np.arange(5), (2, 1))
     feeds = {**shared.new_state(2), "tokens": tokens, "out_positions": positions}
-    for ours, path in [(shared.session, tiny_onnx), (shared._head, shared.clusters.files(tiny_onnx)[0])]:
+    for ours, path in [(shared.session, tiny_onnx), (shared._head, _part_files(shared, tiny_onnx)[0])]:
         names = [o.name for o in ours.get_outputs()]
         for got, want in zip(ours.run(names, feeds), _plain(path).run(names, feeds)):
             np.testing.assert_array_equal(got, want)
     hidden = rng.standard_normal((3, shared.config.d_model)).astype(np.float32)
     head_log_prob = np.log(rng.uniform(0.1, 0.9, size=3)).astype(np.float32)
-    for i, path in enumerate(shared.clusters.files(tiny_onnx)[1:], start=1):
+    for i, path in enumerate(_part_files(shared, tiny_onnx)[1:], start=1):
         feeds = {parts_contract.HIDDEN: hidden, parts_contract.HEAD_LOG_PROB: head_log_prob}
         (want,) = _plain(path).run(None, feeds)
         np.testing.assert_allclose(shared.run_tail(i, hidden, head_log_prob), want, rtol=1e-6, atol=1e-6)
