@@ -45,9 +45,8 @@ class TxlRuntime:
 
     def __init__(self, backend: Backend, lazy: bool = True):
         self.backend = backend
-        # generate() through the adaptive softmax's parts where the backend has them; False: every step computes
-        # the full distribution through the main graph (the same algorithm: docs/runtime.md says when the tokens
-        # are the same).
+        # generate() through the adaptive softmax's parts where the backend has them; False: the full distribution
+        # through the main graph, the same algorithm (docs/runtime.md says when the tokens are the same).
         self.lazy = bool(lazy)
         self._state = None
         self._last_log_probs = None  # [B, V] after each call: lets generate() continue without a prompt
@@ -83,11 +82,9 @@ class TxlRuntime:
         see `set_tokenizer`) [default: the vocabulary's own, stored with the model].
 
         lazy: on a backend with the adaptive softmax's parts, `generate` computes each step's head and only the
-        tails its sampler asks for [default]; False computes every step's full distribution and runs the same
-        decision on the head derived from it: the same greedy tokens, and the same sampled ones whenever that head
-        and the tails are bit for bit what the parts compute; else a draw within float rounding of a boundary
-        between two tokens may go the other way (docs/runtime.md). Also the `lazy`
-        attribute, which may be changed between calls."""
+        tails its sampler asks for [default]; False runs the same decision on the head derived from every step's
+        full distribution: the same tokens whenever that head and the tails are bit for bit what the parts compute,
+        else a draw within float rounding of a boundary may differ (docs/runtime.md). Also the `lazy` attribute."""
         rt = cls(open_backend(path, backend, providers=providers, device=device, mem_len=mem_len,
                               max_segment=max_segment, clamp_len=clamp_len, same_length=same_length,
                               threads=threads), lazy=lazy)
@@ -177,8 +174,7 @@ class TxlRuntime:
         positions: only these segment positions' log-probabilities, [B, P] (a list of ints is the same for every
         row); the graph then applies its output layer there alone. Needs Q <= max_segment.
         advance=False (with positions): leave the memory as it was, so that the same segment can be asked for other
-        positions (backends whose memory is in host rings: ONNX Runtime on the CPU, ExecuTorch, torch-fast;
-        others raise InputError)."""
+        positions (host-ring backends: ONNX Runtime on the CPU, ExecuTorch, torch-fast; others raise InputError)."""
         with self._lock:
             tokens = self._check_tokens(tokens)
             if positions is None:
@@ -387,8 +383,8 @@ class TxlRuntime:
         stop: token ids that end generation (yielded, then stop).
         controls: the other token-level sampling parameters by name (min_p, repetition_penalty, presence_penalty,
         frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens, ban_unk=True to keep `<unk>` out of the
-        text; see runtimes/sampling/), or all of them
-        as one `params=SamplingParams(...)` (whose max_tokens and stop_token_ids then apply). Stop strings and
+        text; see runtimes/sampling/), or all of them as one `params=SamplingParams(...)` (whose max_tokens and
+        stop_token_ids then apply). Stop strings and
         log-probs belong to text responses: asking for them here is an error.
 
         Every argument, the prompt and the stream are checked here, when generate() is called, before anything
