@@ -24,12 +24,13 @@ from txl_deploy.contract.metadata import ExportInfo, set_onnx_props
 from txl_deploy.contract.parts import KEY as PARTS_KEY
 from txl_deploy.errors import ExportError, TxlError
 from txl_deploy.exporters.onnx.parts import finish_parts, move_parts, parts_entry, verify_parts, write_parts
-from txl_deploy.exporters.onnx.ram import drop_file_pages, return_free_memory
+from txl_deploy.exporters.onnx.ram import drop_file_pages
 from txl_deploy.exporters.onnx.trace import forget_matched_graphs, onnx_program, step_example
 from txl_deploy.exporters.onnx.verify import ReferenceStream, verification_segments, verify_runtime
 from txl_deploy.exporters.onnx.writing import finish, place_external_data
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.heap import return_free_memory
 from txl_deploy.runtimes import TxlRuntime
 
 logger = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ import numpy as np
 from txl_deploy.contract import parts as contract
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import ExportError
-from txl_deploy.exporters.onnx.ram import return_free_memory
 from txl_deploy.exporters.onnx.trace import forget_matched_graphs, onnx_program, step_example
 from txl_deploy.exporters.onnx.verify import ReferenceStream, describe, judge
 from txl_deploy.exporters.onnx.writing import finish, place_external_data
 from txl_deploy.exporters.tensorrt.compat import check_tensorrt_compat
 from txl_deploy.files import check_writable
+from txl_deploy.heap import return_free_memory
 from txl_deploy.runtimes.lazy_decode import full_log_probs
 
 logger = logging.getLogger(__name__)

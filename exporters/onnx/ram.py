@@ -156,17 +156,6 @@ def check_export_fits(peaks: dict[str, Estimate], verify: bool, available: int |
         "memory or use a larger machine. --skip-memory-check runs it anyway.")
 
 
-def return_free_memory() -> None:
-    """Hand memory the heap has freed back to the system (glibc's malloc_trim; elsewhere nothing to do).
-
-    glibc keeps freed blocks below its mmap threshold (which it raises up to 32 MiB as large blocks are freed) for
-    reuse, and a stream of differently sized calls fragments them: over a verification of the WikiText-103-large
-    shape the resident set grew by gigabytes that nothing was using."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 MADV_DONTNEED = 4  # Linux's value on every architecture it runs on (asm-generic/mman-common.h)
 
 
@@ -221,14 +210,6 @@ def _madvise():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn if os.path.exists("/proc/self/smaps") else None
-
-
-@functools.lru_cache(maxsize=None)
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def ram_report(cfg, weight_bytes: int, mem_len: int, max_segment: int, batch: int, precision: str) -> dict:

@@ -16,8 +16,9 @@ from txl_deploy.checkpoints import load_model
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data, weight_file_bytes
 from txl_deploy.errors import InputError
-from txl_deploy.exporters.onnx.ram import log_prob_budget, return_free_memory
+from txl_deploy.exporters.onnx.ram import log_prob_budget
 from txl_deploy.exporters.onnx.stream import stream_tokens, verification_segments
+from txl_deploy.heap import return_free_memory
 from txl_deploy.runtimes import TxlRuntime
 
 logger = logging.getLogger(__name__)

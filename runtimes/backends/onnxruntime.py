@@ -21,7 +21,6 @@ validated as an .onnx's is.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import sys
 import warnings
@@ -33,6 +32,7 @@ from txl_deploy.contract import parts as parts_contract
 from txl_deploy.contract.metadata import ExportInfo, read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
 from txl_deploy.errors import CheckpointError, InputError
+from txl_deploy.heap import return_free_memory
 from txl_deploy.runtimes.backends.weight_pool import SHARED_MIN_BYTES, SharedWeights
 from txl_deploy.runtimes.host_rings import HostRingBackend
 
@@ -173,7 +173,7 @@ class OrtBackend(HostRingBackend):
             # The graph optimisers read the weights through copies that they free; the heap keeps what it freed
             # below glibc's mmap threshold (the body's weights): 184 of the 797 MB a WikiText-103 base session
             # held otherwise.
-            _return_free_memory()
+            return_free_memory()
             return session
         except InputError:
             raise
@@ -262,7 +262,7 @@ class OrtBackend(HostRingBackend):
                 # A prompt's temporaries (a 512-position chunk's attention and feed-forward, MBs each) are freed
                 # into the heap, which keeps them: hand them back, or the runtime holds the largest prompt's
                 # working set for good. Decode steps (one token) skip it; a trim costs far less than a prompt.
-                _return_free_memory()
+                return_free_memory()
 
     def _execute(self, state, tokens, out_positions, advance: bool, session=None, n_out: int = 1,
                  output_names=None):
@@ -291,15 +291,6 @@ class OrtBackend(HostRingBackend):
                 empty[io_spec.mem_v(i)] = np.zeros(spec.v_shape(batch, slots=1), dtype=self.float_dtype)
             self._one_slot[batch] = empty
         return self._one_slot[batch]
-
-
-def _return_free_memory() -> None:
-    """Hand the memory the heap has freed back to the system (glibc's malloc_trim; elsewhere nothing to do)."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
 
 
 def _input_for(output_name: str) -> str:

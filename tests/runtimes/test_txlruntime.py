@@ -249,7 +249,7 @@ def test_a_prompt_hands_its_temporaries_back_and_a_decode_step_does_not(tiny_onn
 
     trims = []
     with TxlRuntime.load(tiny_onnx) as rt:
-        monkeypatch.setattr(ort_backend, "_return_free_memory", lambda: trims.append(1))
+        monkeypatch.setattr(ort_backend, "return_free_memory", lambda: trims.append(1))
         tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, 40))
         rt.prefill(tokens[:, :20])  # two segments of at most 16
         assert len(trims) == 2
