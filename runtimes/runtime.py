@@ -27,7 +27,7 @@ from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
-from txl_deploy.runtimes.saved_state import read_saved_state
+from txl_deploy.runtimes.saved_state import read_saved_state, state_members
 from txl_deploy.vocab import CONTINUING
 
 GENERATE_DEFAULTS = dict(max_new_tokens=100, temperature=1.0, top_k=None, top_p=None, seed=None, stop=None)
@@ -309,11 +309,8 @@ class TxlRuntime:
         with self._lock:
             if self._state is None:
                 raise InputError("there is no memory to save yet: call step() first")
-            arrays = {k: np.array(v, copy=True) for k, v in self.backend.state_arrays(self._state).items()}
-            arrays["__fingerprint__"] = np.array(self.backend.fingerprint())
-            arrays["__backend__"] = np.array(self.backend.name)
-            if self._last_log_probs is not None:
-                arrays["__last_log_probs__"] = np.array(self._last_log_probs, copy=True)
+            arrays = state_members(self.backend, {k: np.array(v, copy=True) for k, v in
+                                                  self.backend.state_arrays(self._state).items()}, self._last_log_probs)
         if path is not None:
             with atomic_path(path, force=True) as tmp:
                 with open(tmp, "wb") as f:

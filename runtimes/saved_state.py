@@ -90,17 +90,28 @@ def read_saved_state(source, backend, max_rows: int | None = None) -> SavedState
                      f"{type(source).__name__}")
 
 
-def state_bytes(backend, arrays: dict, last_log_probs: np.ndarray | None = None) -> bytes:
-    """The bytes of the .npz `TxlRuntime.save_state(path)` writes, for `arrays` (this backend's state tensors of
-    some rows) and their next-token log-probs [rows, n_token]: what a server hands out for a parked session, and
-    `read_saved_state` (or `TxlRuntime.load_state`) reads back."""
+def state_members(backend, arrays: dict, last_log_probs: np.ndarray | None = None) -> dict:
+    """The members of a saved state: `arrays` (this backend's state tensors of some rows), the backend's fingerprint
+    and name, and the rows' next-token log-probs [rows, n_token] (copied) when there are some. What
+    `TxlRuntime.save_state` returns and every writer of a saved state starts from."""
     members = dict(arrays)
     members[FINGERPRINT], members[BACKEND] = np.array(backend.fingerprint()), np.array(backend.name)
     if last_log_probs is not None:
-        members[LAST_LOG_PROBS] = np.asarray(last_log_probs, dtype=np.float32)
+        members[LAST_LOG_PROBS] = np.array(last_log_probs, copy=True)
+    return members
+
+
+def archive_bytes(members: dict) -> bytes:
+    """The bytes of the .npz file holding `members`."""
     buf = io.BytesIO()
     np.savez(buf, **members)
     return buf.getvalue()
+
+
+def state_bytes(backend, arrays: dict, last_log_probs: np.ndarray | None = None) -> bytes:
+    """The bytes of the .npz `TxlRuntime.save_state(path)` writes, for `arrays` and their next-token log-probs:
+    what a server hands out for a parked session, and `read_saved_state` (or `TxlRuntime.load_state`) reads back."""
+    return archive_bytes(state_members(backend, arrays, last_log_probs))
 
 
 def max_archive_bytes(backend, rows: int = 1) -> int:

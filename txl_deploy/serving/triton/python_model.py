@@ -60,7 +60,6 @@ The model returns log-probs and never samples: its clients choose tokens with th
 uses (runtimes/sampling/): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
 """
 
-import io
 import json
 import math
 import os
@@ -91,7 +90,12 @@ from txl_deploy.contract.clusters import Clusters  # noqa: E402
 from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.runtimes.lazy_decode import full_log_probs  # noqa: E402
-from txl_deploy.runtimes.saved_state import max_archive_bytes, read_saved_state  # noqa: E402
+from txl_deploy.runtimes.saved_state import (  # noqa: E402
+    archive_bytes,
+    max_archive_bytes,
+    read_saved_state,
+    state_members,
+)
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
     HEAD_OUTPUT, RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, TAIL_INPUT, TAIL_OUTPUT,
@@ -294,19 +298,13 @@ class TritonPythonModel:
 
     def _saved_state(self, conv):
         last = self._latest_full(conv)  # after a head-only step, composed from the head and every tail
-        arrays = self.states.save(conv.handle)
-        # The keys TxlRuntime.save_state writes (TxlRuntime.load_state reads them in-process too), plus a header.
-        arrays["__fingerprint__"] = np.array(self.fingerprint)
-        arrays["__backend__"] = np.array(self.backend.name)
-        if last is not None:
-            arrays["__last_log_probs__"] = last[None]
+        # The members TxlRuntime.save_state writes (TxlRuntime.load_state reads them in-process too), plus a header.
+        arrays = state_members(self.backend, self.states.save(conv.handle), None if last is None else last[None])
         arrays["__sequence_id__"] = np.array(conv.corrid, dtype=np.int64)
         arrays["__format__"] = np.array(STATE_FORMAT)
         arrays["__format_version__"] = np.array(STATE_FORMAT_VERSION)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
         # writable: DLPack cannot export a read-only array
-        return np.frombuffer(bytearray(buf.getvalue()), dtype=np.uint8)[None]
+        return np.frombuffer(bytearray(archive_bytes(arrays)), dtype=np.uint8)[None]
 
     # -- requests ---------------------------------------------------------------------------------------------
     def execute(self, requests):
