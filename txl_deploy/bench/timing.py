@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from txl_deploy.bench.peak_usage import PeakMemory
+from txl_deploy.exporters.onnx.verify import kl_divergence
 
 
 @dataclass
@@ -184,9 +185,7 @@ def parity(a: Side, b: Side) -> dict:
         diffs.append(float(np.abs(x - y)[finite].max(initial=0.0)))
         diffs.append(0.0 if np.array_equal(np.isfinite(x), np.isfinite(y)) else float("inf"))
         # words `b` gives no probability add nothing; a word only `a` rules out makes the divergence infinite
-        held = np.isfinite(y)
-        ref = y[held].astype(np.float64)
-        kl += float(np.sum(np.exp(ref) * (ref - x[held])))
+        kl += kl_divergence(y, x)
         agree += int((x.argmax(-1) == y.argmax(-1)).sum())
         total += x.shape[0]
     return {"max_abs_diff": max(diffs, default=0.0), "kl_divergence": kl / max(total, 1),
