@@ -1,0 +1,2 @@
+"""Symbolic music: the event representations of the Transformer-XLs people make music with (REMI, remi-xl), and
+what goes with them. docs/music.md says how each is read, generated and written."""
