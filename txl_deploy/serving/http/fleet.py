@@ -44,8 +44,9 @@ from txl_deploy.serving.http.completion import Completion
 from txl_deploy.serving.http.engine import EngineClosed, EngineCore, Job
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import Session
-from txl_deploy.serving.triton.client import ServingError, TxlTritonClient, split_url
+from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
+from txl_deploy.serving.triton.servers import ServingError, split_url
 
 logger = logging.getLogger(__name__)
 
