@@ -21,7 +21,6 @@ one-line `InputError`; special symbols such as `<eos>` are skipped. Every other 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from txl_deploy.errors import InputError
 from txl_deploy.music.midi_file import Note, Score, save_midi, score_to_midi
@@ -55,10 +54,12 @@ def events_to_midi(events, representation_name="remi"):
     return score_to_midi(events_to_score(events, representation_name))
 
 
-def write_midi(events, representation_name, path, force: bool = False) -> Path:
-    """Write `events_to_midi(events, representation_name)` to `path`, atomically; an existing file only with
-    `force`."""
-    return save_midi(events_to_midi(events, representation_name), path, force=force)
+def write_midi(events, representation_name, path, force: bool = False) -> Score:
+    """Write `events_to_midi(events, representation_name)` to `path`, atomically (an existing file only with
+    `force`); what was placed."""
+    score = events_to_score(events, representation_name)
+    save_midi(score_to_midi(score), path, force=force)
+    return score
 
 
 def events_to_score(events, representation_name="remi") -> Score:
