@@ -83,7 +83,7 @@ def midi(model, source, out, representation_name, chords, force, config, preset,
       txl-deploy midi model.onnx events.txt -o song.mid --representation remi-xl
     """
     model = local_model(model)
-    how = dict(config=config, preset=preset, vocab=vocab, vocab_kind=vocab_kind)
+    how = {"config": config, "preset": preset, "vocab": vocab, "vocab_kind": vocab_kind}
     rep = model_representation(model, representation_name, **{k: v for k, v in how.items() if v is not None})
     if source.suffix.lower() in MIDI_SUFFIXES:
         if chords is None:
