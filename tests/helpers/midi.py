@@ -57,7 +57,8 @@ def build_midi(path: Path, notes, tempos=(), ticks_per_beat=480, extra_tracks=()
         return t
 
     midi = mido.MidiFile(type=1, ticks_per_beat=ticks_per_beat)
-    midi.tracks.append(track([(tick, mido.MetaMessage("set_tempo", tempo=mido.bpm2tempo(bpm))) for tick, bpm in tempos]))
+    midi.tracks.append(track([(tick, mido.MetaMessage("set_tempo", tempo=mido.bpm2tempo(bpm)))
+                              for tick, bpm in tempos]))
     events = []
     for start, end, pitch, velocity in notes:
         events.append((start, mido.Message("note_on", note=pitch, velocity=velocity)))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import mido
 import pytest
 from helpers.cli import assert_one_line_error, cli
 from helpers.midi import build_midi, notes_of
+from helpers.paths import ROOT
 from helpers.tiny import make_tiny_model
 
 from txl_deploy.checkpoints.native import save_checkpoint
@@ -109,3 +112,12 @@ def test_help_says_both_directions():
     assert result.exit_code == 0
     for words in ("MIDI file", ".mid", "--representation", "--chords", "--force", "remi-xl"):
         assert words in result.output
+
+
+def test_without_mido_the_music_extra_is_named(monkeypatch, models, tmp_path):
+    monkeypatch.setitem(sys.modules, "mido", None)  # as if the music extra were not installed
+    monkeypatch.chdir(ROOT)
+    events = tmp_path / "e.txt"
+    events.write_text("Bar_None\n")
+    assert_one_line_error(cli("midi", models["remi"], events, "-o", tmp_path / "x.mid"), "mido is not installed",
+                          "pip install -e '.[music]'")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import re
 
 from txl_deploy.errors import InputError
+from txl_deploy.music import representation as representations
 from txl_deploy.music.midi_file import Note, Score, save_midi, score_to_midi
-from txl_deploy.music.representation import REMI, Representation, representation
+from txl_deploy.music.representation import REMI, Representation
 
 # REMI's bins (remi utils.py): 16 positions a bar, velocity bin edges 0, 4, ..., 128 (the last has no MIDI velocity),
 # 64 durations of 60 (d + 1) ticks, tempo classes starting at 30, 90 and 150 bpm and 60 values wide
@@ -48,24 +49,30 @@ _INTEGER = re.compile(r"[0-9]{1,7}")
 _MARKER_TEXT = re.compile(r"[!-~]{1,64}")  # printable ASCII without spaces, as chord names are
 
 
-def events_to_midi(events, representation_name="remi"):
+def events_to_midi(events, representation="remi"):
     """The MIDI file (a `mido.MidiFile`, 480 ticks a beat) the project's writer makes of `events` (symbols such as
     `Note On_60`), for the representation `"remi"` or `"remi-xl"` (a name or a `Representation`)."""
-    return score_to_midi(events_to_score(events, representation_name))
+    return score_to_midi(events_to_score(events, representation))
 
 
-def write_midi(events, representation_name, path, force: bool = False) -> Score:
-    """Write `events_to_midi(events, representation_name)` to `path`, atomically (an existing file only with
-    `force`); what was placed."""
-    score = events_to_score(events, representation_name)
+def write_midi(events, representation, path, force: bool = False) -> Score:
+    """Write `events_to_midi(events, representation)` to `path`, atomically (an existing file only with `force`);
+    what was placed."""
+    score = events_to_score(events, representation)
     save_midi(score_to_midi(score), path, force=force)
     return score
 
 
-def events_to_score(events, representation_name="remi") -> Score:
+def as_representation(representation) -> Representation:
+    """`representation` itself, or the one its name names (a one-line error for another name)."""
+    if isinstance(representation, Representation):
+        return representation
+    return representations.representation(representation)
+
+
+def events_to_score(events, representation="remi") -> Score:
     """The notes, tempo changes and chord markers the writer places for `events`, in ticks."""
-    rep = representation_name if isinstance(representation_name, Representation) else representation(
-        representation_name)
+    rep = as_representation(representation)
     parsed = _parse(events, rep)
     return _place_remi(parsed) if rep is REMI else _place_remi_xl(parsed)
 

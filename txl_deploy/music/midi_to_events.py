@@ -31,20 +31,20 @@ from txl_deploy.music.events_to_midi import (
     TICKS_PER_BAR,
     TICKS_PER_POSITION,
     VELOCITY_STEP,
+    as_representation,
 )
 from txl_deploy.music.midi_file import TICKS_PER_BEAT, Note, read_midi
-from txl_deploy.music.representation import REMI, Representation, representation
+from txl_deploy.music.representation import REMI
 
 MAX_BEATS = 200_000  # about 28 hours at 120 bpm: longer spans are refused before anything is laid out per beat
 _TEMPO_STARTS = sorted(TEMPO_CLASS_START.items(), key=lambda item: item[1])
 
 
-def midi_to_events(path, representation_name="remi", chords: bool = False) -> list[str]:
+def midi_to_events(path, representation="remi", chords: bool = False) -> list[str]:
     """The REMI events of the MIDI file at `path`, as the Pop Music Transformer extracts them; `chords`: add the
     chord events (as its chord model's prompts have). A file that is not MIDI, truncated, or without notes: a
     one-line `InputError`."""
-    rep = representation_name if isinstance(representation_name, Representation) else representation(
-        representation_name)
+    rep = as_representation(representation)
     if rep is not REMI:
         raise InputError(f"MIDI to events is defined for remi only (its project extracts events from MIDI); "
                          f"not for {rep.name}")
