@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mido
+
 
 def timeline(midi) -> list[list[tuple[int, object]]]:
     """Each track of a `mido.MidiFile` as (absolute tick, message) pairs."""
@@ -32,8 +34,6 @@ def notes_of(midi) -> list[tuple[int, int, int, int]]:
 
 def meta_of(midi, kind: str) -> list[tuple[int, object]]:
     """(tick, value) of the meta events of `kind` ("set_tempo": bpm as mido computes it; "marker": text)."""
-    import mido
-
     out = []
     for track in timeline(midi):
         for tick, m in track:
@@ -47,8 +47,6 @@ def meta_of(midi, kind: str) -> list[tuple[int, object]]:
 def build_midi(path: Path, notes, tempos=(), ticks_per_beat=480, extra_tracks=()) -> Path:
     """Write a type-1 file: a tempo track with `tempos` (tick, bpm), a track with `notes` (start, end, pitch, velocity)
     as note_on / note_off pairs, then `extra_tracks` (lists of (tick, message))."""
-    import mido
-
     def track(events):
         t, now = mido.MidiTrack(), 0
         for tick, message in sorted(events, key=lambda e: e[0]):
