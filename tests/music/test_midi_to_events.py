@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from txl_deploy.errors import InputError
 from txl_deploy.music.chords import chord_of, recognise_chords
 from txl_deploy.music.events_to_midi import write_midi
-from txl_deploy.music.midi_file import Note
+from txl_deploy.music.midi_file import Note, read_midi
 from txl_deploy.music.midi_to_events import midi_to_events
 
 
@@ -58,6 +58,34 @@ def test_tempo_classes_and_values(tmp_path, bpm, tempo_class, value):
     path = build_midi(tmp_path / "c.mid", tempos=[(0, bpm)], notes=[(0, 240, 60, 100)])
     assert midi_to_events(path) == ["Bar_None", "Position_1/16", f"Tempo Class_{tempo_class}",
                                     f"Tempo Value_{value}", *_note("1/16", 25, 60, 3)]
+
+
+def test_at_exactly_210_bpm_the_tempo_before_is_repeated(tmp_path):
+    """Upstream's classes leave 210 bpm out (fast stops below it, its clamp starts above): it writes the previous
+    tempo's events again; as the first tempo, where upstream fails, it is the fastest value."""
+    path = build_midi(tmp_path / "210.mid", tempos=[(0, 100), (480, 210)], notes=[(0, 960, 60, 64)])
+    assert midi_to_events(path)[:10] == [
+        "Bar_None", "Position_1/16", "Tempo Class_mid", "Tempo Value_10", *_note("1/16", 16, 60, 15),
+        "Position_5/16", "Tempo Class_mid"]
+
+
+def test_notes_are_paired_as_the_projects_midi_reader_pairs_them(tmp_path):
+    """miditoolkit 0.1.x (pretty_midi's rule): a note-off closes every earlier note of its pitch; a note-on on the
+    note-off's tick stays open if something closed, and a note of no length is lost."""
+    def on(tick, pitch, velocity):
+        return tick, mido.Message("note_on", note=pitch, velocity=velocity)
+
+    def off(tick, pitch):
+        return tick, mido.Message("note_off", note=pitch)
+
+    track = [on(0, 60, 80), on(240, 60, 90), off(480, 60),  # one note-off ends both
+             on(960, 62, 70), off(960, 62),  # no length: lost
+             on(1440, 64, 60), off(1920, 64), on(1920, 64, 50), off(2400, 64),
+             on(2880, 65, 30), on(3360, 65, 40), off(3360, 65), off(3840, 65)]  # the 3360 note outlives the off
+    path = build_midi(tmp_path / "p.mid", notes=[], extra_tracks=[track])
+    assert sorted((n.start, n.end, n.pitch, n.velocity) for n in read_midi(path).notes) == [
+        (0, 480, 60, 80), (240, 480, 60, 90), (1440, 1920, 64, 60), (1920, 2400, 64, 50), (2880, 3360, 65, 30),
+        (3360, 3840, 65, 40)]
 
 
 def test_another_resolution_is_read_at_480_ticks_a_beat(tmp_path):

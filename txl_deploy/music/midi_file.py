@@ -8,10 +8,12 @@ parser (github.com/YatingMusic/miditoolkit, the 2020 release the projects used):
   sets one there; the tempo changes; the markers), then one track for the instrument (its name, a program change,
   each note as a note-on and a note-on of velocity 0), each track ordered by tick, then by kind, then by pitch, and
   ended one tick after its last event;
-- read: a note is a note-on of velocity > 0 closed by the next note-off (or note-on of velocity 0) of the same
-  channel and pitch, first opened first closed; notes belong to an instrument per (program, channel, track), in the
-  order the instruments' first notes close; tempo changes start as 120 bpm at tick 0, a tempo at tick 0 replaces the
-  list, and a later one is kept when it differs from the last kept.
+- read (miditoolkit 0.1.x, the releases of 2020-2022 the projects' data went through; pretty_midi's rule): a note-off
+  (or note-on of velocity 0) closes every note of its channel and pitch that started on an earlier tick; a note-on on
+  the note-off's own tick stays open if an earlier note was closed, and is dropped otherwise (so a note of no
+  length is lost); notes belong to an instrument per (program, channel, track), in the order the instruments' first
+  notes close; tempo changes start as 120 bpm at tick 0, a tempo at tick 0 replaces the list, and a later one is
+  kept when it differs from the last kept.
 mido is imported late: it comes with the music extra, which `import txl_deploy` does not need.
 """
 
@@ -187,12 +189,18 @@ def _first_instrument_notes(tracks) -> list[Note]:
                 open_notes[message.channel, message.note].append((tick, message.velocity))
             elif message.type in ("note_off", "note_on"):
                 key = (message.channel, message.note)
-                if not open_notes.get(key):
+                if key not in open_notes:
                     continue  # a note-off with no note sounding
-                start, velocity = open_notes[key].pop(0)
-                instrument = (program[message.channel], message.channel, index)
-                if first is None:
-                    first = instrument
-                if instrument == first:
-                    notes.append(Note(start, tick, message.note, velocity))
+                closed = [(start, velocity) for start, velocity in open_notes[key] if start != tick]
+                kept = [(start, velocity) for start, velocity in open_notes[key] if start == tick]
+                for start, velocity in closed:
+                    instrument = (program[message.channel], message.channel, index)
+                    if first is None:
+                        first = instrument
+                    if instrument == first:
+                        notes.append(Note(start, tick, message.note, velocity))
+                if closed and kept:
+                    open_notes[key] = kept
+                else:
+                    del open_notes[key]
     return notes

@@ -12,7 +12,8 @@ From YatingMusic/remi (model.py `extract_events`, utils.py `read_items`, `quanti
   Each bar gives `Bar_None`, then for each item, in time order (chords, then tempos, then notes at one tick; notes
   at one tick by their original start and pitch), `Position_k/16` and its events: `Note Velocity_v` (v = velocity
   // 4), `Note On_pitch`, `Note Duration_d` (the nearest of 60 (d + 1) ticks; a tie goes shorter); `Chord_X:yy`;
-  `Tempo Class_c`, `Tempo Value_n` (slow, mid, fast from 30, 90, 150 bpm; slower is slow 0, faster fast 59).
+  `Tempo Class_c`, `Tempo Value_n` (slow, mid, fast from 30, 90, 150 bpm; slower is slow 0, faster than 210 fast
+  59; exactly 210 repeats the tempo before, as upstream's classes leave it out).
 Upstream assumes 480 ticks a beat; a file at another resolution is rescaled to it first (a 480 file is untouched).
 """
 
@@ -114,7 +115,8 @@ def items_to_events(items: list[tuple[int, str, object]], last_end: int) -> list
         bar = item[0] // TICKS_PER_BAR
         if 0 <= bar < bars:
             by_bar[bar].append(item)
-    events = []
+    events: list[str] = []
+    tempo_events: list[str] = []  # the last tempo's, which upstream repeats for 210 bpm
     for bar, inside in enumerate(by_bar):
         if not any(kind == "Note" for _, kind, _ in inside):
             continue
@@ -127,7 +129,8 @@ def items_to_events(items: list[tuple[int, str, object]], last_end: int) -> list
             elif kind == "Chord":
                 events.append(f"Chord_{value}")
             else:
-                events += _tempo_events(value)
+                tempo_events = _tempo_events(value, tempo_events)
+                events += tempo_events
     return events
 
 
@@ -141,13 +144,17 @@ def _duration_bin(ticks: int) -> int:
     return min(range(DURATION_BINS), key=lambda d: (abs(DURATION_STEP * (d + 1) - ticks), d))
 
 
-def _tempo_events(bpm: int) -> list[str]:
-    # Upstream matches no class at exactly 210 bpm (its fast class stops below it and its clamp starts above it),
-    # and repeats the previous tempo's events or fails there; 210 is written as the fastest value here.
+def _tempo_events(bpm: int, previous: list[str]) -> list[str]:
+    """`Tempo Class`, `Tempo Value` of `bpm`; `previous`: the events of the tempo before (none: [])."""
     lowest, highest = _TEMPO_STARTS[0], _TEMPO_STARTS[-1]
+    top = highest[1] + TEMPO_VALUES
+    if bpm == top and previous:
+        # upstream's fast class stops below 210 and its clamp starts above it: at exactly 210 it matches nothing and
+        # writes the events of the tempo before again (where there is none it fails; the fastest value here)
+        return previous
     if bpm < lowest[1]:
         name, value = lowest[0], 0
-    elif bpm >= highest[1] + TEMPO_VALUES:
+    elif bpm >= top:
         name, value = highest[0], TEMPO_VALUES - 1
     else:
         starts = [start for _, start in _TEMPO_STARTS]
