@@ -195,6 +195,15 @@ def test_not_midi_or_without_notes_is_a_one_line_error(tmp_path):
         assert "\n" not in str(caught.value)
 
 
+def test_files_too_large_or_too_long_are_refused_before_they_are_laid_out(tmp_path):
+    (tmp_path / "big.mid").write_bytes(b"MThd" + bytes(4 << 20))
+    with pytest.raises(InputError, match="too large for a MIDI file"):
+        midi_to_events(tmp_path / "big.mid")
+    long = build_midi(tmp_path / "long.mid", notes=[(0, 480, 60, 64), (480, 20_001 * 480, 62, 64)])
+    with pytest.raises(InputError, match="spans 20,001 beats"):
+        midi_to_events(long, chords=True)
+
+
 @pytest.fixture(scope="module")
 def song_bytes(tmp_path_factory):
     path = build_midi(tmp_path_factory.mktemp("song") / "s.mid", tempos=[(0, 100), (1920, 130)], notes=[

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from txl_deploy.music.midi_file import Note
 
 PITCH_CLASSES = ("C", "C#", "D", "D#", "E", "F", "F#", "G", "G#", "A", "A#", "B")
@@ -36,18 +38,19 @@ NO_CHORD_SCORE = -100
 
 def recognise_chords(notes: Iterable[Note]) -> list[tuple[int, int, str]]:
     """(start, end, label) of each chord of `notes` (480 ticks a beat), labels `root:quality` or
-    `root:quality/bass`; an empty list when no span holds a chord."""
+    `root:quality/bass`; an empty list when no span holds a chord. Memory grows with the beats spanned (a few
+    hundred bytes a beat): callers bound them."""
     notes = [n for n in notes if n.velocity > 0]
     if not notes:
         return []
     last_tick = max(n.end for n in notes)
-    beats = _pitches_by_beat(notes, last_tick)
+    sounded = _beats_sounded(notes, last_tick)
     spans: dict[int, dict[int, tuple[str, int]]] = {}
     for beats_long in SPANS:
         for start in range(0, last_tick, BEAT):
             end = min(start + BEAT * beats_long, last_tick)
-            pitches = set().union(*beats[start // BEAT:-(-end // BEAT)])
-            spans.setdefault(start, {}).setdefault(end, chord_of(pitches))
+            pitches = np.flatnonzero(sounded[-(-end // BEAT)] - sounded[start // BEAT])
+            spans.setdefault(start, {}).setdefault(end, chord_of({int(p) for p in pitches}))
     chords = []
     start = 0
     while start < last_tick:
@@ -57,14 +60,20 @@ def recognise_chords(notes: Iterable[Note]) -> list[tuple[int, int, str]]:
     return _absorb_none(chords)
 
 
-def _pitches_by_beat(notes: list[Note], last_tick: int) -> list[set[int]]:
-    """The pitches that sound in each beat up to `last_tick`."""
-    beats: list[set[int]] = [set() for _ in range(-(-last_tick // BEAT))]
-    for note in notes:
-        end = min(max(note.end, note.start + 1), last_tick)
-        for beat in range(note.start // BEAT, -(-end // BEAT)):
-            beats[beat].add(note.pitch)
-    return beats
+def _beats_sounded(notes: list[Note], last_tick: int) -> np.ndarray:
+    """[beat b, pitch]: in how many of the beats before b the pitch sounds (up to `last_tick`), so the pitches of
+    beats b0 up to b1 are the columns where row b1 differs from row b0."""
+    beats = -(-last_tick // BEAT)
+    first = np.array([n.start // BEAT for n in notes])
+    after = np.array([-(-min(max(n.end, n.start + 1), last_tick) // BEAT) for n in notes])
+    pitch = np.array([n.pitch for n in notes])
+    changes = np.zeros((beats + 1, 128), np.int32)
+    np.add.at(changes, (first, pitch), 1)
+    np.add.at(changes, (np.maximum(after, first), pitch), -1)
+    sounding = np.cumsum(changes, axis=0)[:-1] > 0
+    sounded = np.zeros((beats + 1, 128), np.int32)
+    np.cumsum(sounding, axis=0, out=sounded[1:])
+    return sounded
 
 
 def chord_of(pitches: set[int]) -> tuple[str, int]:

@@ -29,7 +29,9 @@ from txl_deploy.files import atomic_path
 
 TICKS_PER_BEAT = 480  # both projects write at 480 ticks a beat (remi utils.py DEFAULT_RESOLUTION, remi-xl BEAT_RESOL)
 DEFAULT_BPM = 120  # the tempo miditoolkit writes at tick 0 when a score has none there, and assumes when reading
-MAX_MIDI_BYTES = 64 << 20  # a MIDI file is read whole; songs are kilobytes, so a larger file is refused unread
+# A MIDI file is read whole into Python objects (a few hundred bytes an event); songs are kilobytes, so a larger
+# file is refused unread
+MAX_MIDI_BYTES = 4 << 20
 
 # miditoolkit's order of the events that share a tick: meta events before channel events, note-offs (velocity 0)
 # before note-ons of the same pitch

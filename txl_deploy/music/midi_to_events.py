@@ -37,7 +37,7 @@ from txl_deploy.music.events_to_midi import (
 from txl_deploy.music.midi_file import TICKS_PER_BEAT, Note, read_midi
 from txl_deploy.music.representation import REMI
 
-MAX_BEATS = 200_000  # about 28 hours at 120 bpm: longer spans are refused before anything is laid out per beat
+MAX_BEATS = 20_000  # about 2.8 hours at 120 bpm: longer spans are refused before anything is laid out per beat
 _TEMPO_STARTS = sorted(TEMPO_CLASS_START.items(), key=lambda item: item[1])
 
 
