@@ -19,6 +19,7 @@ mido is imported late: it comes with the music extra, which `import txl_deploy` 
 
 from __future__ import annotations
 
+import io
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -133,12 +134,15 @@ def read_midi(path) -> Performance:
     path = Path(path)
     try:
         size = os.path.getsize(path)
+        if size > MAX_MIDI_BYTES:
+            raise InputError(f"{path}: {size:,} bytes is too large for a MIDI file (at most {MAX_MIDI_BYTES:,})")
+        data = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if size > MAX_MIDI_BYTES:
-        raise InputError(f"{path}: {size:,} bytes is too large for a MIDI file (at most {MAX_MIDI_BYTES:,})")
     try:
-        midi = mido.MidiFile(filename=str(path))
+        # from memory: mido reads each chunk with the size its header claims, which a file object would allocate
+        # whole (gigabytes for a damaged header); a bytes buffer hands back only what the file holds
+        midi = mido.MidiFile(file=io.BytesIO(data))
     except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as e:
         raise InputError(f"{path}: not a readable MIDI file ({_reason(e)})") from None
     if not 0 < midi.ticks_per_beat < 0x8000:  # the top bit would mean SMPTE frames, which have no beats
