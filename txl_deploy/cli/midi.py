@@ -17,7 +17,7 @@ from txl_deploy.music.midi_to_events import midi_to_events
 from txl_deploy.music.representation import REPRESENTATIONS, Representation, detect, representation
 
 MIDI_SUFFIXES = (".mid", ".midi")
-MAX_EVENTS_BYTES = 64 << 20  # an events file is read whole; a song's events are some kilobytes
+MAX_EVENTS_BYTES = 16 << 20  # an events file is read whole; a song's events are some kilobytes
 
 
 def model_representation(model: Path, name: str | None, **how) -> Representation:
