@@ -121,3 +121,10 @@ def test_without_mido_the_music_extra_is_named(monkeypatch, models, tmp_path):
     events.write_text("Bar_None\n")
     assert_one_line_error(cli("midi", models["remi"], events, "-o", tmp_path / "x.mid"), "mido is not installed",
                           "pip install -e '.[music]'")
+
+
+def test_an_exported_models_vocabulary_is_read_from_its_metadata(tiny_onnx, tmp_path):
+    events = tmp_path / "e.txt"
+    events.write_text("Bar_None\n")
+    assert_one_line_error(cli("midi", tiny_onnx, events, "-o", tmp_path / "a.mid"), str(tiny_onnx),
+                          "not one of music events")
