@@ -129,7 +129,7 @@ def encode_events(vocab, events) -> np.ndarray:
     for n, event in enumerate(events, 1):
         if not isinstance(event, str):
             raise InputError(f"event {n} is a {type(event).__name__}, not an event symbol (text)")
-        ids.append(_lookup(vocab, event, lambda e: f"event {n} ({e[:80]!r}) is not in the vocabulary"))
+        ids.append(_lookup(vocab, event, lambda e, n=n: f"event {n} ({e[:80]!r}) is not in the vocabulary"))
     return np.array(ids, dtype=np.int64)
 
 
