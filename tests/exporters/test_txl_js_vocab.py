@@ -29,7 +29,7 @@ const out = cases.map(({ vocab, encode, ids, after }) => {
   try { v = new Vocab(vocab); } catch (e) { return { error: e.message }; }
   const encoded = encode.map((text) => { try { return v.encode(text); } catch (e) { return e.message; } });
   const decoder = v.streamDecoder(after);
-  return { encoded, pieces: [...ids.map((id) => decoder.feed(id)), decoder.flush()] };
+  return { encoded, pieces: [...ids.map((id) => decoder.feed(id)), decoder.flush()], representation: v.representation };
 });
 console.log(JSON.stringify(out));
 """
@@ -83,6 +83,7 @@ def test_every_kind_reads_and_writes_text_as_python_does(tmp_path):
     for case, vocab, got in zip(cases, vocabs, results):
         encoded, pieces = python_side(vocab, case["encode"], case["ids"], case["after"])
         assert got["pieces"] == pieces, vocab.kind
+        assert got["representation"] == vocab.representation
         for js, py in zip(got["encoded"], encoded):
             if isinstance(py, str):  # a refusal: both name the same character
                 assert isinstance(js, str) and py.split(" is not")[0] == js.replace('"', "'").split(" is not")[0]

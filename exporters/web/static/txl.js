@@ -127,7 +127,7 @@ const KINDS = ["word", "char", "bytes", "text8", "events"];
 const UNK = "<unk>", EOS = "<eos>";
 
 export class Vocab {
-  constructor({ kind, symbols, tokenizer = null }) {
+  constructor({ kind, symbols, tokenizer = null, representation = null }) {
     if (!KINDS.includes(kind)) {
       throw new Error(`vocabulary kind ${JSON.stringify(kind)} is not one this txl.js knows (${KINDS.join(", ")})`);
     }
@@ -137,6 +137,7 @@ export class Vocab {
     }
     this.kind = kind;
     this.symbols = symbols;
+    this.representation = representation; // an events vocabulary's music representation ("remi", "remi-xl"), or null
     this.index = new Map(symbols.map((s, i) => [s, i]));
     this.unk = this.index.get(UNK);
     this.eos = this.index.get(EOS);
