@@ -238,12 +238,9 @@ def encode_corpus(vocab, data, raw: bool = False) -> tuple[np.ndarray, dict]:
         stripped = text.strip()
         ids = encode_text8(vocab, stripped)
         return ids, {"characters": len(text), "stripped": len(text) - len(stripped), "symbols": int(ids.size)}
-    if vocab.kind == "char":
+    if vocab.kind in ("char", "events"):
         ids = vocab.encode(text)
         return ids, {"characters": len(text), "symbols": int(ids.size)}
-    if vocab.kind == "events":
-        ids = vocab.encode(text)
-        return ids, {"lines": text.count("\n") + (not text.endswith("\n") and bool(text)), "symbols": int(ids.size)}
     ids = vocab.encode(text) if raw else encode_pretokenized(vocab, text)
     line_ends = "<S> before and after each line" if vocab.tokenizer == "lm1b" else "<eos> line ends"
     read_as = (f"raw text tokenized with the {vocab.tokenizer} tokenizer" if raw and vocab.tokenizer != "whitespace"

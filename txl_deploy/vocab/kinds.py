@@ -9,8 +9,7 @@
   `_` standing for the space.
 - `events`: symbolic music's event symbols (REMI's `Note On_60`, remi-xl's `Note_Pitch_60`, ProgGP's
   `wait:480`), kept verbatim, spaces included: text is one event a line. Its vocabulary may name the
-  representation its events are written in (`remi`, `remi-xl`; txl_deploy.music.representation), which the
-  MIDI writer and the grammar read.
+  representation its events are written in (`remi`, `remi-xl`; txl_deploy.music.representation).
 
 A `bytes` or `text8` vocabulary may also hold `<unk>` (what a byte or character it lacks becomes) and `<eos>` (a
 newline); the paper's hold neither.
