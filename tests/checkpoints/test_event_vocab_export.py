@@ -43,7 +43,7 @@ def exported(tmp_path_factory):
 
 
 def test_the_onnx_metadata_and_the_runtime_keep_the_events_verbatim(exported):
-    folder, onnx_path = exported
+    _, onnx_path = exported
     vocab = read_onnx_info(onnx_path).vocab
     assert vocab.kind == "events" and vocab.symbols == REMI_EVENTS and vocab.representation == "remi"
     with TxlRuntime.load(onnx_path) as rt:

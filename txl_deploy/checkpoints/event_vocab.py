@@ -134,7 +134,7 @@ def read_event_pair(path: Path, obj) -> tuple[Vocab, str]:
     other = reverse_file(path)
     if not isinstance(obj, dict) or other is None:
         raise CheckpointError(path, "is not an event dictionary: expected a pickled (event2word, word2event) pair, "
-                                    f"or one dict with its inverse beside it as {REVERSE_PREFIX}{path.name}")
+                                    "or one dict with its inverse beside it (NAME.pkl and rev_NAME.pkl)")
     second = unpickle_events(other)
     forward, backward = (obj, second) if not path.name.startswith(REVERSE_PREFIX) else (second, obj)
     if not isinstance(backward, dict):
