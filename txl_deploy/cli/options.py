@@ -48,8 +48,8 @@ VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line v
               "(with --vocab-kind char), HuggingFace's transfo-xl vocab.pkl or vocab.bin, a TensorFlow model's "
               "data/cache.pkl, the original PyTorch code's corpus cache.pt, or a music model's event dictionary "
               "(REMI's and remi-xl's dictionary.pkl; ProgGP's vocab_song_artist.pkl with rev_vocab_song_artist.pkl "
-              "beside it) (the pickles read without running anything: only the symbols and the tokenizer's "
-              "settings are taken). Overrides a vocabulary found in or beside the checkpoint.")
+              "beside it). The pickles are read without running anything: only the symbols and the tokenizer's "
+              "settings are taken. Overrides a vocabulary found in or beside the checkpoint.")
 
 
 CONFIG_HELP = ("JSON config for a bare state_dict: our TxlConfig fields or the original MemTransformerLM "
