@@ -42,7 +42,7 @@ def exported(tmp_path_factory):
     return folder, onnx_path
 
 
-def test_the_onnx_metadata_and_the_runtime_keep_the_events_verbatim(exported):
+def test_the_onnx_metadata_and_the_runtime_keep_the_events_verbatim(exported, tmp_path):
     _, onnx_path = exported
     vocab = read_onnx_info(onnx_path).vocab
     assert vocab.kind == "events" and vocab.symbols == REMI_EVENTS and vocab.representation == "remi"
@@ -57,6 +57,12 @@ def test_the_onnx_metadata_and_the_runtime_keep_the_events_verbatim(exported):
         assert text == rt.decode(tokens) == "".join(REMI_EVENTS[i] + "\n" for i in tokens)
     result = cli("info", onnx_path)
     assert result.exit_code == 0 and "kind events" in result.output and "representation: remi" in result.output
+    piece = tmp_path / "piece.txt"  # an events text is scored per event, as a perplexity
+    piece.write_text(prompt * 3, encoding="utf-8")
+    scored = cli("eval", onnx_path, "--text", piece, "--json", tmp_path / "score.json")
+    assert scored.exit_code == 0 and "perplexity" in scored.output, scored.output
+    score = json.loads((tmp_path / "score.json").read_text())
+    assert score["unit"] == "ppl" and score["counted"] == "events" and score["n_tokens"] == 11
     listed = json.loads(cli("info", onnx_path, "--list-vocab", "--json").output)
     assert listed == REMI_EVENTS
 
