@@ -22,13 +22,15 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
                       config=None, preset: str | None = None, check_memory: bool = True,
                       mem_len: int | None = None, max_segment: int = 512, verify: bool = True,
                       threads: int | None = None, block_size: int | None = None, calib=None, eval_text=None,
-                      tokenizer: str | None = None, ort_format: bool = False, executorch: bool = False,
+                      tokenizer: str | None = None, representation: str | None = None, ort_format: bool = False,
+                      executorch: bool = False,
                       **graph_options) -> ExportResult:
     """Export `checkpoint` (any supported format) to `output` [default: the checkpoint's name + .onnx, or + .pte
     with `executorch`].
 
-    vocab, vocab_kind, config, preset, tokenizer: how the checkpoint is read (see `load_model`); the tokenizer is
-    stored with the vocabulary in the graph's metadata.
+    vocab, vocab_kind, config, preset, tokenizer, representation: how the checkpoint is read (see `load_model`); the
+    tokenizer and an events vocabulary's music representation are stored with the vocabulary in the graph's
+    metadata.
     graph_options: clamp_len, same_length, opset, state, force (see export_onnx). block_size: int4 only.
     threads: torch's threads for the trace and the reference, ONNX Runtime's for the checks.
     ort_format: also write `<name>.ort` and `<name>.required_operators.config` beside the graph (any precision),
@@ -45,7 +47,8 @@ def export_checkpoint(checkpoint, output=None, *, precision: str = "fp32", vocab
         import torch  # the export trace and the PyTorch reference of the verification
 
         torch.set_num_threads(threads)
-    how = {"vocab": vocab, "vocab_kind": vocab_kind, "config": config, "preset": preset, "tokenizer": tokenizer}
+    how = {"vocab": vocab, "vocab_kind": vocab_kind, "config": config, "preset": preset, "tokenizer": tokenizer,
+           "representation": representation}
     loaded = load_model(checkpoint, **{k: v for k, v in how.items() if v is not None})
     if check_memory:
         cfg = loaded.config

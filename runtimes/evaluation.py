@@ -82,10 +82,10 @@ def evaluate_text(rt, text, tgt_len: int, progress: bool = True, zero_memory: bo
     rt.reset()
     result["tokens_per_second"] = result["n_tokens"] / max(result["seconds"], 1e-9)
     kind = rt.vocab.kind
-    result["unit"] = "ppl" if kind == "word" else "bpc"
+    result["unit"] = "ppl" if kind in ("word", "events") else "bpc"  # music models report perplexity per event
     result["score"] = result["bits_per_token"] if result["unit"] == "bpc" else result["perplexity"]
     result["vocab_kind"] = kind
-    result["counted"] = {"bytes": "bytes", "word": "tokens"}.get(kind, "characters")
+    result["counted"] = {"bytes": "bytes", "word": "tokens", "events": "events"}.get(kind, "characters")
     result["counting"] = counting(kind, counts, result["n_tokens"])
     result["input"] = counts
     return result

@@ -45,9 +45,9 @@ def evaluate_against_fp32(rt, rt32, ids: np.ndarray, seg: int, progress=True) ->
 
 def accuracy_report(evaluation: dict, kind: str) -> dict:
     """The headline numbers: bits per character for character vocabularies (bits per byte for enwik8's bytes),
-    perplexity for words."""
-    metric = {"word": "perplexity", "bytes": "bits_per_byte"}.get(kind, "bits_per_character")
-    key = "perplexity" if kind == "word" else "bits_per_token"
+    perplexity for words and music events."""
+    metric = {"word": "perplexity", "events": "perplexity", "bytes": "bits_per_byte"}.get(kind, "bits_per_character")
+    key = "perplexity" if metric == "perplexity" else "bits_per_token"
     base, new = evaluation["fp32"][key], evaluation["reduced"][key]
     return {"metric": metric, "fp32": base, "reduced": new, "relative_change": (new - base) / base,
             "top1_agreement": evaluation["top1_agreement"], "tokens": evaluation["fp32"]["n_tokens"]}

@@ -198,8 +198,10 @@ def test_vocab_option_takes_a_vocab_pkl_and_the_search_order_holds(hf, tmp_path)
     loaded = load_model(folder, vocab=elsewhere / "vocab.pkl")
     assert loaded.vocab.symbols == WORDS and loaded.vocab.lower_case is True
     assert load_model(folder, vocab=elsewhere / "vocab.pkl", tokenizer="whitespace").vocab.tokenizer == "whitespace"
-    # beside the model: vocab.json, vocab.txt, vocab.pkl, vocab.bin, cache.pt, the first one found
-    assert VOCAB_FILES == ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt")
+    # beside the model: vocab.json, vocab.txt, vocab.pkl, vocab.bin, cache.pt, the music event dictionaries, the
+    # first one found
+    assert VOCAB_FILES == ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt", "dictionary.pkl",
+                           "vocab_song_artist.pkl")
     tok = hf_tokenizer(tmp_path, WORDS)
     torch.save(old_layout(tok), folder / "vocab.bin")
     assert find_vocab(folder) == folder / "vocab.bin"

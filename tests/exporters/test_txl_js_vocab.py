@@ -29,7 +29,7 @@ const out = cases.map(({ vocab, encode, ids, after }) => {
   try { v = new Vocab(vocab); } catch (e) { return { error: e.message }; }
   const encoded = encode.map((text) => { try { return v.encode(text); } catch (e) { return e.message; } });
   const decoder = v.streamDecoder(after);
-  return { encoded, pieces: [...ids.map((id) => decoder.feed(id)), decoder.flush()] };
+  return { encoded, pieces: [...ids.map((id) => decoder.feed(id)), decoder.flush()], representation: v.representation };
 });
 console.log(JSON.stringify(out));
 """
@@ -63,6 +63,8 @@ def test_every_kind_reads_and_writes_text_as_python_does(tmp_path):
     text8 = Vocab(list("_etaoinsrhldcumfpgwybvkxjqz"), kind="text8")
     words = Vocab(["<eos>", "<unk>", "the", "cat", "sat"])
     chars = Vocab(list("ab\n_ é"), kind="char")
+    events = Vocab(["Bar_None", "Position_1/16", "Note On_60", "Chord_C:maj", "<unk>"], kind="events")
+    remi = Vocab(["Bar_None", "Position_1/16", "Note On_60", "Chord_C:maj"], kind="events", representation="remi")
     cases = []
     for vocab, encode, ids, after in (
         (enwik8, ["Zürich — 東京 ✓ 🎉", "line\nbreak"],
@@ -72,13 +74,16 @@ def test_every_kind_reads_and_writes_text_as_python_does(tmp_path):
         (text8, ["the quick fox", "The", "a_b", "one\ttwo\nthree"], [3, 9, 0, 2, 0, 26, 1], ""),
         (words, ["the cat\nsat\n", "the dog"], [2, 3, 0, 0, 4, 2, 0, 3], "the"),
         (chars, ["a_ b\né"], [0, 3, 4, 2, 5, 1], ""),
+        (events, ["Bar_None\nNote On_60\n\n Chord_C:maj \r\n", "Note On_61"], [0, 1, 2, 4, 3], "Bar_None"),
+        (remi, ["Bar_None\nPosition_1/16\n", "Bar_None\nNote On_61\n"], [0, 1, 2, 3], ""),
     ):
         cases.append({"vocab": vocab.to_dict(), "encode": encode, "ids": ids, "after": after})
     results = run_js(tmp_path, cases)
-    vocabs = [enwik8, enwik8, special_bytes, text8, words, chars]
+    vocabs = [enwik8, enwik8, special_bytes, text8, words, chars, events, remi]
     for case, vocab, got in zip(cases, vocabs, results):
         encoded, pieces = python_side(vocab, case["encode"], case["ids"], case["after"])
         assert got["pieces"] == pieces, vocab.kind
+        assert got["representation"] == vocab.representation
         for js, py in zip(got["encoded"], encoded):
             if isinstance(py, str):  # a refusal: both name the same character
                 assert isinstance(js, str) and py.split(" is not")[0] == js.replace('"', "'").split(" is not")[0]
@@ -88,4 +93,4 @@ def test_every_kind_reads_and_writes_text_as_python_does(tmp_path):
 
 def test_an_unknown_kind_is_refused(tmp_path):
     got = run_js(tmp_path, [{"vocab": {"kind": "bpe", "symbols": ["a"]}, "encode": [], "ids": [], "after": ""}])
-    assert got == [{"error": 'vocabulary kind "bpe" is not one this txl.js knows (word, char, bytes, text8)'}]
+    assert got == [{"error": 'vocabulary kind "bpe" is not one this txl.js knows (word, char, bytes, text8, events)'}]

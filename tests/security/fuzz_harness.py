@@ -148,6 +148,18 @@ def _midi_songs(folder: Path) -> list[dict]:
     return [{"song.mid": (folder / name).read_bytes()} for name in ("remi.mid", "two.mid")]
 
 
+def _event_dictionaries() -> list[dict]:
+    """Music models' event vocabularies: REMI's dictionary.pkl (events with spaces), remi-xl's, and ProgGP's pair."""
+    remi = ["Bar_None", "Position_1/16", "Note Velocity_20", "Note On_60", "Note Duration_7", "Chord_C:maj",
+            "Tempo Class_mid", "Tempo Value_12"]
+    remi_xl = ["Bar_None", "EOS_None", "Beat_0", "Note_Pitch_60", "Note_Velocity_64", "Chord_C_M", "Tempo_120"]
+    pairs = [({e: i for i, e in enumerate(events)}, dict(enumerate(events))) for events in (remi, remi_xl)]
+    proggp = ["wait:240", "new_measure", "drums:note:36", "artist:zz_top"]
+    return [{"dictionary.pkl": pickle.dumps(pairs[0], protocol=2)}, {"dictionary.pkl": pickle.dumps(pairs[1])},
+            {"vocab_song_artist.pkl": pickle.dumps({e: i for i, e in enumerate(proggp)}, protocol=3),
+             "rev_vocab_song_artist.pkl": pickle.dumps(dict(enumerate(proggp)), protocol=3)}]
+
+
 def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
     """{format: [seed, ...]}; a seed is {file name: bytes} (or, for states, the state's arrays too)."""
     import torch  # the torch.save seeds
@@ -184,6 +196,7 @@ def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
     seeds["midi"] = _midi_songs(folder)
     seeds["cache"] = [{"cache.pkl": p} for p in _corpus_pickles()]
     seeds["tokenizer-vocab"] = _tokenizer_vocabularies(folder)
+    seeds["event-vocab"] = _event_dictionaries()
     prefix = folder / "tf" / "model.ckpt-0"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

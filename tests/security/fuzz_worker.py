@@ -88,6 +88,13 @@ class Targets:
             if (folder / name).is_file():
                 read_vocab_file(folder / name)
 
+    def event_vocab(self, folder, case):  # dictionary.pkl, or ProgGP's vocab_song_artist.pkl and its inverse
+        for name in ("dictionary.pkl", "vocab_song_artist.pkl"):
+            if (folder / name).is_file():
+                vocab = read_vocab_file(folder / name)
+                if vocab.kind != "events" or len(set(vocab.symbols)) != len(vocab.symbols):
+                    raise Broken(f"an event dictionary read as {vocab!r}")
+
     def checkpoint_folder(self, folder, case):  # safetensors, config.json, vocab.json
         load_model(folder)
         if (folder / "vocab.json").is_file():

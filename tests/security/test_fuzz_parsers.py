@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 
 from txl_deploy.serving.triton.repository import write_repository
 
-FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "safetensors", "config-json", "vocab-json", "torch-pickle",
-           "onnx-metadata", "ort-file", "saved-state", "triton-requests", "midi-file"]
+FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "event-vocab", "safetensors", "config-json", "vocab-json",
+           "torch-pickle", "onnx-metadata", "ort-file", "saved-state", "triton-requests", "midi-file"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
 
 
@@ -135,6 +135,18 @@ def test_fuzz_midi_files(fuzz):
         return "midi_file", {"song.mid": data.draw(damaged(seed))}
 
     fuzz_case(fuzz, "midi-file", build)
+
+
+def test_fuzz_event_dictionaries(fuzz):
+    """REMI's and remi-xl's dictionary.pkl, ProgGP's two files (one of them damaged)."""
+    seeds = fuzz["seeds"]["event-vocab"]
+
+    def build(data):
+        seed = data.draw(st.sampled_from(seeds))
+        name = data.draw(st.sampled_from(sorted(seed)), label="damaged file")
+        return "event_vocab", {**seed, name: data.draw(damaged(seed[name]))}
+
+    fuzz_case(fuzz, "event-vocab", build)
 
 
 def test_fuzz_safetensors_header(fuzz):

@@ -20,6 +20,7 @@ def describe_checkpoint(loaded) -> dict:
         "vocab_source": loaded.vocab_source,
         "vocab_format": getattr(loaded, "vocab_format", None),
         "vocab_tokenizer": getattr(loaded.vocab, "tokenizer", None) if loaded.vocab is not None else None,
+        "vocab_representation": getattr(loaded.vocab, "representation", None) if loaded.vocab is not None else None,
         "memory_bytes_per_stream": {
             "mem_len": cfg.mem_len,
             "fp32": cfg.memory_bytes_per_stream(bytes_per_value=4),

@@ -41,18 +41,22 @@ NVIDIA_WORK_DIR_FILES = ("checkpoint_best.pt", "checkpoint_last.pt")
 
 
 def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, preset: str | None = None,
-             tokenizer: str | None = None) -> LoadedModel:
+             tokenizer: str | None = None, representation: str | None = None) -> LoadedModel:
     """Load a checkpoint of any supported format. `config`: for a bare state_dict (path, dict or TxlConfig), or the
     training flags of a TensorFlow checkpoint; `vocab`: a vocabulary file overriding any other; `vocab_kind`:
-    the vocabulary's kind ("word", "char", "bytes", "text8") [default: the file's, the corpus's or what its symbols
-    show]; `preset`: the published model a TensorFlow checkpoint is; `tokenizer`: how a word vocabulary reads
-    text ("whitespace", "wikitext", "lm1b") [default: the vocabulary file's, or what its symbols show]."""
+    the vocabulary's kind ("word", "char", "bytes", "text8", "events") [default: the file's, the corpus's or what its
+    symbols show]; `preset`: the published model a TensorFlow checkpoint is; `tokenizer`: how a word vocabulary reads
+    text ("whitespace", "wikitext", "lm1b") [default: the vocabulary file's, or what its symbols show];
+    `representation`: the music representation of an events vocabulary ("remi", "remi-xl") [default: the
+    vocabulary's own, or what its events show]."""
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
     if is_tf_checkpoint(path):
         # its vocabulary is its corpus cache (data/cache.pkl), or `vocab`: the corpus named there picks the preset
         loaded = load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab)
-        return attach_vocab(loaded, kind=vocab_kind, tokenizer=tokenizer)
+        # without a corpus cache, a vocabulary beside the checkpoint's files (REMI's dictionary.pkl)
+        return attach_vocab(loaded, kind=vocab_kind, tokenizer=tokenizer, folder=Path(loaded.path).parent,
+                            representation=representation)
     if preset is not None:
         raise CheckpointError(path, "--preset is for TensorFlow checkpoints (model.ckpt-N or the published folder)")
     if not path.exists():
@@ -74,7 +78,7 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
         if work_dir_note:
             loaded.notes.insert(0, work_dir_note)
         vocab_dir = path.parent
-    attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=vocab_dir)
+    attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=vocab_dir, representation=representation)
     note = stored_inv_freq_note(loaded.config, loaded.state_dict)
     if note:
         loaded.notes.append(note)

@@ -47,7 +47,8 @@ class LoadedModel:
         """The vocabulary, or a CheckpointError saying it is missing (for commands that read or write text)."""
         if self.vocab is None:
             raise CheckpointError(self.path, "has no vocabulary (none inside it and no vocab.json / vocab.txt / "
-                                             "vocab.pkl / vocab.bin / cache.pt beside it); pass --vocab FILE")
+                                             "vocab.pkl / vocab.bin / cache.pt / dictionary.pkl beside it); pass "
+                                             "--vocab FILE")
         return self.vocab
 
     def build(self):

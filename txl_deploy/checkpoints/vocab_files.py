@@ -8,6 +8,8 @@
 | `vocab.bin`  | the same dict, `torch.save`d (pytorch-pretrained-bert)                       | `VocabUnpickler` |
 | `cache.pt`   | the original PyTorch code's corpus cache (`torch.save` of a `Corpus`)        | `VocabUnpickler` |
 | `cache.pkl`  | the original TensorFlow code's corpus cache (a pickled `Corpus`)             | `VocabUnpickler` |
+| `dictionary.pkl` | music models' events (REMI, remi-xl): `(event2word, word2event)`         | `event_vocab`    |
+| `vocab_song_artist.pkl` | ProgGP's events, with `rev_vocab_song_artist.pkl` beside it       | `event_vocab`    |
 
 The pickles are read by the restricted unpickler with this use's allow-list (`VOCAB_PICKLES`): plain containers,
 the classes of the pipelines that wrote the files as inert placeholders, compiled `re` patterns as their text,
@@ -27,6 +29,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl_deploy.checkpoints.event_vocab import (
+    EVENT_DICTIONARY,
+    PAIR_FILE,
+    REVERSE_PREFIX,
+    is_event_pair,
+    read_event_dictionary,
+    reverse_file,
+)
 from txl_deploy.checkpoints.unpickler import (
     PLAIN,
     AllowList,
@@ -36,12 +46,15 @@ from txl_deploy.checkpoints.unpickler import (
     one_line,
     pickled_class,
 )
-from txl_deploy.errors import CheckpointError, TxlError
+from txl_deploy.errors import CheckpointError, InputError, TxlError
+from txl_deploy.music.representation import detect
+from txl_deploy.music.representation import representation as named_representation
 from txl_deploy.vocab import DATASET_KINDS, Vocab, choose_kind, detect_tokenizer, kind_note
 
 # The files looked for beside a checkpoint, in this order: ours, the original code's text list, HuggingFace's
-# pickle and its torch.save twin, the original PyTorch code's corpus cache.
-VOCAB_FILES = ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt")
+# pickle and its torch.save twin, the original PyTorch code's corpus cache, music models' event dictionaries.
+VOCAB_FILES = ("vocab.json", "vocab.txt", "vocab.pkl", "vocab.bin", "cache.pt", EVENT_DICTIONARY, PAIR_FILE)
+EVENT_FILES = (EVENT_DICTIONARY, PAIR_FILE, REVERSE_PREFIX + PAIR_FILE)
 PICKLE_SUFFIXES = (".pkl", ".bin", ".pt")
 # torch's legacy (pre-1.6) serialization starts with this number, pickled (torch/serialization.py).
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -285,14 +298,19 @@ def open_vocab_file(path, kind: str | None = None) -> VocabFile:
         if path.suffix == ".json":
             return VocabFile(vocab, f"{path.name} (txl-deploy vocabulary)")
         return VocabFile(vocab, f"{path.name} (one symbol a line)")
+    if path.name in EVENT_FILES:  # read with the event dictionaries' own allow-list: plain containers only
+        return VocabFile(*read_event_dictionary(path))
     obj = unpickle_vocab_file(path)
     container = _container(path)
     if isinstance(obj, dict) and ("idx2sym" in obj or "sym2idx" in obj or b"idx2sym" in obj):
         return _tokenizer_vocab(obj, path, container)
     if pickled_class(obj) in {f"{m}.{n}" for m, n in CORPUS_CLASSES}:
         return _corpus_vocab_file(obj, path, container)
+    if is_event_pair(obj) or (isinstance(obj, dict) and reverse_file(path) is not None):
+        return VocabFile(*read_event_dictionary(path))  # an event dictionary under another name: read as one
     raise CheckpointError(path, f"is a pickle but not a vocabulary (it holds {_describe(obj)}; expected "
-                                "HuggingFace's TransfoXLTokenizer dict or the original code's corpus cache)")
+                                "HuggingFace's TransfoXLTokenizer dict, the original code's corpus cache or a "
+                                "music model's (event2word, word2event) dictionary)")
 
 
 def _describe(obj) -> str:
@@ -304,8 +322,10 @@ def _describe(obj) -> str:
     return f"a {type(obj).__name__}"
 
 
-def adjusted(found: VocabFile, kind: str | None, tokenizer: str | None, source) -> Vocab:
-    """The vocabulary read as the user says: `kind` (else the corpus's, else the file's) and `tokenizer`."""
+def adjusted(found: VocabFile, kind: str | None, tokenizer: str | None, source,
+             representation: str | None = None) -> Vocab:
+    """The vocabulary read as the user says: `kind` (else the corpus's, else the file's), `tokenizer`, and the
+    music `representation` of an events vocabulary (else the one stored with it, else the one its events show)."""
     vocab = found.vocab
     try:
         if kind is not None or (found.dataset in DATASET_KINDS and vocab.kind != DATASET_KINDS[found.dataset]):
@@ -314,14 +334,39 @@ def adjusted(found: VocabFile, kind: str | None, tokenizer: str | None, source) 
             vocab = vocab.with_tokenizer(tokenizer)
     except ValueError as e:
         raise CheckpointError(source, f"vocabulary {e}") from None
-    return vocab
+    return with_representation(vocab, representation, source)
 
 
-def read_vocab_file(path, kind: str | None = None, tokenizer: str | None = None) -> Vocab:
+def with_representation(vocab: Vocab, name: str | None, source) -> Vocab:
+    """An events vocabulary naming its music representation: `name` (the user's: its events must be that
+    representation's), else the one it names, else the one its events show (`music.representation.detect`)."""
+    if vocab.kind != "events":
+        if name is not None:
+            raise InputError(f"--representation {name}: the vocabulary is of kind {vocab.kind}; music representations "
+                             "are for events vocabularies (pass --vocab-kind events)")
+        return vocab
+    if name is None:
+        if vocab.representation is not None:
+            return vocab
+        found = detect(vocab.symbols)
+        return vocab if found is None else vocab.with_representation(found.name)
+    chosen = named_representation(name)
+    foreign = next((s for s in vocab.symbols if not (s.startswith("<") and s.endswith(">"))
+                    and chosen.split(s) is None), None)
+    if foreign is not None:
+        raise CheckpointError(source, f"vocabulary's event {foreign[:60]!r} is not one of the {chosen.name} "
+                                      f"representation's ({chosen.description})")
+    return vocab.with_representation(chosen.name)
+
+
+def read_vocab_file(path, kind: str | None = None, tokenizer: str | None = None,
+                    representation: str | None = None) -> Vocab:
     """Any vocabulary file `--vocab` takes (the module's table). `kind`: what the user says it is (word, char, bytes,
     text8) [default: the file's, the corpus's, or what its symbols show]; `tokenizer`: how a word vocabulary reads
-    text (whitespace, wikitext, lm1b) [default: the file's, or what its symbols show]."""
-    return adjusted(open_vocab_file(path, kind), kind, tokenizer, path)
+    text (whitespace, wikitext, lm1b) [default: the file's, or what its symbols show]; `representation`: the music
+    representation of an events vocabulary (remi, remi-xl) [default: the file's, or what its events show]."""
+    kind = "events" if kind is None and representation is not None else kind
+    return adjusted(open_vocab_file(path, kind), kind, tokenizer, path, representation)
 
 
 def find_vocab(folder) -> Path | None:
@@ -331,11 +376,14 @@ def find_vocab(folder) -> Path | None:
 
 
 # -- the one step that gives a loaded checkpoint its vocabulary ----------------------------------------------------
-def attach_vocab(loaded, vocab=None, kind: str | None = None, tokenizer: str | None = None, folder=None):
+def attach_vocab(loaded, vocab=None, kind: str | None = None, tokenizer: str | None = None, folder=None,
+                 representation: str | None = None):
     """Give `loaded` (a LoadedModel) its vocabulary: the file `vocab` (the user's), else the one the checkpoint
     carries (ours, NVIDIA's, a TensorFlow corpus cache), else the first of `VOCAB_FILES` in `folder`; then read it
-    as the user says (`kind`, `tokenizer`) and check its size against the model's. Without one, `loaded.vocab`
-    stays None. Sets `vocab_source` (the file) and `vocab_format` (what the file is)."""
+    as the user says (`kind`, `tokenizer`, an events vocabulary's music `representation`; a representation alone
+    reads the vocabulary as events) and check its size against the model's. Without one, `loaded.vocab` stays
+    None. Sets `vocab_source` (the file) and `vocab_format` (what the file is)."""
+    kind = "events" if kind is None and representation is not None else kind
     if vocab is not None or (loaded.vocab is None and folder is not None and find_vocab(folder) is not None):
         path = Path(vocab) if vocab is not None else find_vocab(folder)
         found = open_vocab_file(path, kind)
@@ -346,7 +394,7 @@ def attach_vocab(loaded, vocab=None, kind: str | None = None, tokenizer: str | N
     if loaded.vocab_source is None:
         loaded.vocab_source = loaded.path
     carried = VocabFile(loaded.vocab, loaded.vocab_format or "", loaded.dataset)
-    loaded.vocab = adjusted(carried, kind, tokenizer, loaded.vocab_source)
+    loaded.vocab = adjusted(carried, kind, tokenizer, loaded.vocab_source, representation)
     if len(loaded.vocab) != loaded.config.n_token:
         raise CheckpointError(loaded.vocab_source, f"vocabulary has {len(loaded.vocab)} symbols but the model has "
                                                    f"n_token={loaded.config.n_token}")

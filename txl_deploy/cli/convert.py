@@ -26,7 +26,7 @@ from txl_deploy.progress import progress_bar
                    "layer-norm epsilon 1e-12 (for HuggingFace's transfo-xl-wt103, which was converted from the "
                    "TensorFlow checkpoint; TensorFlow checkpoints get these settings anyway).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
-def convert(src, out, config, preset, vocab, vocab_kind, tokenizer, no_vocab, tf_semantics, force):
+def convert(src, out, config, preset, vocab, vocab_kind, representation, tokenizer, no_vocab, tf_semantics, force):
     """Convert a checkpoint (original CMU model.pt, a state_dict + config, a HuggingFace transfo-xl folder, an
     NVIDIA DeepLearningExamples checkpoint, an original TensorFlow model.ckpt-N or its published folder with model/
     and data/, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
@@ -39,7 +39,7 @@ def convert(src, out, config, preset, vocab, vocab_kind, tokenizer, no_vocab, tf
     with progress_bar(total=3, desc="convert", unit="step") as bar:
         bar.set_postfix_str("reading")
         loaded = load_model(src, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset,
-                            tokenizer=tokenizer)
+                            tokenizer=tokenizer, representation=representation)
         if tf_semantics:
             loaded.config = loaded.config.replace(same_length_extra=TF_SAME_LENGTH_EXTRA,
                                                   layer_norm_epsilon=TF_LAYER_NORM_EPSILON)

@@ -59,6 +59,7 @@ def eval_cmd(model, text_file, tgt_len, mem_len, clamp_len, same_length, backend
     - char: bits per character, every character (newlines included) after the first.
     - word: perplexity over the words and <eos> line ends after the first (--tokenizer says how the words are
       found).
+    - events (music): perplexity over the events after the first, the text read one event a line.
 
     The JSON result says the same in `counting`, with the counts in `input`.
 

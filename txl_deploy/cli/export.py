@@ -65,7 +65,8 @@ STATE_HELP = ("memory layout of the graph: 'incremental' outputs only this segme
                    "(see `txl-deploy info CHECKPOINT --memory`).")
 @threads_option
 def export_cmd(checkpoint, to_onnx, executorch, output, mem_len, clamp_len, same_length, opset, state, max_segment,
-               precision, block_size, calib, eval_text, config, preset, vocab, vocab_kind, tokenizer, verify, ort_format, force,
+               precision, block_size, calib, eval_text, config, preset, vocab, vocab_kind, representation, tokenizer, verify,
+               ort_format, force,
                skip_memory_check, threads):
     """Export CHECKPOINT (any supported format, or a HuggingFace hub reference) to a self-describing ONNX model.
 
@@ -104,7 +105,7 @@ def export_cmd(checkpoint, to_onnx, executorch, output, mem_len, clamp_len, same
         output = f"{checkpoint.name}{'.pte' if executorch else '.onnx'}"
     checkpoint = local_model(checkpoint)
     export_checkpoint(checkpoint, output, precision=precision, vocab=vocab, vocab_kind=vocab_kind, config=config,
-                      preset=preset, tokenizer=tokenizer, check_memory=not skip_memory_check,
+                      preset=preset, tokenizer=tokenizer, representation=representation, check_memory=not skip_memory_check,
                       mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, opset=opset, state=state,
                       max_segment=max_segment, verify=verify, force=force, threads=threads,
                       block_size=None if block_size is None else int(block_size), calib=calib, eval_text=eval_text,

@@ -34,9 +34,10 @@ from txl_deploy.vocab import DESCRIPTIONS
               help="--memory: streams run together.")
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
-def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, mem_len, batch, max_segment):
+def info(path, config, preset, vocab, vocab_kind, representation, as_json, list_vocab, memory, mem_len, batch,
+         max_segment):
     """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
-    kind: word, char, bytes for enwik8, text8) and the
+    kind: word, char, bytes for enwik8, text8, events for music, with its representation) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak
     memory of an export and of the runtime; --list-vocab lists the vocabulary instead.
@@ -51,14 +52,16 @@ def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, m
     """
     path = local_model(path)
     if list_vocab:
-        _list_vocab(path, as_json, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
+        _list_vocab(path, as_json, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset,
+                    representation=representation)
         return
     if path.suffix == ".onnx" and path.is_file():
         d, cfg, weight_bytes, max_segment, precision = describe_onnx(path)
     elif path.suffix == ".pte" and path.is_file():
         d, cfg, weight_bytes, max_segment, precision = describe_pte(path)
     else:
-        loaded = load_model(path, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset)
+        loaded = load_model(path, config=config, vocab=vocab, vocab_kind=vocab_kind, preset=preset,
+                            representation=representation)
         d = describe_checkpoint(loaded)
         cfg, weight_bytes, precision = loaded.config, loaded_weight_bytes(loaded), "fp32"
     if path.suffix == ".onnx" and path.is_file():
@@ -89,9 +92,12 @@ def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, m
         click.echo(f"  from:      {d['vocab_source']}" + (f": {d['vocab_format']}" if d.get("vocab_format") else ""))
         if d.get("vocab_tokenizer"):
             click.echo(f"  tokenizer: {d['vocab_tokenizer']}")
+        if d.get("vocab_kind") == "events":
+            shown = d.get("vocab_representation") or "none (not a representation txl-deploy writes as MIDI)"
+            click.echo(f"  representation: {shown}")
     else:
         click.echo("vocabulary:  none (pass --vocab FILE, or put vocab.json / vocab.txt / vocab.pkl / vocab.bin / "
-                   "cache.pt beside the checkpoint)")
+                   "cache.pt / dictionary.pkl beside the checkpoint)")
 
     mem = d["memory_bytes_per_stream"]
     click.echo(f"memory per stream (mem_len={mem['mem_len']}): hidden states {fb(mem['fp32']['hidden'])} fp32 / "

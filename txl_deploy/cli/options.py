@@ -7,6 +7,7 @@ import click
 
 from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference, parse_reference
 from txl_deploy.errors import InputError
+from txl_deploy.music.representation import REPRESENTATIONS
 from txl_deploy.vocab import KINDS, TOKENIZERS
 
 THREADS_HELP = ("CPU threads: ONNX Runtime's intra-op threads (one inter-op thread) and torch.set_num_threads for "
@@ -45,9 +46,10 @@ def threads_option(f):
 
 VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line vocab.txt, a character list "
               "(with --vocab-kind char), HuggingFace's transfo-xl vocab.pkl or vocab.bin, a TensorFlow model's "
-              "data/cache.pkl or the original PyTorch code's corpus cache.pt (the pickles read without running "
-              "anything: only the symbols and the tokenizer's settings are taken). Overrides a vocabulary found in "
-              "or beside the checkpoint.")
+              "data/cache.pkl, the original PyTorch code's corpus cache.pt, or a music model's event dictionary "
+              "(REMI's and remi-xl's dictionary.pkl; ProgGP's vocab_song_artist.pkl with rev_vocab_song_artist.pkl "
+              "beside it). The pickles are read without running anything: only the symbols and the tokenizer's "
+              "settings are taken. Overrides a vocabulary found in or beside the checkpoint.")
 
 
 CONFIG_HELP = ("JSON config for a bare state_dict: our TxlConfig fields or the original MemTransformerLM "
@@ -63,13 +65,24 @@ KIND_HELP = ("What the vocabulary's symbols are, and so how text is read and wri
              "words; a text --vocab holds one a line), char (one symbol per character; a text --vocab is a "
              "character list), bytes (the paper's enwik8: each symbol a byte's decimal value; text is UTF-8, and "
              "newlines are dropped as the original preprocessing dropped them, so the model never sees or predicts "
-             "one) or text8 (the letters a-z and '_' for the space). [default: the vocabulary file's; else the "
-             "corpus's (a TensorFlow corpus-info.json or a corpus cache saying enwik8 or text8); else bytes or "
-             "text8 when the symbols are exactly those; else word]")
+             "one), text8 (the letters a-z and '_' for the space) or events (music events such as REMI's "
+             "'Note On_60', kept whole, spaces included: text is one event a line; a text --vocab holds one event "
+             "a line). [default: the vocabulary file's (events for an event dictionary); else the corpus's (a "
+             "TensorFlow corpus-info.json or a corpus cache saying enwik8 or text8); else bytes or text8 when the "
+             "symbols are exactly those; else word]")
+
+
+REPRESENTATION_HELP = ("The music representation an events vocabulary's events are written in: "
+                       + "; ".join(f"{name} ({r.description})" for name, r in REPRESENTATIONS.items())
+                       + ". Stored with the vocabulary; implies --vocab-kind events. [default: the vocabulary's "
+                       "own, else the one its events show]")
 
 
 def vocab_options(f):
-    """--config, --preset, --vocab and --vocab-kind: how a checkpoint is read (convert, export, info)."""
+    """--config, --preset, --vocab, --vocab-kind and --representation: how a checkpoint is read (convert, export,
+    info)."""
+    f = click.option("--representation", type=click.Choice(list(REPRESENTATIONS)), default=None,
+                     help=REPRESENTATION_HELP)(f)
     f = click.option("--vocab-kind", type=click.Choice(list(KINDS)), default=None, help=KIND_HELP)(f)
     f = click.option("--vocab", "vocab", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help=VOCAB_HELP)(f)

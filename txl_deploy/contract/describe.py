@@ -33,6 +33,7 @@ def _describe(path, info, weight_bytes: int, kind: str, vocab_source: str):
         "vocab_size": len(info.vocab) if info.vocab is not None else None,
         "vocab_kind": info.vocab.kind if info.vocab is not None else None, "vocab_source": vocab_source,
         "vocab_tokenizer": info.vocab.tokenizer if info.vocab is not None else None,
+        "vocab_representation": info.vocab.representation if info.vocab is not None else None,
         "memory_bytes_per_stream": {"mem_len": info.mem_len,
                                     "fp32": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=4),
                                     "fp16": cfg.memory_bytes_per_stream(info.mem_len, bytes_per_value=2)},

@@ -75,3 +75,13 @@ def representation(name: str) -> Representation:
     except KeyError:
         raise InputError(f"unknown music representation {name!r}: expected one of "
                          f"{', '.join(REPRESENTATIONS)}") from None
+
+
+def of_vocab(vocab) -> Representation | None:
+    """The representation a model's vocabulary (`txl_deploy.vocab.Vocab`) is written in: an events vocabulary's
+    stored one (an unknown name: a one-line error), else the one its events show; None for any other vocabulary."""
+    if vocab is None or getattr(vocab, "kind", None) != "events":
+        return None
+    if vocab.representation is not None:
+        return representation(vocab.representation)
+    return detect(vocab.symbols)

@@ -1,7 +1,8 @@
 """Vocabularies: the symbol list a model was trained with and its kind, text to token ids and back.
 
 Kinds (`kinds.py`): `word` (WikiText-103, lm1b), `char` (our demo model), `bytes` (the paper's enwik8: UTF-8 bytes
-as decimal symbols, newlines dropped as its preprocessing dropped them) and `text8` (a-z, `_` for the space).
+as decimal symbols, newlines dropped as its preprocessing dropped them), `text8` (a-z, `_` for the space) and
+`events` (music models' events kept verbatim, one a line, naming their representation).
 `Vocab.stream_decoder()` turns generated ids into text as they arrive (`stream.py`); `Vocab.encode_corpus` reads a
 whole text as the original preprocessing of the model's corpus did (`encode.py`). A word vocabulary's `tokenizer`
 (`TOKENIZERS`) says how its text is split and joined: on whitespace, or WikiText-103's and One Billion Word's Moses

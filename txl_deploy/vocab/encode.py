@@ -114,6 +114,25 @@ def encode_chars(vocab, text: str) -> np.ndarray:
     return np.array([_lookup(vocab, c, missing) for c in text], dtype=np.int64)
 
 
+def event_lines(text: str) -> list[str]:
+    """The events of a text written one a line: each line whole (REMI's events hold spaces), surrounding whitespace
+    stripped (a `\r` of Windows line ends too); blank lines and a final line end are skipped."""
+    return [line.strip() for line in text.split("\n") if line.strip()]
+
+
+def encode_events(vocab, events) -> np.ndarray:
+    """Event symbols, each looked up whole (never split), -> ids; an event the vocabulary lacks is `<unk>` where it
+    has one, else an InputError naming it and its position."""
+    if isinstance(events, str):
+        raise InputError("events must be a list of event symbols (a str is text: pass it to encode, one event a line)")
+    ids = []
+    for n, event in enumerate(events, 1):
+        if not isinstance(event, str):
+            raise InputError(f"event {n} is a {type(event).__name__}, not an event symbol (text)")
+        ids.append(_lookup(vocab, event, lambda e, n=n: f"event {n} ({e[:80]!r}) is not in the vocabulary"))
+    return np.array(ids, dtype=np.int64)
+
+
 def encode_text8(vocab, text: str) -> np.ndarray:
     """A space is `_`; other whitespace (newlines, tabs) is dropped, as the original tokenizer drops it, or a
     newline is `<eos>` where the vocabulary has one. Anything else must be one of the vocabulary's letters: a
@@ -204,7 +223,7 @@ def encode_corpus(vocab, data, raw: bool = False) -> tuple[np.ndarray, dict]:
 
     bytes: the raw bytes (a str is encoded as UTF-8), newlines dropped (prep_enwik8.py + data_utils.py).
     text8: leading and trailing whitespace stripped (prep_text8.py's `strip()`), then as `encode`.
-    char: as `encode`.
+    char, events: as `encode` (events: one a line).
     word: a pre-tokenized corpus file, as the original data pipeline read it (`encode_pretokenized`), whatever the
     vocabulary's tokenizer; `raw=True` reads raw text with the vocabulary's tokenizer instead (as `encode`)."""
     if vocab.kind == "bytes":
@@ -219,7 +238,7 @@ def encode_corpus(vocab, data, raw: bool = False) -> tuple[np.ndarray, dict]:
         stripped = text.strip()
         ids = encode_text8(vocab, stripped)
         return ids, {"characters": len(text), "stripped": len(text) - len(stripped), "symbols": int(ids.size)}
-    if vocab.kind == "char":
+    if vocab.kind in ("char", "events"):
         ids = vocab.encode(text)
         return ids, {"characters": len(text), "symbols": int(ids.size)}
     ids = vocab.encode(text) if raw else encode_pretokenized(vocab, text)
@@ -245,6 +264,8 @@ def counting(kind: str, counts: dict, scored: int) -> str:
                 "prep_text8.py and the original tokenizer do), spaces counted, less the first character")
     if kind == "char":
         return f"bits per character over {scored:,} characters predicted (every character after the first)"
+    if kind == "events":
+        return f"perplexity over {scored:,} events predicted (one a line, every event after the first)"
     line_ends = counts.get("line_ends", "<eos> line ends")
     read_as = f"; the text read as {counts['read_as']}" if "read_as" in counts else ""
     return f"perplexity over {scored:,} tokens predicted (words and {line_ends}, after the first{read_as})"

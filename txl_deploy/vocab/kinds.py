@@ -7,6 +7,9 @@
   drops (`add_eos=False` for enwik8 and text8): the model never sees or predicts a newline. Text is UTF-8.
 - `text8`: the paper's text8. `prep_text8.py` writes each character of the corpus (lowercase a-z and spaces) with
   `_` standing for the space.
+- `events`: symbolic music's event symbols (REMI's `Note On_60`, remi-xl's `Note_Pitch_60`, ProgGP's
+  `wait:480`), kept verbatim, spaces included: text is one event a line. Its vocabulary may name the
+  representation its events are written in (`remi`, `remi-xl`; txl_deploy.music.representation).
 
 A `bytes` or `text8` vocabulary may also hold `<unk>` (what a byte or character it lacks becomes) and `<eos>` (a
 newline); the paper's hold neither.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-KINDS = ("word", "char", "bytes", "text8")
+KINDS = ("word", "char", "bytes", "text8", "events")
 UNK, EOS = "<unk>", "<eos>"
 # How a word vocabulary reads and writes text: split on whitespace; WikiText-103's Moses pipeline (HuggingFace's
 # TransfoXLTokenizer for transfo-xl-wt103: numbers split as `@,@` / `@.@`, dashes as `@-@`); the One Billion Word
@@ -35,6 +38,7 @@ DESCRIPTIONS = {
     "char": "one symbol per character",
     "bytes": "UTF-8 bytes as decimal symbols (enwik8); newlines dropped",
     "text8": "lowercase a-z and spaces, '_' for the space (text8)",
+    "events": "music events kept verbatim, one event a line",
 }
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,2}\Z")
 
@@ -65,6 +69,11 @@ def misfit(kind: str, symbols) -> str | None:
         for s in symbols:
             if s not in SPECIALS and s not in TEXT8_SYMBOLS:
                 return f"symbol {s!r} is not a lowercase letter a-z, '_' (the space), <unk> or <eos>"
+    elif kind == "events":
+        for s in symbols:
+            if not isinstance(s, str) or not s or s != s.strip() or "\n" in s or "\r" in s:
+                return f"event {s!r} cannot be written one a line (it is empty, holds a line break, or begins or " \
+                       "ends in whitespace)"
     return None
 
 

@@ -105,6 +105,8 @@ class StreamDecoder:
             return " " if symbol == TEXT8_SPACE else "\n" if symbol == EOS else REPLACEMENT if symbol == UNK else symbol
         if kind == "char":
             return symbol
+        if kind == "events":  # one event a line; a line the text so far left open is ended first
+            return symbol + "\n" if not self._last or self._last == "\n" else "\n" + symbol + "\n"
         if symbol == self.vocab.eos:
             return "\n"
         return symbol if not self._last or self._last.isspace() else " " + symbol

@@ -1,9 +1,10 @@
 """The symbol list a model was trained with, and its kind: encodes text to token ids and back. Never unpickled.
 
-It travels with the model as JSON (`{"kind": ..., "symbols": [...]}`) in our checkpoint folder and in the ONNX
-metadata; a kind this version does not know is an error (`UnknownKindError`), never read as another. `Vocab.read`
-also takes the original code's one-symbol-a-line `vocab.txt` (the first whitespace field of each line, as the
-original `Vocab.build_vocab` reads it) and a plain character list; the kinds are in `kinds.py`.
+It travels with the model as JSON (`{"kind": ..., "symbols": [...]}`, and an events vocabulary's
+`"representation"`) in our checkpoint folder, the ONNX metadata and every file made from them; a kind this version
+does not know is an error (`UnknownKindError`), never read as another. `Vocab.read` also takes the original code's
+one-symbol-a-line `vocab.txt` (the first whitespace field of each line, as the original `Vocab.build_vocab` reads
+it; with kind `events`, each whole line), and a plain character list; the kinds are in `kinds.py`.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ class Vocab:
     reads a line as characters instead of running the Moses pipeline (None: the pipeline); symbols the Moses
     tokenizer keeps whole. `unk` / `eos` name the unknown-word and line-end symbols; a vocabulary without `<unk>`
     but with `<UNK>` (One Billion Word) uses `<UNK>`, and an lm1b vocabulary without `<eos>` ends lines with `<S>`.
+    `representation` (events vocabularies only): the name of the music representation its events are written in
+    (`remi`, `remi-xl`; txl_deploy.music.representation), None when they are no representation we write as MIDI.
     """
 
     def __init__(self, symbols, kind="word", unk=UNK, eos=EOS, tokenizer=None, lower_case=False, delimiter=None,
-                 never_split=()):
+                 never_split=(), representation=None):
         if kind not in KINDS:
             raise UnknownKindError(kind)
         self.symbols = list(symbols)
@@ -68,11 +71,17 @@ class Vocab:
         self.lower_case = bool(lower_case)
         self.delimiter = delimiter
         self.never_split = tuple(str(s) for s in never_split)
+        if representation is not None and (kind != "events" or not isinstance(representation, str)):
+            raise ValueError(f"only an events vocabulary names a music representation (a name), not a {kind} "
+                             f"vocabulary (got {str(representation)[:40]!r})")
+        self.representation = representation
         # the One Billion Word vocabulary spells its unknown word <UNK> and has no <eos> (its lines end in <S>)
         if unk == UNK and unk not in self.index and LM1B_UNK in self.index:
             unk = LM1B_UNK
         if eos == EOS and eos not in self.index and tokenizer == "lm1b" and LM1B_BOUNDARY in self.index:
             eos = LM1B_BOUNDARY
+        if kind == "events":  # line ends separate events: no symbol stands for them
+            eos = None
         self.unk = unk if unk in self.index else None
         self.eos = eos if eos in self.index else None
         self._moses = None  # the sacremoses objects, built on first use (slow to build)
@@ -81,7 +90,7 @@ class Vocab:
             self.byte_ids, self.byte_of = enc.byte_tables(self.symbols)
 
     def _settings(self):
-        return (self.kind, self.tokenizer, self.lower_case, self.delimiter, self.never_split)
+        return (self.kind, self.tokenizer, self.lower_case, self.delimiter, self.never_split, self.representation)
 
     def __len__(self):
         return len(self.symbols)
@@ -97,6 +106,7 @@ class Vocab:
         extra += ", lower_case=True" if self.lower_case else ""
         extra += "" if self.delimiter is None else f", delimiter={self.delimiter!r}"
         extra += f", never_split={list(self.never_split)!r}" if self.never_split else ""
+        extra += "" if self.representation is None else f", representation={self.representation!r}"
         return f"Vocab({len(self.symbols)} symbols, kind={self.kind!r}{extra})"
 
     @property
@@ -108,6 +118,14 @@ class Vocab:
         if kind == self.kind:
             return self
         return Vocab(self.symbols, kind=kind, **(self._word_settings() if kind == "word" else {}))
+
+    def with_representation(self, representation: str | None) -> Vocab:
+        """The same events vocabulary naming another music representation (None: none)."""
+        if self.kind != "events":
+            raise ValueError(f"a {self.kind} vocabulary names no music representation (only an events one does)")
+        if representation == self.representation:
+            return self
+        return Vocab(self.symbols, kind="events", unk=self.unk or UNK, representation=representation)
 
     def with_tokenizer(self, tokenizer: str) -> Vocab:
         """The same word vocabulary read and written with another tokenizer (one of `TOKENIZERS`)."""
@@ -134,7 +152,19 @@ class Vocab:
             return enc.encode_bytes(self, enc.utf8(text))
         if self.kind == "text8":
             return enc.encode_text8(self, text)
+        if self.kind == "events":
+            return enc.encode_events(self, enc.event_lines(text))
         return enc.encode_words(self, text, add_eos)
+
+    def encode_events(self, events) -> np.ndarray:
+        """A list of event symbols (each verbatim, e.g. `Note On_60`) -> int64 ids, for an events vocabulary."""
+        if self.kind != "events":
+            raise InputError(f"encode_events is for events vocabularies; this one is of kind {self.kind}")
+        return enc.encode_events(self, events)
+
+    def events(self, ids) -> list[str]:
+        """Token ids -> their event symbols, verbatim (an events vocabulary; `decode` gives them one a line)."""
+        return [self.symbols[i] for i in self._checked(ids)]
 
     def encode_bytes(self, data: bytes) -> np.ndarray:
         """Raw bytes -> ids, for a byte vocabulary (any bytes: a split of enwik8 need not be whole UTF-8)."""
@@ -149,11 +179,18 @@ class Vocab:
         tokenizes raw text with the vocabulary's tokenizer instead (e.g. `vocab.with_tokenizer("wikitext")`)."""
         return enc.encode_corpus(self, data, raw=raw)
 
-    def decode(self, ids) -> str:
+    def _checked(self, ids) -> list[int]:
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]
         bad = [i for i in ids if not 0 <= i < len(self.symbols)]
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {len(self.symbols)})")
+        return ids
+
+    def decode(self, ids) -> str:
+        """Token ids -> text (an events vocabulary: each event on its own line, each line ended)."""
+        ids = self._checked(ids)
+        if self.kind == "events":
+            return "".join(self.symbols[i] + "\n" for i in ids)
         if self.kind == "char":
             return "".join(self.symbols[i] for i in ids)
         if self.kind in ("bytes", "text8"):
@@ -195,6 +232,8 @@ class Vocab:
             d["delimiter"] = self.delimiter
         if self.never_split:
             d["never_split"] = list(self.never_split)
+        if self.representation is not None:
+            d["representation"] = self.representation
         return d
 
     def to_json(self) -> str:
@@ -211,7 +250,7 @@ class Vocab:
             raise TypeError(f"never_split must be a list of symbols, got {type(never_split).__name__}")
         return cls(d["symbols"], kind=d.get("kind", "word"), tokenizer=d.get("tokenizer"),
                    lower_case=d.get("lower_case", False) is True, delimiter=d.get("delimiter"),
-                   never_split=never_split)
+                   never_split=never_split, representation=d.get("representation"))
 
     def save(self, path):
         Path(path).write_text(self.to_json(), encoding="utf-8")
@@ -243,6 +282,8 @@ class Vocab:
                     raise CheckpointError(path, f"not a vocabulary JSON ({type(e).__name__}: {str(e)[:200]})") \
                         from None
                 return vocab if kind is None else vocab.with_kind(choose_kind(vocab.symbols, kind))
+            if kind == "events":  # one event a line, verbatim: events hold spaces (REMI's `Note On_60`)
+                return cls(event_file_lines(text, path), kind="events")
             if kind == "char":
                 # a character list: one character per line, or all characters on one line
                 lines = text.split("\n")
@@ -271,3 +312,17 @@ def symbols_of_lines(text: str, path) -> list[str]:
     if blank is not None:
         raise CheckpointError(path, f"line {blank} holds no symbol (one symbol a line: its id is its line's)")
     return [line.split()[0] for line in lines]
+
+
+def event_file_lines(text: str, path) -> list[str]:
+    """An events vocabulary file's symbols: each line whole (spaces kept), surrounding whitespace stripped, blank
+    lines at the end ignored; a blank line before an event is refused (it would shift every later id)."""
+    lines = [line.strip() for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines:
+        raise CheckpointError(path, "vocabulary file is empty")
+    blank = next((n for n, line in enumerate(lines, 1) if not line), None)
+    if blank is not None:
+        raise CheckpointError(path, f"line {blank} holds no event (one event a line: its id is its line's)")
+    return lines

@@ -119,15 +119,15 @@ function bits(data) {
 
 // The model's vocabulary (vocab.json), as txl_deploy.vocab.Vocab reads and writes text. Kinds: "word" (words split
 // on whitespace, <eos> at line ends), "char" (one symbol per character), "bytes" (the paper's enwik8: each symbol
-// a byte's decimal value; text is UTF-8 and newlines are dropped, as its preprocessing dropped them) and "text8"
-// (a-z, "_" for the space). Another kind (from a newer txl-deploy) is refused, never read as one of these. A word
-// vocabulary read with the Moses tokenizer (tokenizer "wikitext" or "lm1b": WikiText-103's and One Billion Word's
+// a byte's decimal value; text is UTF-8 and newlines are dropped, as its preprocessing dropped them), "text8"
+// (a-z, "_" for the space) and "events" (music events kept whole, spaces included: text is one event a line).
+// Another kind (from a newer txl-deploy) is refused, never read as one of these. A word vocabulary read with the Moses tokenizer (tokenizer "wikitext" or "lm1b": WikiText-103's and One Billion Word's
 // models) is refused too: the page has no Moses, and splitting on whitespace would give the model other words.
-const KINDS = ["word", "char", "bytes", "text8"];
+const KINDS = ["word", "char", "bytes", "text8", "events"];
 const UNK = "<unk>", EOS = "<eos>";
 
 export class Vocab {
-  constructor({ kind, symbols, tokenizer = null }) {
+  constructor({ kind, symbols, tokenizer = null, representation = null }) {
     if (!KINDS.includes(kind)) {
       throw new Error(`vocabulary kind ${JSON.stringify(kind)} is not one this txl.js knows (${KINDS.join(", ")})`);
     }
@@ -137,6 +137,7 @@ export class Vocab {
     }
     this.kind = kind;
     this.symbols = symbols;
+    this.representation = representation; // an events vocabulary's music representation ("remi", "remi-xl"), or null
     this.index = new Map(symbols.map((s, i) => [s, i]));
     this.unk = this.index.get(UNK);
     this.eos = this.index.get(EOS);
@@ -151,6 +152,7 @@ export class Vocab {
   encode(text) {
     if (this.kind === "bytes") return this.encodeBytes(new TextEncoder().encode(text));
     if (this.kind === "text8") return this.encodeText8(text);
+    if (this.kind === "events") return this.encodeEvents(text.split("\n").map((l) => l.trim()).filter(Boolean));
     let pieces;
     if (this.kind === "char") {
       pieces = Array.from(text);
@@ -163,6 +165,12 @@ export class Vocab {
       });
     }
     return pieces.map((p) => this.lookup(p, () => `symbol ${JSON.stringify(p)} is not in the vocabulary`));
+  }
+
+  // Event symbols, each whole (REMI's hold spaces: "Note On_60"), -> ids.
+  encodeEvents(events) {
+    const problem = (e, n) => `event ${n + 1} (${JSON.stringify(e.slice(0, 80))}) is not in the vocabulary`;
+    return events.map((e, n) => this.lookup(e, () => problem(e, n)));
   }
 
   lookup(piece, problem) {
@@ -242,6 +250,8 @@ export class StreamDecoder {
       text = symbol === "_" ? " " : symbol === EOS ? "\n" : symbol === UNK ? "\ufffd" : symbol;
     } else if (vocab.kind === "char") {
       text = symbol;
+    } else if (vocab.kind === "events") { // one event a line; a line the text so far left open is ended first
+      text = (!this.last || this.last === "\n" ? "" : "\n") + symbol + "\n";
     } else if (id === vocab.eos) {
       text = "\n";
     } else {
