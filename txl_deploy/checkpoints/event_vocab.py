@@ -58,11 +58,15 @@ def is_event_pair(obj) -> bool:
     return isinstance(obj, (tuple, list)) and len(obj) == 2 and all(isinstance(d, dict) for d in obj)
 
 
-def reverse_file(path: Path) -> Path | None:
-    """The other file of a ProgGP-style pair (`NAME.pkl` <-> `rev_NAME.pkl`), if it is there."""
+def twin_name(path: Path) -> str:
+    """The name of the other file of a ProgGP-style pair (`NAME.pkl` <-> `rev_NAME.pkl`)."""
     name = path.name
-    other = name[len(REVERSE_PREFIX):] if name.startswith(REVERSE_PREFIX) else REVERSE_PREFIX + name
-    return path.with_name(other) if path.with_name(other).is_file() else None
+    return name[len(REVERSE_PREFIX):] if name.startswith(REVERSE_PREFIX) else REVERSE_PREFIX + name
+
+
+def reverse_file(path: Path) -> Path | None:
+    """The other file of a ProgGP-style pair, if it is there."""
+    return path.with_name(twin_name(path)) if path.with_name(twin_name(path)).is_file() else None
 
 
 def _is_id(value) -> bool:
@@ -132,9 +136,12 @@ def read_event_dictionary(path: Path) -> tuple[Vocab, str]:
 def read_event_pair(path: Path, obj) -> tuple[Vocab, str]:
     """ProgGP's two files: `path` holds one dict (`obj`), its twin (`reverse_file`) the other."""
     other = reverse_file(path)
-    if not isinstance(obj, dict) or other is None:
+    if not isinstance(obj, dict):
         raise CheckpointError(path, "is not an event dictionary: expected a pickled (event2word, word2event) pair, "
                                     "or one dict with its inverse beside it (NAME.pkl and rev_NAME.pkl)")
+    if other is None:
+        raise CheckpointError(path, f"holds one dict of an event dictionary pair, but its twin {twin_name(path)} is "
+                                    "not beside it (ProgGP writes NAME.pkl and rev_NAME.pkl)")
     second = unpickle_events(other)
     forward, backward = (obj, second) if not path.name.startswith(REVERSE_PREFIX) else (second, obj)
     if not isinstance(backward, dict):

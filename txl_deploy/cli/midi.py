@@ -14,7 +14,7 @@ from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
 from txl_deploy.music.events_to_midi import write_midi
 from txl_deploy.music.midi_to_events import midi_to_events
-from txl_deploy.music.representation import REPRESENTATIONS, Representation, detect, representation
+from txl_deploy.music.representation import REPRESENTATIONS, Representation, detect, of_vocab, representation
 
 MIDI_SUFFIXES = (".mid", ".midi")
 MAX_EVENTS_BYTES = 16 << 20  # an events file is read whole; a song's events are some kilobytes
@@ -32,7 +32,7 @@ def model_representation(model: Path, name: str | None, **how) -> Representation
         vocab = load_model(model, **how).vocab
     if vocab is None:
         raise InputError(f"{model}: has no vocabulary to tell its events by (pass --representation)")
-    found = detect(vocab.symbols)
+    found = of_vocab(vocab) or detect(vocab.symbols)
     if found is None:
         raise InputError(f"{model}: its vocabulary is not one of music events ({', '.join(REPRESENTATIONS)}); "
                          "pass --representation to read the events as one")
@@ -59,14 +59,12 @@ def read_events(path: Path) -> list[str]:
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The MIDI file (from events) or the events file, one event a line (from MIDI).")
-@click.option("--representation", "representation_name", type=click.Choice(list(REPRESENTATIONS)), default=None,
-              help="The events' representation. [default: the one MODEL's vocabulary is]")
 @click.option("--chords/--no-chords", default=None,
               help="From MIDI: add chord events (REMI's rule-based chords), as the chord model's prompts have them. "
                    "[default: on when MODEL's name says chord, as the Pop Music Transformer decides]")
 @click.option("--force", is_flag=True, help="Overwrite the output if it exists.")
 @vocab_options
-def midi(model, source, out, representation_name, chords, force, config, preset, vocab, vocab_kind):
+def midi(model, source, out, chords, force, config, preset, vocab, vocab_kind, representation):
     """Write a music model's events (SOURCE: a text file, one event a line) as a MIDI file, or a MIDI file
     (SOURCE ending .mid or .midi) as the events the model reads.
 
@@ -84,7 +82,7 @@ def midi(model, source, out, representation_name, chords, force, config, preset,
     """
     model = local_model(model)
     how = {"config": config, "preset": preset, "vocab": vocab, "vocab_kind": vocab_kind}
-    rep = model_representation(model, representation_name, **{k: v for k, v in how.items() if v is not None})
+    rep = model_representation(model, representation, **{k: v for k, v in how.items() if v is not None})
     if source.suffix.lower() in MIDI_SUFFIXES:
         if chords is None:
             chords = "chord" in model.name.lower()
