@@ -228,6 +228,15 @@ class ChaosClient:
             except (ConnectionError, OSError):
                 pass
 
+    async def park(self, op: str, sid: str) -> httpx.Response:
+        """POST /v1/sessions/SID/park, its answer recorded; the response's body is the parked state."""
+        try:
+            r = await self.client.post(f"/v1/sessions/{sid}/park", headers=self.headers())
+        except httpx.TimeoutException:
+            raise Hang(f"{op}: POST /v1/sessions/{sid}/park: no answer within {self.s.timeout_s:g} s") from None
+        self.answer(op, "POST /v1/sessions/ID/park", r.status_code, b"" if r.status_code == OK else r.content, {200})
+        return r
+
     def sid(self, kind: str) -> str:
         return f"{kind}-{next(self.ids)}"
 
@@ -393,12 +402,7 @@ class ChaosClient:
                                  json_body={"prompt": self.prompt(rng), "max_tokens": 3, "session_id": sid})
         if not got or got[0] != OK:
             return await self.gone("churn", sid)
-        try:
-            r = await self.client.post(f"/v1/sessions/{sid}/park", headers=self.headers())
-        except httpx.TimeoutException:
-            raise Hang(f"churn: POST /v1/sessions/{sid}/park: no answer within {self.s.timeout_s:g} s") from None
-        self.answer("churn", "POST /v1/sessions/ID/park", r.status_code, b"" if r.status_code == OK else r.content,
-                    {200})
+        r = await self.park("churn", sid)
         if r.status_code != OK:
             return await self.gone("churn", sid)
         blob = r.content

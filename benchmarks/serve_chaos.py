@@ -5,6 +5,7 @@ figures: docs/benchmarks.md ("Serving"); the suite runs a one-minute version (te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -25,7 +26,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.chaos_mix import ANSWERED, BUSY, CRITERIA, JUNK, MIX, OK, ChaosClient, ChaosSettings, Hang, Target
-from benchmarks.serving_load import ServeProcess, machine, measured_line, prepare_model, versions
+from benchmarks.serving_load import ServeProcess, machine, measured_line, prepare_model, runtime_reference, versions
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.serving.http.protocol import ApiError
@@ -43,10 +44,8 @@ def open_fds(pid: int) -> list[str]:
     """What the process's file descriptors point at (sockets, files, pipes)."""
     out = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed in between
             out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:  # closed in between
-            pass
     return out
 
 
@@ -109,12 +108,10 @@ class _Chaos(ChaosClient):
     def __init__(self, target: Target, settings: ChaosSettings, reference):
         super().__init__(target, settings)
         self.reference, self.ops, self.op_counts, self.stop = reference, 0, Counter(), asyncio.Event()
-        self.rss_samples: list[tuple[float, int]] = []
-        self.golden_log: list[dict] = []
+        self.rss_samples, self.golden_log = [], []  # (time, bytes); each golden conversation's log
 
     async def guarded(self, coro, what: str, timeout: float | None = None, prefix: str = ""):
-        """`coro`, where no answer in time (a Hang, or `timeout`) is a hang that ends the run: a server that stopped
-        answering would only make the rest wait as long."""
+        """`coro`; no answer in time is a hang, and ends the run (the rest would only wait as long)."""
         try:
             return await asyncio.wait_for(coro, timeout)
         except (Hang, asyncio.TimeoutError) as e:
@@ -123,8 +120,7 @@ class _Chaos(ChaosClient):
 
     # -- golden sessions: their segments and answers go to golden_log, checked against the reference after the run
     async def golden(self, k: int, until: float):
-        """Golden conversations one after another until `until`, of `golden_turns` turns, some parked and restored
-        under a new id between turns."""
+        """Golden conversations one after another until `until`; some are parked and restored between turns."""
         for j in itertools.count():
             if self.stop.is_set() or time.monotonic() >= until:
                 return
@@ -154,9 +150,8 @@ class _Chaos(ChaosClient):
             log["segments"].append((prompt, n))
             log["got"].append(answer)
             if rng.random() < 0.4:
-                r = await self.client.post(f"/v1/sessions/{sid}/park", headers=self.headers())
+                r = await self.park("golden", sid)
                 if r.status_code != OK:
-                    self.answer("golden", "POST /v1/sessions/ID/park", r.status_code, r.content, {200})
                     log["error"] = f"park of {sid} after turn {turn}: {r.status_code}"
                     return
                 sid = f"{log['id']}-{turn + 1}"
@@ -398,26 +393,6 @@ def run_chaos(target: Target, settings: ChaosSettings | None = None, reference: 
     golden sessions' segments, each (prompt ids, n greedy tokens); without one, no golden sessions run."""
     settings = settings or ChaosSettings()
     return asyncio.run(_Chaos(target, settings if reference else replace(settings, golden=0), reference).run())
-
-
-def runtime_reference(make_runtime: Callable) -> Callable:
-    """The golden sessions' reference on a fresh runtime from `make_runtime()` per conversation: each segment feeds
-    its prompt (if any), then n greedy tokens, each fed too, as a session's turn does."""
-    def reference(segments):
-        rt, out, lp = make_runtime(), [], None
-        try:
-            for prompt, n in segments:
-                lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0] if len(prompt) else lp
-                toks, lps = [], []
-                for _ in range(n):
-                    toks.append(int(np.argmax(lp)))
-                    lps.append(float(lp[toks[-1]]))
-                    lp = rt.prefill(np.array([[toks[-1]]], dtype=np.int64))[0]
-                out.append((toks, lps))
-            return out
-        finally:
-            rt.close()
-    return reference
 
 
 def summary(report: dict) -> str:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -170,6 +171,26 @@ def batched_round(shared, prompts, n_tokens: int):
         if n + 1 < n_tokens:
             log_probs = rt.prefill(step[:, None].astype(np.int64))
     return [(t0, stamps, [int(t) for t in row]) for row in np.stack(toks, axis=1)]
+
+
+def runtime_reference(make_runtime: Callable) -> Callable:
+    """The golden sessions' reference on a fresh runtime from `make_runtime()` per conversation: each segment feeds
+    its prompt (if any), then n greedy tokens, each fed too, as a session's turn does."""
+    def reference(segments):
+        rt, out, lp = make_runtime(), [], None
+        try:
+            for prompt, n in segments:
+                lp = rt.prefill(np.asarray(prompt, dtype=np.int64)[None])[0] if len(prompt) else lp
+                toks, lps = [], []
+                for _ in range(n):
+                    toks.append(int(np.argmax(lp)))
+                    lps.append(float(lp[toks[-1]]))
+                    lp = rt.prefill(np.array([[toks[-1]]], dtype=np.int64))[0]
+                out.append((toks, lps))
+            return out
+        finally:
+            rt.close()
+    return reference
 
 
 def rate(runs, n_tokens: int) -> float:
