@@ -212,20 +212,13 @@ def rounds_table(result: dict) -> list[str]:
 
 def markdown(result: dict) -> str:
     """The tables (and how it was measured) as Markdown."""
-    m, v, t = result["model"], result["versions"], result.get("threads")
-    threads = "ONNX Runtime's default threads" if not t else f"{t} ONNX Runtime thread{'s' if t > 1 else ''}"
     lines = [
-        (f"Model: {load.model_sentence(m)}, {threads} on both sides). Each conversation: a "
-         f"{result['prompt_len']}-token prompt ({result['prompt_kind']}), then {result['tokens']} greedy tokens, one "
-         f"request per token. Server: tritonserver {v['tritonserver']} python backend (one batched runtime call per "
-         f"batch), max_batch {result['max_batch']}, sequence batcher max_queue_delay {result['queue_delay_us']} us, "
-         "gRPC on 127.0.0.1, client threads in the benchmark's process. In-process: one thread and one TxlRuntime "
-         "per conversation over one shared ONNX Runtime session; in-process, batched: the conversations as the rows "
-         "of one TxlRuntime, one ONNX Runtime run per token. The ratio is server tokens/s over batched in-process "
-         "tokens/s, per round (neighbours in time), median. "
-         f"{result['repeat']} interleaved rounds per row: tokens/s is the median round (all conversations' tokens / "
-         "wall time; the slowest and fastest round in brackets); latencies pool every token gap of every round "
-         "(the first token, which includes the prompt, is its own column)."), "",
+        ("Server: tritonserver's python backend (one batched runtime call per batch), gRPC on 127.0.0.1, client "
+         "threads in the benchmark's process. In-process: one thread and one TxlRuntime per conversation over one "
+         "shared ONNX Runtime session; batched: the conversations as the rows of one TxlRuntime, one run per token. "
+         "The ratio: server over batched tokens/s, per round (neighbours in time), median. Tokens/s: the median round "
+         "(slowest and fastest in brackets); latencies pool every token gap of every round, the first token (which "
+         "includes the prompt) apart. The settings are at the end of the section."), "",
         *harness.table(["path", "instances", "conversations", "tokens/s", "of batched in-process", "p50 ms/token",
                         "p99 ms/token", "mean ms/token", "p50 first token ms", "Triton queue ms/request",
                         "execute() ms a request sat in", "requests per execute()"],
