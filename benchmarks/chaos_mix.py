@@ -153,15 +153,12 @@ class ChaosClient:
             return None
         return r.status_code, self.answer(op, what, r.status_code, r.content, expected)
 
-    async def stream(self, op, body, *, events=None, tick=0.0, hold=None, expect_done=True, client=None,
-                     expected=ANSWERED) -> dict:
+    async def stream(self, op, body, *, events=None, tick=0.0, hold=None, expect_done=True, expected=ANSWERED):
         """A streamed completion: read `events` events (then disconnect), or every one (with `tick` seconds
         between reads, for at most `hold` seconds, then disconnect). Returns status, tokens, log-probs, done."""
-        client = client or self.client
-        out = {"status": None, "tokens": [], "logprobs": [], "done": False, "error": None}
-        started = time.monotonic()
+        out, started = {"status": None, "tokens": [], "logprobs": [], "done": False, "error": None}, time.monotonic()
         try:
-            async with client.stream("POST", "/v1/completions", json=body, headers=self.headers()) as r:
+            async with self.client.stream("POST", "/v1/completions", json=body, headers=self.headers()) as r:
                 out["status"] = r.status_code
                 if r.status_code != OK:
                     self.answer(op, "POST /v1/completions (stream)", r.status_code, await r.aread(), expected)
