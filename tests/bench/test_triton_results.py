@@ -44,7 +44,7 @@ def test_every_round_the_spread_and_every_setting_are_in_the_results_file():
                  "| prompt | 48 tokens per conversation (random ids) |",
                  "| tokens generated | 64 greedy tokens per conversation, one request each |",
                  "| conversations (concurrency) | 16 |", "| rounds | 3 per row, interleaved |",
-                 "| load average (1 min) | 3.0 at the start, 5.0 at the end; at each round's start: 3.2, 4.5, 2.0 |",
+                 "| load average (1 min) | 3.0 at the start, 5.0 at the end; round by round: 3.2, 4.5, 2.0 |",
                  "| machine | 2 CPU cores (Some CPU, Linux 6) |", "tritonserver 2.51.0", "grpcio 1.85"):
         assert line in text, line
     assert "enwik8-base shape, random weights (`e.onnx`: 12 layers, d_model 512, mem_len 512" in text

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 
-from helpers import conversations
-
 from benchmarks.chaos_mix import MIX
 from benchmarks.serve_chaos import ChaosSettings, Target, markdown, run_chaos, summary
+from benchmarks.serving_load import runtime_reference
 
 KEY = "chaos-key-0123456789"
 MAX_BATCH, MAX_SESSIONS, MAX_PROMPT = 8, 16, 256
@@ -20,17 +19,9 @@ def test_the_server_survives_a_minute_of_chaos(make_server, reference):
                       max_sessions=MAX_SESSIONS, max_queue=64)
     target = Target(srv.url, os.getpid(), MAX_BATCH, MAX_SESSIONS, max_prompt_tokens=MAX_PROMPT, api_key=KEY,
                     engine=srv.engine)
-
-    def one_stream(segments):  # the golden conversation alone, in an in-process runtime
-        rt = reference()
-        try:
-            out, _ = conversations.greedy_segments(rt, segments)
-        finally:
-            rt.close()
-        return [(toks, [float(lp[t]) for lp, t in zip(lps, toks)]) for toks, lps in out]
-
+    # each golden conversation alone, in an in-process runtime
     report = run_chaos(target, ChaosSettings(duration_s=30, warmup_s=6, workers=6, golden=2, timeout_s=30, seed=3),
-                       one_stream)
+                       runtime_reference(reference))
     why = summary(report)
     failures = report["failures"]
     assert not failures["hangs"], why  # every request answered in time, streams included
