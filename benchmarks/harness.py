@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
 from txl_deploy.bench.benchmark import machine_info, versions
-from txl_deploy.errors import TxlError
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint
+from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
 HERE = Path(__file__).resolve().parent
@@ -87,6 +89,25 @@ def targets_table(targets) -> list[str]:
     """The targets table of a results file: (target, measured, met) rows, met None where nothing measured it."""
     return table(["target", "measured", "met"],
                  [[t, val, "not measured" if ok is None else "yes" if ok else "NO"] for t, val, ok in targets])
+
+
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version, None where it is absent."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def checkpoint_of(model: str, cache_dir) -> tuple[Path, str]:
+    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model: a published shape's random-weight stand-in
+    (built once in `cache_dir`) or a checkpoint."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if is_shape_name(model) and not Path(model).exists():
+        return standin_checkpoint(model, cache_dir), "shape"
+    if Path(model).exists():
+        return Path(model), "checkpoint"
+    raise InputError(f"{model}: no such checkpoint, and not a published shape name")
 
 
 def load_average() -> float:

@@ -1,50 +1,37 @@
-"""HuggingFace transformers' TransfoXL generating with its mems: what a PyTorch user would try first.
-
-A peer in the benchmark, not a runtime of the project (transformers is in the test extra; its TransfoXL is
-deprecated, and deleted in transformers 5.0). The model is built from the same weights as every other side:
-our parameter names mapped onto HuggingFace's (the inverse of the import in `checkpoints/huggingface.py`), with
-the cluster trap handled: HuggingFace reads tail cluster i's logit from head column `cutoffs[0] + i - 1`, ours
-(like the original code) from column `-i`, so the rows of `crit.cluster_weight` / `crit.cluster_bias` are
-reversed (`reverse_rows`, its own inverse). The ties are ours, pattern for pattern (`config.tie_projs`).
-
-The memory starts explicitly empty (n_layer tensors of length 0): HuggingFace fed that behaves as the paper and
-txl-deploy do from the first token on; left to `init_mems` it would attend to mem_len zero vectors until they
-scroll out. A decode step is `model(input_ids=tokens, mems=mems)` and keeps `.mems` and `.prediction_scores`,
-as a user's generation loop does; longer inputs (the memory's fill) run the model body and the output layer at
-the requested positions only.
-
-The deprecated model calls `torch.arange(...).type_as(dtype=...)`, which current torch no longer accepts; each
-call runs with `Tensor.type_as` taking that keyword as `.to(dtype)`, and puts the original back afterwards.
-"""
+"""HuggingFace transformers' TransfoXL generating with its mems: what a PyTorch user would try first. A peer in the
+benchmark, not a runtime of the project: built from the same weights as every other side (`checkpoints/
+huggingface.py`'s rules inverted), its memory started empty as the paper's. How it is driven: docs/benchmarks.md
+("Peers")."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 import numpy as np
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.huggingface import reverse_rows
+from txl_deploy.checkpoints.huggingface import HF_RULES
 from txl_deploy.checkpoints.keymap import Rule, rename
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.backend import Backend
 
-# our name -> HuggingFace's (the inverse of checkpoints/huggingface.py's HF_RULES)
-TO_HF_RULES = [
-    Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"transformer.word_emb.emb_layers.\1.weight"),
-    Rule(r"word_emb\.emb_projs\.(\d+)", r"transformer.word_emb.emb_projs.\1"),
-    Rule(r"layers\.(\d+)\.dec_attn\.(qkv_net|o_net|r_net)\.weight", r"transformer.layers.\1.dec_attn.\2.weight"),
-    Rule(r"layers\.(\d+)\.dec_attn\.layer_norm\.(weight|bias)", r"transformer.layers.\1.dec_attn.layer_norm.\2"),
-    Rule(r"layers\.(\d+)\.dec_attn\.(r_w_bias|r_r_bias)", r"transformer.layers.\1.dec_attn.\2"),
-    Rule(r"layers\.(\d+)\.pos_ff\.CoreNet\.(0|3)\.(weight|bias)", r"transformer.layers.\1.pos_ff.CoreNet.\2.\3"),
-    Rule(r"layers\.(\d+)\.pos_ff\.layer_norm\.(weight|bias)", r"transformer.layers.\1.pos_ff.layer_norm.\2"),
-    Rule(r"(r_w_bias|r_r_bias)", r"transformer.\1"),
-    Rule(r"pos_emb\.inv_freq", r"transformer.pos_emb.inv_freq"),
-    Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1", reverse_rows),
-    Rule(r"crit\.out_layers\.(\d+)\.(weight|bias)", r"crit.out_layers.\1.\2"),
-    Rule(r"crit\.out_projs\.(\d+)", r"crit.out_projs.\1"),
-]
+GROUP = re.compile(r"\((?:[^()\\]|\\.)*\)")  # a group of a rule's pattern, such as (\d+) or (weight|bias)
+
+
+def inverted(rule: Rule) -> Rule:
+    """HF_RULES' rule read backwards: our name -> HuggingFace's (`reverse_rows`, the one transform, is its own
+    inverse). Each rule's target names its groups in order (\\1, \\2, ...)."""
+    groups = GROUP.findall(rule.pattern)
+    parts = re.split(r"\\(\d)", rule.target)  # literal, group number, literal, ...
+    pattern = "".join(groups[int(x) - 1] if i % 2 else re.escape(x) for i, x in enumerate(parts))
+    literals = [re.sub(r"\\(.)", r"\1", x) for x in GROUP.split(rule.pattern)]
+    target = "".join(f"\\{i}{x}" if i else x for i, x in enumerate(literals))
+    return Rule(pattern, target, rule.transform)
+
+
+TO_HF_RULES = [inverted(rule) for rule in HF_RULES]
 
 
 @contextlib.contextmanager
@@ -160,8 +147,7 @@ class HuggingFaceBackend(Backend):
             raise InputError("the HuggingFace peer keeps one memory length for all rows: reset all of them")
         state.update(self.new_state(self.state_batch(state)))
 
-    # Saved, the memory has a fixed layout like the other backends' (runtimes.saved_state reads nothing else):
-    # "lens" [B] (its filled length, one for all rows) and "mems.i" [B, mem_len, d_model], filled from the start.
+    # Saved: "lens" [B] (the filled length, one for all rows) and "mems.i" [B, mem_len, d_model] from the start.
     def state_layout(self, batch):
         layout = {"lens": ((batch,), np.dtype(np.int64))}
         for i in range(self.config.n_layer):
@@ -180,18 +166,10 @@ class HuggingFaceBackend(Backend):
     def state_from_arrays(self, arrays, copy=True):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
-        if set(arrays) != set(self.state_layout(1)):
-            raise InputError("this state does not belong to this model (its tensors differ)")
-        lens = np.asarray(arrays["lens"])
-        batch = lens.shape[0] if lens.ndim == 1 else -1
-        for name, (shape, dtype) in self.state_layout(max(batch, 0)).items():
-            a = np.asarray(arrays[name])
-            if batch < 0 or a.shape != shape or a.dtype != dtype:
-                raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this model needs {shape} "
-                                 f"{dtype.name}")
-        if batch and (lens.min() != lens.max() or not 0 <= lens[0] <= self.mem_len):
-            raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows, "
-                             f"got {sorted(set(lens.tolist()))[:4]}")
-        mlen = int(lens[0]) if batch else 0
-        time_major = (np.asarray(arrays[f"mems.{i}"])[:, :mlen].transpose(1, 0, 2) for i in range(self.config.n_layer))
-        return {"mems": [torch.from_numpy(np.ascontiguousarray(m)) for m in time_major]}
+        _, arrays = self.checked_arrays(arrays, copy)
+        lens = arrays["lens"]
+        if lens.size and not (lens.min() == lens.max() and 0 <= lens[0] <= self.mem_len):
+            raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows")
+        mlen = int(lens[0]) if lens.size else 0
+        return {"mems": [torch.from_numpy(np.ascontiguousarray(np.asarray(arrays[f"mems.{i}"])[:, :mlen]
+                                                               .transpose(1, 0, 2))) for i in range(self.config.n_layer)]}

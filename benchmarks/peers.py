@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,7 +18,7 @@ from benchmarks.peer_openvino import OpenVinoBackend, cpu_default_precision
 from txl_deploy.bench import timing
 from txl_deploy.bench.benchmark import machine_info, versions
 from txl_deploy.bench.eager_baseline import EagerAtPositions
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.bench.runners import torch_threads
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
@@ -51,7 +50,6 @@ def row_label(peer: str, precision: str) -> str:
 
 
 def _recording(peer: str, open_fn, precisions: dict):
-    """`open_fn`, noting in `precisions[peer]` the precision the opened side computes in."""
     def open_side():
         rt = open_fn()
         precisions[peer] = computed_precision(rt.backend)
@@ -72,16 +70,6 @@ def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
     return {p: table[p] for p in peers}
 
 
-def _peer_versions() -> dict:
-    out = {}
-    for dist in ("openvino", "transformers"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: int = 24, repeat: int = 3,
               warmup: int = 2, threads: int | None = 1, cache_dir=None, peers=PEERS, seed: int = 0,
               name: str | None = None, progress: bool = True) -> dict:
@@ -92,15 +80,7 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
         raise InputError(f"unknown peers {', '.join(unknown)}; known: {', '.join(PEERS)}")
     if gen_len < 1 or repeat < 1 or warmup < 0 or not batches or min(batches) < 1:
         raise InputError("gen-len, repeat and batch sizes must be >= 1, warmup >= 0")
-    if cache_dir is None:
-        raise InputError("run_peers needs a cache folder for the exports")
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    if is_shape_name(model) and not Path(model).exists():
-        checkpoint, source = standin_checkpoint(model, cache_dir), "shape"
-    elif Path(model).exists():
-        checkpoint, source = Path(model), "checkpoint"
-    else:
-        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    checkpoint, source = harness.checkpoint_of(model, cache_dir)
     config = load_model(checkpoint).config
     mem_len = int(mem_len or config.mem_len)
     if mem_len < 1:
@@ -120,15 +100,14 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
                leave=False)
     for batch in batches:
         bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
-        precisions = {}
+        precisions = {}  # noted while each side is open: the precision its arithmetic ran in
         sides = [timing.Side(p, _recording(p, open_fns[p], precisions), decode_only=True) for p in chosen]
         stream = timing.make_stream(config.n_token, batch, mem_len, gen_len, 1, seed)
         timing.run_pair(sides, stream, repeat, warmup, progress=bar.update)
         by = {s.label: s for s in sides}
         summary = {p: {"backend": row_label(p, precisions[p]), "precision": precisions[p],
-                       **timing.summarise(by[p], stream)} for p in chosen}
-        for p in chosen:
-            summary[p]["decode_rounds_ms"] = timing.decode_rounds_ms(by[p], repeat)
+                       **timing.summarise(by[p], stream), "decode_rounds_ms": timing.decode_rounds_ms(by[p], repeat)}
+                   for p in chosen}
         ref, base = summary[REFERENCE]["decode_ms"]["p50"], summary[BASELINE]["decode_ms"]["p50"]
         results.append({
             "mem_len": mem_len, "batch": batch, "sides": summary,
@@ -140,7 +119,8 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
     return {
         "schema": SCHEMA, "name": name or (model if source == "shape" else Path(model).name), "model": str(model),
         "source": source, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": {**versions(), **_peer_versions()},
+        "machine": machine_info(), "versions": {**versions(), "openvino": harness.package_version("openvino"),
+                                                 "transformers": harness.package_version("transformers")},
         "settings": {"mem_len": mem_len, "batches": list(batches), "gen_len": gen_len, "repeat": repeat,
                      "warmup": warmup, "threads": threads, "seed": seed, "peers": chosen},
         "openvino": {"cpu_default_precision": default_precision}, "notes": notes,

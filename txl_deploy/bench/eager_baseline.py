@@ -1,13 +1,6 @@
-"""The eager baseline of the benchmark: `MemTransformerLM` as a text generator runs it.
-
-`MemTransformerLM.forward` (and so the runtime's `torch` backend) applies the output layer to every position of
-a segment and the caller keeps the ones it wants. For a prompt that is most of the work on a large vocabulary:
-512 positions x 267,735 words is about 548 MB of log-probabilities per row on WikiText-103, of which generation
-needs one position. `EagerAtPositions` runs the model body over the segment, then the output layer only on the
-hidden states of the requested positions: the same numbers at those positions, what anyone generating text with
-the original model would run. The benchmark compares against it; the full-sequence path is kept as the
-"eager as written" prefill column.
-"""
+"""The eager baseline of the benchmark: `MemTransformerLM` as a text generator runs it, the output layer applied
+only at the positions asked for (the last of a prompt) instead of at every position as `forward` does (548 MB of
+log-probabilities per 512-token row on WikiText-103). Why: docs/benchmarks.md ("`txl-deploy bench`")."""
 
 from __future__ import annotations
 

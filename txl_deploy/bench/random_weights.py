@@ -1,10 +1,6 @@
-"""Random-weight stand-ins of the published shapes: what `bench enwik8-base` measures when no trained model is
-at hand. Speed depends on the shapes, not on the values, so a stand-in is timed exactly like the real model.
-
-The weights are drawn like a freshly initialised model (normal(0, 0.02), layer norms at identity), which keeps
-log-probabilities finite and comparable between backends. Built models and their ONNX exports are cached in a
-directory keyed by shape name, mem_len, layout and seed, so repeated benchmark runs do not re-export.
-"""
+"""Random-weight stand-ins of the published shapes, timed like the real model (speed depends on the shapes, not
+the values): weights drawn like a fresh model's, built and exported once per cache folder, shape, mem_len, layout
+and seed."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Timing one configuration (memory length, batch) of several runtimes side by side, interleaved.
-
-All sides see the same token stream: the memory filled once and restored before every repeat, `gen_len` decode
-steps and a `prompt_len` prefill timed per repeat, the sides alternating (A B C, C B A, ...) so that a slow phase
-of a shared machine hits all; ratios are between medians. A `probe` (the floor's bandwidth) takes its turn in every
-round like a side. Peak memory comes from a separate untimed pass: the resident-set sampler's thread would
-otherwise wake inside the timed loops."""
+"""Timing one configuration (memory length, batch) of several runtimes side by side on one token stream, the sides
+alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass
+(a sampler thread would otherwise wake inside the timed loops)."""
 
 from __future__ import annotations
 
