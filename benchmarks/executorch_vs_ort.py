@@ -5,7 +5,6 @@ Method: docs/benchmarks.md ("ExecuTorch beside ONNX Runtime")."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -34,10 +33,6 @@ FILES = ("ExecuTorch fp32", "ExecuTorch int4 (8da4w)", "ONNX Runtime fp32", "ONN
 PARITY = {"ExecuTorch fp32": "ONNX Runtime fp32", "ExecuTorch int4 (8da4w)": "ONNX Runtime fp32"}
 
 
-def _code_key(*modules) -> str:
-    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:8]
-
-
 def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_text=None) -> Path:
     """The .pte of `checkpoint` at `precision`, exported once per exporter version (with verification: fp32 against
     PyTorch on multi-segment streams; int4 by its KL and, given `eval_text`, its accuracy gate)."""
@@ -45,7 +40,7 @@ def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_t
     from txl_deploy.exporters.executorch import stream
     from txl_deploy.model import linear_step
 
-    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{_code_key(pte, stream, linear_step)}.pte"
+    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{harness.code_key(pte, stream, linear_step)}.pte"
     if not out.exists():
         t0 = time.perf_counter()
         pte.export_executorch(checkpoint, out, precision=precision, mem_len=mem_len, max_segment=MAX_SEGMENT,
@@ -60,7 +55,7 @@ def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> t
     from txl_deploy.exporters.precision import convert, folding, int4
 
     fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
-    out = fp32.with_name(fp32.stem + f"-int4-{_code_key(convert, folding, int4)}.onnx")
+    out = fp32.with_name(fp32.stem + f"-int4-{harness.code_key(convert, folding, int4)}.onnx")
     if not out.exists():
         convert.reduce_onnx(fp32, out, precision="int4", eval_data=eval_text, verify=eval_text is not None,
                             force=True)

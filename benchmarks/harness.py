@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -89,6 +90,11 @@ def targets_table(targets) -> list[str]:
     """The targets table of a results file: (target, measured, met) rows, met None where nothing measured it."""
     return table(["target", "measured", "met"],
                  [[t, val, "not measured" if ok is None else "yes" if ok else "NO"] for t, val, ok in targets])
+
+
+def code_key(*modules) -> str:
+    """A short hash of the modules' source: part of a cached file's name, so that new code builds it again."""
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:8]
 
 
 def package_version(dist: str) -> str | None:

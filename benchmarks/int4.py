@@ -4,7 +4,6 @@ lazy and full. Method: docs/edge.md ("int4") and docs/benchmarks.md ("Decode eff
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 import time
@@ -33,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (precision, folding, int4))).hexdigest()[:8]
-    out = fp32.with_name(fp32.stem + f"-int4-b{block}-{code}.onnx")
+    out = fp32.with_name(fp32.stem + f"-int4-b{block}-{harness.code_key(precision, folding, int4)}.onnx")
     if not out.exists():
         t0 = time.perf_counter()
         precision.reduce_onnx(fp32, out, precision="int4", int4_block_size=block, force=True, **kw)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from benchmarks import harness
 from txl_deploy.bench.benchmark import machine_info, versions
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
@@ -87,8 +87,8 @@ def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tu
     from txl_deploy.model import vanilla  # imports torch
 
     cfg = vanilla.VanillaConfig.like(config)
-    code = hashlib.sha256(Path(vanilla.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:8]
-    key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, code]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, harness.code_key(vanilla, sys.modules[__name__])])
+                         .encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"vanilla-{key}.onnx"
     check_path = path.with_suffix(".check.json")
     if path.exists() and check_path.exists():
@@ -126,23 +126,14 @@ def vanilla_session(path, threads: int | None):
 def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int = DEFAULT_SEGMENT,
                rounds: int = 3, decode_steps: int = 16, warmup: int = 1, threads: int | None = 1, cache_dir=None,
                seed: int = 0, progress: bool = True) -> dict:
-    """Both sides at every attention length in `lengths`; returns the JSON report (`SCHEMA`).
-
-    model: a published shape name (a random-weight stand-in; the default, enwik8 base, is the paper's Table 9
-    setting) or a checkpoint; the vanilla model takes its sizes."""
+    """Both sides at every attention length in `lengths` on `model` (a shape name or a checkpoint; the vanilla
+    model takes its sizes); returns the JSON report (`SCHEMA`)."""
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 2 or rounds < 1 or segment < 1 or decode_steps < 1 or warmup < 0:
         raise InputError("lengths must be >= 2; rounds, segment and decode steps >= 1; warmup >= 0")
-    if cache_dir is None:
-        raise InputError("run_table9 needs a cache folder for the exports")
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     decode_steps = min(decode_steps, segment)
-    if is_shape_name(model):
-        checkpoint, label = standin_checkpoint(model, cache_dir), f"{model} shape, random weights"
-    elif Path(model).exists():
-        checkpoint, label = Path(model), Path(model).name
-    else:
-        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    checkpoint, source = harness.checkpoint_of(model, cache_dir)
+    label = f"{model} shape, random weights" if source == "shape" else Path(model).name
     config = load_model(checkpoint).config
     vanilla_path, vanilla_check = vanilla_onnx(config, cache_dir, seed)
     graphs = {n: standin_onnx(checkpoint, cache_dir, n, max_segment=segment) for n in lengths}  # exports first
@@ -156,27 +147,23 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
         io = inputs(stream, n, segment, rounds + warmup)
         rt.prefill(io.fill)
         full = rt.save_state()
-        evaluation, single, windows = [], [], []
 
-        def txl_segment():
+        def txl_segment(_):
             rt.load_state(full)
-            evaluation.append(harness.seconds(lambda: rt.step(io.segment)) / segment)
+            return harness.seconds(lambda: rt.step(io.segment)) / segment
 
-        def txl_single():
+        def txl_single(_):
             rt.load_state(full)
-            single.append([harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)])
+            return [harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)]
 
-        def vanilla_window():
-            window = io.windows[len(windows)]
-            windows.append(harness.seconds(lambda: vanilla.run(None, {INPUT: window})))
-
-        sides = [txl_segment, txl_single, vanilla_window]
-        for r in range(warmup + rounds):
-            for side in (sides if r % 2 == 0 else sides[::-1]):
-                side()
+        def vanilla_window(r):
             bar.update(1)
+            return harness.seconds(lambda: vanilla.run(None, {INPUT: io.windows[r]}))
+
+        out = harness.interleaved({"evaluation": txl_segment, "single": txl_single, "windows": vanilla_window},
+                                  warmup + rounds)
         rt.close()
-        evaluation, single, windows = evaluation[warmup:], single[warmup:], windows[warmup:]
+        evaluation, single, windows = (out[k][warmup:] for k in ("evaluation", "single", "windows"))
         ev_ms, one_ms, van_ms = (1e3 * float(np.median(x)) for x in (evaluation, np.concatenate(single), windows))
         rows.append({
             "length": n, "paper_slowdown": PAPER_SLOWDOWN.get(n),

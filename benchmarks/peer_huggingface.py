@@ -147,16 +147,16 @@ class HuggingFaceBackend(Backend):
             raise InputError("the HuggingFace peer keeps one memory length for all rows: reset all of them")
         state.update(self.new_state(self.state_batch(state)))
 
-    # Saved: "lens" [B] (the filled length, one for all rows) and "mems.i" [B, mem_len, d_model] from the start.
+    # Saved: "mem_count" [B] (the filled length, one for all rows) and "mems.i" [B, mem_len, d_model] from the start.
     def state_layout(self, batch):
-        layout = {"lens": ((batch,), np.dtype(np.int64))}
+        layout = {"mem_count": ((batch,), np.dtype(np.int64))}
         for i in range(self.config.n_layer):
             layout[f"mems.{i}"] = ((batch, self.mem_len, self.config.d_model), np.dtype(np.float32))
         return layout
 
     def state_arrays(self, state) -> dict:
         mlen, batch = state["mems"][0].shape[:2]
-        arrays = {"lens": np.full(batch, mlen, np.int64)}
+        arrays = {"mem_count": np.full(batch, mlen, np.int64)}
         for i, m in enumerate(state["mems"]):
             padded = np.zeros((batch, self.mem_len, self.config.d_model), np.float32)
             padded[:, :mlen] = m.numpy().transpose(1, 0, 2)
@@ -167,7 +167,7 @@ class HuggingFaceBackend(Backend):
         import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
         _, arrays = self.checked_arrays(arrays, copy)
-        lens = arrays["lens"]
+        lens = arrays["mem_count"]
         if lens.size and not (lens.min() == lens.max() and 0 <= lens[0] <= self.mem_len):
             raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows")
         mlen = int(lens[0]) if lens.size else 0
