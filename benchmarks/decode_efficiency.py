@@ -39,16 +39,10 @@ def weight_bytes(name: str) -> int:
 
 
 def open_shape(name: str, work: Path, threads: int, seed: int = 0):
-    """(graph path, runtime with its memory full, a callable running one decode step)."""
-    mem_len = shape_config(name).mem_len
-    path = standin_onnx(standin_checkpoint(name, work), work, mem_len, max_segment=64)
+    """(graph path, runtime, a callable running one decode step with the memory full)."""
+    path = standin_onnx(standin_checkpoint(name, work), work, shape_config(name).mem_len, max_segment=64)
     rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
-    rng = np.random.default_rng(seed)
-    rt.prefill(rng.integers(0, rt.n_token, size=(1, mem_len)))  # every timed step attends to mem_len positions
-    tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
-    step = lambda: rt.step([[next(tokens)]])  # noqa: E731
-    step(), step()  # first-run allocations
-    return path, rt, step
+    return path, rt, harness.decode_step(rt, np.random.default_rng(seed))
 
 
 def profile(path, rt, threads: int) -> dict:

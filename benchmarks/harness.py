@@ -86,6 +86,19 @@ def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
     return tokens[2:], full
 
 
+def decode_step(rt, rng):
+    """A callable running one decode step of `rt` (batch 1), its memory first filled so that every step attends
+    to mem_len positions; run twice here (first-run allocations)."""
+    rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
+    tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
+
+    def step():
+        rt.step([[next(tokens)]])
+
+    step(), step()
+    return step
+
+
 def targets_table(targets) -> list[str]:
     """The targets table of a results file: (target, measured, met) rows, met None where nothing measured it."""
     return table(["target", "measured", "met"],
