@@ -34,8 +34,7 @@ PARITY = {"ExecuTorch fp32": "ONNX Runtime fp32", "ExecuTorch int4 (8da4w)": "ON
 
 
 def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_text=None) -> Path:
-    """The .pte of `checkpoint` at `precision`, exported once per exporter version (with verification: fp32 against
-    PyTorch on multi-segment streams; int4 by its KL and, given `eval_text`, its accuracy gate)."""
+    """The .pte of `checkpoint` at `precision`, exported (and verified) once per exporter version."""
     from txl_deploy.exporters.executorch import export as pte
     from txl_deploy.exporters.executorch import stream
     from txl_deploy.model import linear_step
@@ -90,12 +89,12 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
         log_probs[label].append(runtimes[label].step([[int(tokens[k])]])[0, -1])
         decode[label].append(time.perf_counter() - t0)
 
-    def prefill(label, r):
+    def prefill_time(label, r):
         runtimes[label].load_state(full[label])
         return harness.seconds(lambda: runtimes[label].prefill(prompt))
 
     harness.interleaved({label: functools.partial(step, label) for label in runtimes}, steps)
-    prefill_s = harness.interleaved({label: functools.partial(prefill, label) for label in runtimes}, repeat + 1)
+    prefill_s = harness.interleaved({label: functools.partial(prefill_time, label) for label in runtimes}, repeat + 1)
     prefill_s = {label: s[1:] for label, s in prefill_s.items()}  # the first round warms prefill-sized buffers
     for rt in runtimes.values():
         rt.close()
@@ -131,10 +130,6 @@ def child_memory(path: str, threads) -> dict:
         rt.step([[int(tok)]])
     status = harness.process_memory()
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
-
-
-def memory(path: Path, threads: int) -> dict:
-    return harness.in_fresh_process("executorch_vs_ort", path, threads)
 
 
 # -- where an ExecuTorch step goes -----------------------------------------------------------------------------
@@ -203,10 +198,9 @@ def _op(name: str) -> str:
     return name.removeprefix("aten.").rsplit(".", 1)[0]
 
 
-def state_bytes(cfg, mem_len: int) -> int:
-    """The memory one stream carries (fp32 keys and values of every layer and the counter), as `info --memory`
-    counts it."""
-    return int(ram_state_bytes(cfg, mem_len))
+def _slowest(head: str, ms_by_op: dict, top: int) -> list[str]:
+    return harness.table([head, "ms / step"], [[op, f"{ms:.3f}"] for op, ms in
+                                               sorted(ms_by_op.items(), key=lambda kv: -kv[1])[:top]])
 
 
 def render(raw: dict) -> str:
@@ -272,12 +266,8 @@ def render(raw: dict) -> str:
                       f"({100 * prof['xnnpack_ms'] / prof['execute_ms']:.0f}%) and {prof['portable_calls']} "
                       f"portable-kernel calls {prof['portable_ms']:.2f} ms ({100 * share:.0f}%; their kernels "
                       f"{prof['portable_kernels_ms']:.2f} ms, the rest the runtime's dispatch).", "",
-                      "| portable operator | ms / step |", "|---|---|",
-                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["portable_by_op_ms"].items(),
-                                                                    key=lambda kv: -kv[1])[:8]],
-                      "", "| XNNPACK operator | ms / step |", "|---|---|",
-                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["xnnpack_by_op_ms"].items(),
-                                                                    key=lambda kv: -kv[1])[:6]]]
+                      *_slowest("portable operator", prof["portable_by_op_ms"], 8),
+                      "", *_slowest("XNNPACK operator", prof["xnnpack_by_op_ms"], 6)]
         lines.append("")
     first = raw["shapes"][0]["profiles"].get("ExecuTorch fp32") or {}
     lines += ["## Which operators XNNPACK takes", "",
@@ -295,13 +285,13 @@ def measure_files(args) -> dict:
 
     raw = {"machine": machine_info(), "versions": versions(), "threads": args.threads, "steps": args.steps,
            "prefill": args.prefill, "repeat": args.repeat, "torch": torch.__version__,
-           "executorch": getattr(executorch, "__version__", None) or _version("executorch"), "shapes": []}
+           "executorch": getattr(executorch, "__version__", None) or harness.package_version("executorch"), "shapes": []}
     for shape in args.shapes.split(","):
         files, mem_len = shape_files(shape, args.mem_len)
         print(f"{shape}: timing ...", file=sys.stderr, flush=True)
         t = timing(files, args.threads, args.steps, args.prefill, args.repeat)
         print(f"{shape}: peak RAM and profiles ...", file=sys.stderr, flush=True)
-        mem = {label: memory(path, args.threads) for label, path in files.items()}
+        mem = {label: harness.in_fresh_process("executorch_vs_ort", path, args.threads) for label, path in files.items()}
         profiles = {label: profile_pte(files[label], args.threads) for label in FILES[:2]}
         info = read_pte_info(files["ExecuTorch fp32"], check_hash=False)
         int4_info = read_pte_info(files["ExecuTorch int4 (8da4w)"], check_hash=False)
@@ -309,17 +299,11 @@ def measure_files(args) -> dict:
         raw["shapes"].append({
             "name": shape, "mem_len": mem_len,
             "title": ("demo model `kjv-char`" if shape == "demo" else f"{shape} shape, random weights"),
-            "state_bytes": state_bytes(info.config, mem_len), "timing": t, "memory": mem, "profiles": profiles,
+            "state_bytes": int(ram_state_bytes(info.config, mem_len)), "timing": t, "memory": mem, "profiles": profiles,
             "int4_accuracy": report.get("accuracy"),
             "files": {label: {"path": path.name, "mb": path.stat().st_size / 1e6} for label, path in files.items()}})
     raw["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return raw
-
-
-def _version(package: str) -> str:
-    from importlib import metadata
-
-    return metadata.version(package)
 
 
 def measure(args, command):

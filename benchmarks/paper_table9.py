@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from txl_deploy.bench.benchmark import machine_info, versions
 from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
+from txl_deploy.exporters.onnx.trace import onnx_program
 from txl_deploy.files import atomic_path
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
@@ -63,17 +63,8 @@ def export_vanilla(model, path, opset: int = 18):
     batch = torch.export.Dim("batch", min=1, max=4096)
     window = torch.export.Dim("window", min=2, max=65536)
     example = torch.zeros(2, 8, dtype=torch.long)
-    quiet = logging.getLogger("torch.onnx")  # registry warnings about absent torchvision ops say nothing here
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
-                                        dynamic_shapes=({0: batch, 1: window},), opset_version=opset, dynamo=True,
-                                        verbose=False, report=False)
-    finally:
-        quiet.setLevel(level)
+    with torch.no_grad():
+        program = onnx_program(model, (example,), [INPUT], [OUTPUT], ({0: batch, 1: window},), opset)
     program.save(str(path))
     return path
 
@@ -199,7 +190,7 @@ def _ms(v: float) -> str:
 
 def markdown(result: dict) -> str:
     s, rows = result["settings"], result["rows"]
-    m, v, c = result["machine"], result["versions"], result["config"]
+    m, v, c, vc = result["machine"], result["versions"], result["config"], result["vanilla_check"]
     threads = s["threads"] or "ONNX Runtime's default"
     lines = [
         f"Model: {s['model']} ({c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads of "
@@ -208,19 +199,15 @@ def markdown(result: dict) -> str:
         f"({m['cores']} cores, {m['platform']}); python {v['python']}, onnxruntime {v['onnxruntime']}, torch "
         f"{v['torch']}, txl-deploy {v['txl_deploy']}.",
         "",
-        "| attention length L | Transformer-XL ms/token, evaluation | Transformer-XL ms/token, one token per call "
-        "| vanilla ms/token | vanilla slower, evaluation | vanilla slower, one token per call | paper (GPU) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ev = r["slowdown_evaluation_rounds"]
-        paper = f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"
-        lines.append(f"| {r['length']:,} | {_ms(r['txl_evaluation_ms_per_token'])} | "
-                     f"{_ms(r['txl_one_token_per_call_ms'])} | {_ms(r['vanilla_ms_per_token'])} | "
-                     f"**{_x(r['slowdown_evaluation'])}** ({_x(min(ev))} to {_x(max(ev))}) | "
-                     f"{_x(r['slowdown_one_token_per_call'])} | {paper} |")
-    vc = result["vanilla_check"]
-    lines += [
+        *harness.table(["attention length L", "Transformer-XL ms/token, evaluation",
+                        "Transformer-XL ms/token, one token per call", "vanilla ms/token", "vanilla slower, evaluation",
+                        "vanilla slower, one token per call", "paper (GPU)"],
+                       [[f"{r['length']:,}", *(_ms(r[k]) for k in ("txl_evaluation_ms_per_token",
+                                                                   "txl_one_token_per_call_ms", "vanilla_ms_per_token")),
+                         f"**{_x(r['slowdown_evaluation'])}** ({_x(min(ev))} to {_x(max(ev))})",
+                         _x(r["slowdown_one_token_per_call"]),
+                         f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"]
+                        for r in rows for ev in [r["slowdown_evaluation_rounds"]]], numeric_from=0),
         "",
         f"What each side computes, per predicted token, with {s['rounds']} measured rounds per L (after "
         f"{s['warmup']} unmeasured), the sides alternating in every round:",
