@@ -144,29 +144,28 @@ def _ms(v: float) -> str:
 
 
 def section(rep: dict) -> str:
-    s, c = rep["settings"], rep["config"]
-    batches = [res["batch"] for res in rep["results"]]
-    head = ["side"] + [f"batch {b}: ms/step (p50)" for b in batches] + [f"batch {b}: vs ONNX Runtime" for b in batches] \
-        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "KL vs eager", "top-1 vs eager"]
-    lines = [f"## {rep['name']}", "",
-             f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
-             f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
-             f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
-             f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured "
-             f"{rep['date']}.", "",
-             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for p in s["peers"]:
-        cells = [rep["results"][0]["sides"][p]["backend"]]
-        cells += [_ms(res["sides"][p]["decode_ms"]["p50"]) for res in rep["results"]]
-        cells += [f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in rep["results"]]
-        cells += [f"{res['relative_to_eager'][p]:.1f}x" for res in rep["results"]]
-        par = [res["parity_vs_eager"].get(p) for res in rep["results"]]
-        cells += ["-" if None in par else f"{max(q['max_abs_diff'] for q in par):.1e}",
-                  "-" if None in par else f"{max(q['kl_divergence'] for q in par):.1e}",
-                  "-" if None in par else f"{min(q['top1_agreement'] for q in par):.4f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *[f"- {n}" for n in rep["notes"]]]
-    return "\n".join(lines).rstrip() + "\n"
+    s, c, results = rep["settings"], rep["config"], rep["results"]
+    batches = [res["batch"] for res in results]
+
+    def parity(p, key, best) -> str:
+        par = [res["parity_vs_eager"].get(p) for res in results]
+        return "-" if None in par else f"{best(q[key] for q in par):{'.4f' if key == 'top1_agreement' else '.1e'}}"
+
+    return "\n".join([
+        f"## {rep['name']}", "",
+        f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
+        f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
+        f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
+        f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured {rep['date']}.",
+        "",
+        *harness.table(["side", *(f"batch {b}: {what}" for what in ("ms/step (p50)", "vs ONNX Runtime", "vs eager")
+                                  for b in batches), "max abs diff vs eager", "KL vs eager", "top-1 vs eager"],
+                       [[results[0]["sides"][p]["backend"], *(_ms(res["sides"][p]["decode_ms"]["p50"]) for res in results),
+                         *(f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in results),
+                         *(f"{res['relative_to_eager'][p]:.1f}x" for res in results),
+                         parity(p, "max_abs_diff", max), parity(p, "kl_divergence", max),
+                         parity(p, "top1_agreement", min)] for p in s["peers"]], numeric_from=1),
+        "", *[f"- {n}" for n in rep["notes"]]]).rstrip() + "\n"
 
 
 HOW_TO_READ = """\

@@ -99,8 +99,7 @@ MEMORY_DECODE_STEPS = 8  # a decode step's footprint does not change from step t
 
 
 def _memory_pass(side: Side, stream: Stream):
-    """The side's largest transient rise in resident memory (or CUDA allocation) over one prefill and a few decode
-    steps, untimed."""
+    """The side's largest rise in memory over one prefill and a few decode steps, untimed."""
     rt = side.rt
     if not side.decode_only:
         rt.reset()
@@ -117,9 +116,9 @@ def _memory_pass(side: Side, stream: Stream):
 
 
 def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None, probe=None) -> list:
-    """Measure every side on `stream`, interleaved, then each side's memory. `progress(n)` is told about each
-    finished phase. `probe()`, if given, runs once per round in the same alternating order as the sides (after
-    them in even rounds, before them in odd ones); returns its result of every round."""
+    """Measure every side on `stream`, interleaved, then each side's memory; `progress(n)` hears of each phase.
+    `probe()` takes a turn in every round, after the sides in even rounds, before them in odd ones: returns its
+    result of every round."""
     for side in sides:
         _setup(side, stream, warmup)
         if progress:
