@@ -225,19 +225,18 @@ def render(raw: dict) -> str:
     ratio_lines = []
     for shape in raw["shapes"]:
         t, files, mem = shape["timing"], shape["files"], shape["memory"]
+        ref = t["decode_ms"]["ONNX Runtime fp32"]
         lines += [f"## {shape['title']}", "",
                   f"mem_len {shape['mem_len']}; the memory of one stream is {fb(shape['state_bytes'])} (fp32 keys "
                   "and values of every layer).", "",
-                  "| file | decode ms / token (p50) | p90 | x ONNX Runtime fp32 | prefill "
-                  f"{raw['prefill']} ms | file MB | peak RAM | added after imports | of which by the load |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        ref = t["decode_ms"]["ONNX Runtime fp32"]
-        for label in files:
-            lines.append(f"| {label} | {t['decode_ms'][label]:.2f} | {t['decode_p90_ms'][label]:.2f} | "
-                         f"{t['decode_ms'][label] / ref:.2f}x | {t['prefill_ms'][label]:.1f} | "
-                         f"{files[label]['mb']:.2f} | {fb(mem[label]['peak'])} | "
-                         f"{fb(mem[label]['peak'] - mem[label]['base'])} | "
-                         f"{fb(mem[label]['loaded'] - mem[label]['base'])} |")
+                  *harness.table(["file", "decode ms / token (p50)", "p90", "x ONNX Runtime fp32",
+                                  f"prefill {raw['prefill']} ms", "file MB", "peak RAM", "added after imports",
+                                  "of which by the load"],
+                                 [[label, f"{t['decode_ms'][label]:.2f}", f"{t['decode_p90_ms'][label]:.2f}",
+                                   f"{t['decode_ms'][label] / ref:.2f}x", f"{t['prefill_ms'][label]:.1f}",
+                                   f"{files[label]['mb']:.2f}", fb(mem[label]["peak"]),
+                                   fb(mem[label]["peak"] - mem[label]["base"]),
+                                   fb(mem[label]["loaded"] - mem[label]["base"])] for label in files])]
         et, et4 = t["decode_ms"]["ExecuTorch fp32"], t["decode_ms"]["ExecuTorch int4 (8da4w)"]
         ort4 = t["decode_ms"]["ONNX Runtime int4"]
         ratio_lines.append(f"{shape['title']}: ExecuTorch fp32 decode {et / ref:.2f}x ONNX Runtime fp32's time, "
