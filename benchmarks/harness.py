@@ -54,8 +54,8 @@ def seconds(fn) -> float:
 
 
 def interleaved(sides: dict, rounds: int) -> dict:
-    """{name: [side(r) for each round r]}, the sides taking turns in each round and the order reversed every other
-    round (A B C, C B A, ...), so that a change in the machine's other load hits every side alike."""
+    """{name: [side(r) for each round r]}, the sides taking turns, the order reversed every other round (A B C,
+    C B A, ...) so that a change in the machine's other load hits every side alike."""
     names, out = list(sides), {name: [] for name in sides}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -64,16 +64,14 @@ def interleaved(sides: dict, rounds: int) -> dict:
 
 
 def table(head, rows, numeric_from: int | None = None) -> list[str]:
-    """A Markdown table's lines: the header's cells, then each row's (already formatted); columns from
-    `numeric_from` on are right-aligned."""
+    """A Markdown table's lines (cells already formatted); columns from `numeric_from` on right-aligned."""
     align = ["---:" if numeric_from is not None and i >= numeric_from else "---" for i in range(len(head))]
     return [f"| {' | '.join(head)} |", f"|{'|'.join(align)}|", *(f"| {' | '.join(map(str, r))} |" for r in rows)]
 
 
 def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
-    """Every runtime's memory filled with the same random context, so that each timed step attends to mem_len
-    cached positions, then two untimed steps (first-run allocations). Returns `steps` tokens to time and each
-    runtime's state with the memory just filled."""
+    """Every runtime's memory filled with the same random context (each timed step attends to mem_len positions),
+    then two untimed steps (first-run allocations): (`steps` tokens to time, each runtime's state once filled)."""
     rt0 = next(iter(runtimes.values()))
     context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
     tokens = rng.integers(0, rt0.n_token, size=steps + 2)
@@ -148,8 +146,7 @@ def command(name: str, argv) -> str:
 
 
 def results_markdown(title: str, body: str, command: str) -> str:
-    """A results file: a title, the command that wrote it (so that every figure in RESULTS.md can be reproduced),
-    the body."""
+    """A results file: a title, the command that wrote it (every figure in RESULTS.md can be reproduced), the body."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n{GENERATED_BY}{command}` on {when}; do not edit by hand (run the command again).\n\n"
             f"{body.strip()}\n")
@@ -196,8 +193,8 @@ def process_memory() -> dict:
 
 
 def in_fresh_process(name: str, *args):
-    """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter, so that what it measures of its memory is
-    its own; the child prints its result as JSON on its last stdout line (see `child_main`)."""
+    """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter (what it measures of its memory is its own):
+    the result it prints as JSON on its last line (`child_main`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--child", *map(str, args)],
                           capture_output=True, text=True, env=env, check=False)
@@ -216,8 +213,7 @@ def child_main(child) -> bool:
 
 
 def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, cache: bool = True):
-    """The options the benchmarks share: --threads (unless None), --cache-dir (with `cache`), --md (its JSON and
-    plots beside it), --force."""
+    """The shared options: --threads (unless None), --cache-dir (with `cache`), --md (JSON and plots beside), --force."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.split("\n\n")[0])
     if threads is not None:
         p.add_argument("--threads", type=int, default=threads, help=f"threads per side (default {threads}; 0: the "
@@ -231,8 +227,8 @@ def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, 
 
 
 def main(name: str, p: argparse.ArgumentParser, measure, argv=None, outputs=(".json",)) -> int:
-    """Parse, refuse files it may not overwrite, run `measure(args, command) -> (results file's text, raw, exit
-    code)`, write the text and `raw` as JSON beside it, and end with a one-line error for a bad input."""
+    """Parse, refuse files it may not overwrite, run `measure(args, command) -> (text, raw, exit code)`, write the
+    text and `raw` as JSON beside it; a bad input ends in a one-line error."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -9,13 +9,10 @@ import contextlib
 import re
 import warnings
 
-import numpy as np
-
-from txl_deploy.checkpoints import load_model
+from txl_deploy.bench.eager_baseline import EagerAtPositions
 from txl_deploy.checkpoints.huggingface import HF_RULES
 from txl_deploy.checkpoints.keymap import Rule, rename
 from txl_deploy.errors import InputError
-from txl_deploy.runtimes.backend import Backend
 
 GROUP = re.compile(r"\((?:[^()\\]|\\.)*\)")  # a group of a rule's pattern, such as (\d+) or (weight|bias)
 
@@ -83,93 +80,27 @@ def to_huggingface(model):
         given = next((state[n] for n in names if n in state), None)
         if given is not None:
             state.update({n: given for n in names if n not in state})
-    with torch.no_grad():
-        missing, unexpected = hf.load_state_dict(state, strict=False)
+    with torch.no_grad():  # assign: HuggingFace's parameters are our tensors, not copies of them
+        missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise InputError(f"the HuggingFace model does not take these weights (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")
     return hf
 
 
-class HuggingFaceBackend(Backend):
-    """State: {"mems": n_layer tensors [mlen, B, d_model]} (HuggingFace's time-major memory of hidden states)."""
+class HuggingFaceBackend(EagerAtPositions):
+    """The eager reference's memory of hidden states (its state, saved as it saves it) run through HuggingFace's
+    model, whose memory is the same hidden states, time-major."""
 
     name = "transformers"
 
-    @classmethod
-    def from_checkpoint(cls, path, mem_len: int | None = None, max_segment: int = 512, threads: int | None = None):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    def _prepare(self):
+        self.hf = to_huggingface(self.model)
 
-        from txl_deploy.model.weights import build_model  # imports torch
+    def _body(self, tokens, mems):
+        with transformers_on_current_torch():
+            out = self.hf.transformer(input_ids=tokens, mems=[m.transpose(0, 1) for m in mems])
+        return out.last_hidden_state, [m.transpose(0, 1) for m in out.mems]
 
-        if threads:
-            torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
-        self = cls()
-        loaded = load_model(path)
-        model = build_model(loaded.config, loaded.state_dict, loaded.path)
-        if mem_len:
-            model.reset_length(mem_len)
-        self.config, self.vocab, self.mem_len = model.cfg, loaded.vocab, model.cfg.mem_len
-        self.max_segment, self.threads = int(max_segment), threads
-        self.model = to_huggingface(model)
-        del model
-        return self
-
-    def fingerprint(self) -> str:
-        return f"transformers-{self.config.n_layer}x{self.config.d_model}-m{self.mem_len}"
-
-    def new_state(self, batch: int):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        return {"mems": [torch.zeros(0, batch, self.config.d_model) for _ in range(self.config.n_layer)]}
-
-    def state_batch(self, state) -> int:
-        return state["mems"][0].shape[1]
-
-    def run(self, state, tokens, out_positions):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        x, idx = torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(out_positions))
-        with torch.no_grad(), transformers_on_current_torch():
-            if tokens.shape[1] == 1 and out_positions.shape[1] == 1:
-                out = self.model(input_ids=x, mems=state["mems"])
-                log_probs, mems = out.prediction_scores, out.mems
-            else:
-                out = self.model.transformer(input_ids=x, mems=state["mems"])
-                hidden = out.last_hidden_state.gather(1, idx[:, :, None].expand(-1, -1, self.config.d_model))
-                log_probs = self.model.crit(hidden).view(*idx.shape, -1)
-                mems = out.mems
-        state["mems"] = mems  # only once the call succeeded
-        return log_probs.float().numpy()
-
-    def reset_rows(self, state, rows):
-        if len(set(int(r) for r in rows)) != self.state_batch(state):
-            raise InputError("the HuggingFace peer keeps one memory length for all rows: reset all of them")
-        state.update(self.new_state(self.state_batch(state)))
-
-    # Saved: "mem_count" [B] (the filled length, one for all rows) and "mems.i" [B, mem_len, d_model] from the start.
-    def state_layout(self, batch):
-        layout = {"mem_count": ((batch,), np.dtype(np.int64))}
-        for i in range(self.config.n_layer):
-            layout[f"mems.{i}"] = ((batch, self.mem_len, self.config.d_model), np.dtype(np.float32))
-        return layout
-
-    def state_arrays(self, state) -> dict:
-        mlen, batch = state["mems"][0].shape[:2]
-        arrays = {"mem_count": np.full(batch, mlen, np.int64)}
-        for i, m in enumerate(state["mems"]):
-            padded = np.zeros((batch, self.mem_len, self.config.d_model), np.float32)
-            padded[:, :mlen] = m.numpy().transpose(1, 0, 2)
-            arrays[f"mems.{i}"] = padded
-        return arrays
-
-    def state_from_arrays(self, arrays, copy=True):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        _, arrays = self.checked_arrays(arrays, copy)
-        lens = arrays["mem_count"]
-        if lens.size and not (lens.min() == lens.max() and 0 <= lens[0] <= self.mem_len):
-            raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows")
-        mlen = int(lens[0]) if lens.size else 0
-        return {"mems": [torch.from_numpy(np.ascontiguousarray(np.asarray(arrays[f"mems.{i}"])[:, :mlen]
-                                                               .transpose(1, 0, 2))) for i in range(self.config.n_layer)]}
+    def _output_layer(self, hidden):
+        return self.hf.crit(hidden).view(*hidden.shape[:-1], -1)

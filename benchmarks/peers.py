@@ -63,7 +63,7 @@ def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
         "onnxruntime": lambda: TxlRuntime(OrtBackend(onnx_path, providers=["cpu"], intra_op_threads=threads)),
         "openvino-f32": lambda: TxlRuntime(OpenVinoBackend(onnx_path, "f32", threads)),
         "openvino-default": lambda: TxlRuntime(OpenVinoBackend(onnx_path, None, threads)),
-        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len, threads=threads)),
+        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len=mem_len, threads=threads)),
         "eager": lambda: TxlRuntime(EagerAtPositions.from_checkpoint(checkpoint, mem_len=mem_len)),
         "torch-compile": lambda: TxlRuntime(TorchCompileBackend.from_checkpoint(checkpoint, mem_len=mem_len)),
     }

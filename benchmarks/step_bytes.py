@@ -143,9 +143,8 @@ PROFILE_TYPE_BYTES = {"float": 4, "float16": 2, "double": 8, "int64": 8, "int32"
 
 
 def input_bytes(event, constants=None) -> int:
-    """The bytes a profiled kernel reads: its activations from its input_type_shape, and its constant inputs
-    from the graph (`constants`: {input position: bytes}), since a weight ONNX Runtime prepacked at load is not
-    always listed with its shape."""
+    """The bytes a profiled kernel reads: activations from its input_type_shape, constants from the graph
+    (`constants`: {input position: bytes}; a prepacked weight is not always listed with its shape)."""
     constants = constants or {}
     total = sum(constants.values())
     for i, entry in enumerate(event.get("args", {}).get("input_type_shape", [])):
@@ -165,9 +164,8 @@ def constant_input_bytes(onnx_path) -> dict:
 
 def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | None = None, steps: int = 5,
                   providers=("cpu",)) -> dict:
-    """Like `profile_decode`, per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first,
-    "ops": [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being what the node reads per step (its
-    inputs, the initializers among them) and GB/s those bytes over its time."""
+    """`profile_decode` per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first, "ops":
+    [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being every input a node reads per step."""
     runs, events, cpu = trace_steps(onnx_path, state, tokens, threads, steps, providers)
     constants = constant_input_bytes(onnx_path)
     per_step = [defaultdict(float) for _ in runs]
@@ -194,8 +192,7 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
 
 
 def _constant(graph, name):
-    """The value of a MatMul's B when it is an initializer or an initializer's Transpose (a tied output layer
-    that ONNX Runtime folds once at load), else None."""
+    """A MatMul's B when it is an initializer or an initializer's Transpose (a tied output layer), else None."""
     inits = {t.name: t for t in graph.initializer}
     if name in inits:
         return numpy_helper.to_array(inits[name])
@@ -206,9 +203,8 @@ def _constant(graph, name):
     return None
 
 
-# Read between the runs of `matmul_alone` so that each run finds its weight in memory, not in a cache, as it does in a
-# decode step (which reads hundreds of MB between two reads of one weight). Larger than the last-level caches of the
-# machines measured here (32 MB).
+# Read between the runs of `matmul_alone` so that each finds its weight in memory, not in a cache, as in a decode
+# step; larger than the last-level caches of the machines measured here (32 MB).
 EVICT_BYTES = 128 * 2**20
 
 
