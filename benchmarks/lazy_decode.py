@@ -35,8 +35,7 @@ TARGET = 2.0  # lazy / full tokens per second at batch 1, greedy and T=1
 TARGET_MODES = ("greedy", "T=1")
 PART_REPS = 3  # head, tails and full step timed alone, per batch-1 round
 
-# The last layer's feed-forward output weight is multiplied by this: its output then outweighs the residual (the
-# input word's embedding, carried through the post-norm layers) about 50 to 1 after the layer norm.
+# The last feed-forward output weight times this outweighs the residual (the input word's embedding) 50 to 1.
 DECORRELATE = 50.0
 CALIBRATION_TOKENS = 512  # hidden states the head is fitted on (random words, the memory threaded)
 CALIBRATION_SEGMENT = 64

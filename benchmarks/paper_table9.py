@@ -70,8 +70,8 @@ def export_vanilla(model, path, opset: int = 18):
 
 
 def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tuple[Path, dict]:
-    """The vanilla model of a Transformer-XL config's size as ONNX (random weights), cached by size, seed and this
-    code; and the export's check: ONNX Runtime against PyTorch on one window of `check_window` tokens."""
+    """The vanilla model of a config's size as ONNX (random weights, cached), and its check against PyTorch on
+    one window of `check_window` tokens."""
     import onnxruntime as ort  # optional (the cpu or gpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
@@ -100,9 +100,8 @@ def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tu
 
 
 def vanilla_session(path, threads: int | None):
-    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one
-    inter-op thread (the graph runs sequentially), and its default CPU arena (the window's [L, L] score blocks are
-    reused between runs instead of allocated anew)."""
+    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one inter-op
+    thread, its default CPU arena (the window's [L, L] score blocks reused between runs)."""
     import onnxruntime as ort  # optional (the cpu or gpu extra)
 
     opts = ort.SessionOptions()
