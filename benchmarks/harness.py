@@ -85,16 +85,9 @@ def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
 
 
 def decode_step(rt, rng):
-    """A callable running one decode step of `rt` (batch 1), its memory first filled so that every step attends
-    to mem_len positions; run twice here (first-run allocations)."""
-    rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
-    tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
-
-    def step():
-        rt.step([[next(tokens)]])
-
-    step(), step()
-    return step
+    """A callable running one decode step of `rt` (batch 1) with its memory full (`fill_memories`)."""
+    tokens = iter(fill_memories({"": rt}, 100_000, rng)[0].tolist())
+    return lambda: rt.step([[next(tokens)]])
 
 
 def targets_table(targets) -> list[str]:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from benchmarks import harness
 from txl_deploy.bench.benchmark import machine_info, versions
 from txl_deploy.bench.random_weights import standin_onnx
+from txl_deploy.bench.report import pyplot, save_figure
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
 from txl_deploy.exporters.onnx.trace import onnx_program
@@ -230,14 +231,9 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path, force: bool = False):
     """The measured slowdowns and the paper's against L."""
-    import matplotlib  # optional (the bench extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # optional (the bench extra)
-
     rows = result["rows"]
     xs = [r["length"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4))
     ax.plot(xs, [r["slowdown_evaluation"] for r in rows], marker="o", label="measured, evaluation (segments)")
     ax.plot(xs, [r["slowdown_one_token_per_call"] for r in rows], marker="s",
             label="measured, Transformer-XL one token per call")
@@ -249,9 +245,7 @@ def plot(result: dict, path, force: bool = False):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path, force=force) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, force)
 
 
 def measure(args, command):
@@ -263,8 +257,8 @@ def measure(args, command):
     try:
         plot(result, md.with_suffix(".png"), force=args.force)
         body += f"\n![vanilla time over Transformer-XL time per token against L]({md.with_suffix('.png').name})\n"
-    except ImportError:
-        logger.warning("no plot: matplotlib is not installed (pip install matplotlib)")
+    except InputError as e:
+        logger.warning(f"no plot: {e}")
     title = "The paper's Table 9: evaluation speed against a vanilla Transformer"
     return harness.results_markdown(title, body, command), result, 0
 

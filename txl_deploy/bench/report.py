@@ -66,15 +66,28 @@ def write_json(report: dict, path, force: bool):
         tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
-def plot(report: dict, path, force: bool):
-    """Decode latency (p50) against memory length, one line per backend and batch size; and against batch size."""
+def pyplot():
+    """matplotlib's pyplot drawing to files, or a one-line error where the bench extra is not installed."""
     try:
         import matplotlib  # optional (the bench extra)
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # optional (the bench extra)
     except ImportError:
-        raise InputError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise InputError("a plot needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def save_figure(fig, path, force: bool):
+    """The figure written atomically, in the format its suffix names (png by default), then closed."""
+    with atomic_path(path, force=force) as tmp:
+        fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
+    pyplot().close(fig)
+
+
+def plot(report: dict, path, force: bool):
+    """Decode latency (p50) against memory length, one line per backend and batch size; and against batch size."""
+    plt = pyplot()
 
     series = {}
     for res in report["results"]:
@@ -97,6 +110,4 @@ def plot(report: dict, path, force: bool):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path, force=force) as tmp:
-        fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
-    plt.close(fig)
+    save_figure(fig, path, force)
