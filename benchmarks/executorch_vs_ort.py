@@ -36,10 +36,9 @@ PARITY = {"ExecuTorch fp32": "ONNX Runtime fp32", "ExecuTorch int4 (8da4w)": "ON
 def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_text=None) -> Path:
     """The .pte of `checkpoint` at `precision`, exported (and verified) once per exporter version."""
     from txl_deploy.exporters.executorch import export as pte
-    from txl_deploy.exporters.executorch import stream
     from txl_deploy.model import linear_step
 
-    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{harness.code_key(pte, stream, linear_step)}.pte"
+    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{harness.code_key(pte, linear_step)}.pte"
     if not out.exists():
         t0 = time.perf_counter()
         pte.export_executorch(checkpoint, out, precision=precision, mem_len=mem_len, max_segment=MAX_SEGMENT,
@@ -138,22 +137,18 @@ def profile_pte(path: Path, threads: int, steps: int = PROFILE_STEPS, seed: int 
     """ETDump of `steps` decode steps (batch 1, memory full): median ms per step of the XNNPACK delegate calls, of
     each portable operator (its kernel plus the runtime's dispatch of it) and of the whole execute."""
     from executorch.devtools import Inspector  # optional (the executorch extra): ETDump's reader
-    from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
     from executorch.runtime import Runtime  # optional (the executorch extra)
 
-    from txl_deploy.exporters.executorch.stream import RingStepper, program_call
+    from txl_deploy.runtimes.backends.executorch import ExecuTorchBackend  # imports torch and executorch
 
-    info = read_pte_info(path)
-    portable_lib._unsafe_reset_threadpool(threads)
-    program = Runtime.get().load_program(str(path), enable_etdump=True, debug_buffer_size=0)
-    method = program.load_method("forward")
-    stepper = RingStepper(program_call(method), info.spec())
-    rng = np.random.default_rng(seed)
-    mem_len = info.mem_len
-    for start in range(0, mem_len, MAX_SEGMENT):
-        stepper.step(rng.integers(0, info.config.n_token, size=(1, min(MAX_SEGMENT, mem_len - start))))
-    for tok in rng.integers(0, info.config.n_token, size=steps):
-        stepper.step(np.array([[tok]]))
+    backend = ExecuTorchBackend(path, threads)  # as TxlRuntime.load opens it, the program reloaded with ETDump on
+    program = backend._program = Runtime.get().load_program(str(path), enable_etdump=True, debug_buffer_size=0)
+    backend.method = program.load_method("forward")
+    info, rng = backend.info, np.random.default_rng(seed)
+    with TxlRuntime(backend) as rt:
+        rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
+        for tok in rng.integers(0, rt.n_token, size=steps):
+            rt.step([[int(tok)]])
     with tempfile.TemporaryDirectory(prefix="txl-etdump-") as work:
         etdump = Path(work) / "step.etdp"
         program.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
