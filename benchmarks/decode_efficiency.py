@@ -1,7 +1,6 @@
-"""How close a batch-1 decode step comes to reading its bytes, on every published shape, in one run: each step
-against the plain read and the copy of the bytes it reads, round by round; for the shapes that miss the target,
-and WikiText-103 base always, ONNX Runtime's profile per op and session options compared. Method:
-docs/benchmarks.md ("Decode efficiency")."""
+"""How close a batch-1 decode step comes to reading its bytes, on every published shape in one run, against the
+plain read and the copy of those bytes round by round; where a shape misses (and on WikiText-103 base always),
+ONNX Runtime's profile per op and session options compared. Method: docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 
@@ -33,22 +32,11 @@ ALWAYS_PROFILED = "wt103-base"
 BIG_MATMUL_BYTES = 1_000_000  # a MatMul whose inputs are over this is listed by name
 
 
-def weight_bytes(name: str) -> int:
-    config = shape_config(name)
-    return decode_bytes(config, config.mem_len, 1)["weight_bytes"]
-
-
 def open_shape(name: str, work: Path, threads: int, seed: int = 0):
-    """(graph path, runtime with its memory full, a callable running one decode step)."""
-    mem_len = shape_config(name).mem_len
-    path = standin_onnx(standin_checkpoint(name, work), work, mem_len, max_segment=64)
+    """(graph path, runtime, a callable running one decode step with the memory full)."""
+    path = standin_onnx(standin_checkpoint(name, work), work, shape_config(name).mem_len, max_segment=64)
     rt = TxlRuntime(OrtBackend(path, providers=["cpu"], intra_op_threads=threads))
-    rng = np.random.default_rng(seed)
-    rt.prefill(rng.integers(0, rt.n_token, size=(1, mem_len)))  # every timed step attends to mem_len positions
-    tokens = iter(rng.integers(0, rt.n_token, size=100_000).tolist())
-    step = lambda: rt.step([[next(tokens)]])  # noqa: E731
-    step(), step()  # first-run allocations
-    return path, rt, step
+    return path, rt, harness.decode_step(rt, np.random.default_rng(seed))
 
 
 def profile(path, rt, threads: int) -> dict:
@@ -126,19 +114,16 @@ def op_tables(label: str, prof: dict) -> list[str]:
              *harness.table(["op kind", "nodes", "ms / step", "MB read / step", "GB/s"],
                             [[o["op_type"], o["nodes"], f"{o['ms_per_step']:.3f}", f"{o['bytes'] / 1e6:.2f}",
                               f"{o['gb_per_s']:.1f}"] for o in prof["ops"] if o["ms_per_step"] >= 0.005])]
-    lines += ["", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a "
-              "one-node model with the same weight, as the graph stores it, one token's activation, same thread "
-              f"count; each run alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory "
-              "as in a step):",
-              "", "| product | MB read | in graph ms | GB/s | alone ms | GB/s | graph / alone |",
-              "|---|---|---|---|---|---|---|"]
-    for n in prof["big_matmuls"]:
-        alone = n.get("alone_ms")
-        cols = (f"{alone:.3f} | {n['bytes'] / alone / 1e6:.1f} | {n['ms_per_step'] / alone:.2f}" if alone
-                else "B is not a constant (the memory, or a table) | | ")
-        lines.append(f"| `{n['name']}` | {n['bytes'] / 1e6:.2f} | {n['ms_per_step']:.3f} | "
-                     f"{n['bytes'] / max(n['ms_per_step'], 1e-9) / 1e6:.1f} | {cols} |")
-    return lines + [""]
+    return lines + [
+        "", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a one-node "
+        "model with the same weight, as the graph stores it, one token's activation, same thread count; each run "
+        f"alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory as in a step):", "",
+        *harness.table(["product", "MB read", "in graph ms", "GB/s", "alone ms", "GB/s", "graph / alone"],
+                       [[f"`{n['name']}`", f"{n['bytes'] / 1e6:.2f}", f"{n['ms_per_step']:.3f}",
+                         f"{n['bytes'] / max(n['ms_per_step'], 1e-9) / 1e6:.1f}",
+                         *((f"{a:.3f}", f"{n['bytes'] / a / 1e6:.1f}", f"{n['ms_per_step'] / a:.2f}") if a else
+                           ("B is not a constant (the memory, or a table)", "", ""))]
+                        for n in prof["big_matmuls"] for a in [n.get("alone_ms")]]), ""]
 
 
 def efficiency_rows(shapes: list, results: dict, skipped: dict) -> list[str]:
@@ -160,7 +145,7 @@ def measure(args, command):
     load_start = harness.load_average()
     skipped, opened = {}, {}
     for name in shapes:
-        gb = weight_bytes(name) / 1e9
+        gb = decode_bytes(shape_config(name), shape_config(name).mem_len, 1)["weight_bytes"] / 1e9
         if gb > args.max_weights_gb:
             skipped[name] = (f"{gb:.1f} GB of fp32 weights, above --max-weights-gb {args.max_weights_gb:g}: its "
                              "export (external data) and a session holding it are not run on this shared 24 GB "

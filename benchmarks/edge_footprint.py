@@ -1,30 +1,17 @@
-"""Memory one stream needs on each edge target, per precision: the table in docs/edge.md, "Memory per target", from TxlConfig.
-
-    python benchmarks/edge_footprint.py [--max-segment 512] [--block-size 32]
-
-Weights: the exported graph's constants counted from the config, at the precision's bytes per value when
-loaded: the 2-D weight matrices (attention and feed-forward projections, the adaptive-softmax output layer, the
-embedding) at the precision's bytes per weight (int4: a 4-bit weight plus its share of the block's fp32 scale and
-4-bit zero point), stored as each precision stores them (a tied output layer reads the embedding in fp32, fp16
-and int4; int8 graphs quantize the output layer and keep the lookup table in fp32), everything else (biases, layer norms, the
-precomputed positional tables) in fp32 (fp16 for fp16 graphs). Memory state:
-`TxlConfig.memory_bytes_per_stream(mem_len)['kv_cache']` + the 8-byte counter, in fp32 except for fp16 graphs.
-Activations of a decode step (a few MB) and the runtime's own buffers are not counted: measured resident memory
-is in benchmarks/results_int4.md.
-"""
+"""Memory one stream needs on each edge target, per precision, computed from TxlConfig: the table of docs/edge.md
+("Memory per target"), which says what is counted. Activations and the runtime's own buffers are not (measured
+resident sizes: benchmarks/results_int4.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from txl_deploy.assets import DEMO_DIR
 from txl_deploy.config import TxlConfig, published_config
+from txl_deploy.contract.clusters import pieces
 
-ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = {
-    # name: (bytes per matrix weight, bytes per other value, state bytes, targets); int4's per-weight bytes depend on
-    # the block size
+PRECISIONS = {  # name: (bytes per matrix weight (int4's: by block size), per other value, per state value, targets)
     "fp32": (4, 4, 4, "ARM64 CPU, Jetson (TensorRT), browser"),
     "fp16": (2, 2, 2, "Jetson (TensorRT), browser"),
     "int8": (1, 4, 4, "Jetson (TensorRT)"),
@@ -46,8 +33,7 @@ def parameter_counts(cfg, mem_len: int, max_segment: int) -> dict:
     body = L * (3 * D * H * Dh + H * Dh * D + 2 * D * Di)
     other = L * (Di + D + 4 * D + H * Dh * T) + 2 * H * Dh * (L if cfg.untie_r else 1)
     embedding = output = 0
-    ends = [0, *cfg.cutoffs, cfg.n_token]
-    for i, (lo, hi) in enumerate(zip(ends[:-1], ends[1:])):
+    for i, (lo, hi) in enumerate(pieces(cfg.cutoffs, cfg.n_token)):
         d_i = cfg.d_embed // cfg.div_val**i if cfg.div_val > 1 else cfg.d_embed
         proj = D * d_i if d_i != D else 0
         embedding += (hi - lo) * d_i + proj
@@ -89,11 +75,11 @@ def _mb(n: float) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.edge_footprint", description=__doc__.splitlines()[0])
     ap.add_argument("--max-segment", type=int, default=512, help="the export's max_segment (default 512)")
     ap.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32)")
     args = ap.parse_args()
-    demo = TxlConfig.from_dict(json.loads((ROOT / "txl_deploy/assets/demo/kjv-char/config.json").read_text())["config"])
+    demo = TxlConfig.from_dict(json.loads((DEMO_DIR / "kjv-char" / "config.json").read_text())["config"])
     wt103 = published_config("wt103-base")
     print(table([("demo (kjv-char)", demo, demo.mem_len), ("WikiText-103 base", wt103, wt103.mem_len)],
                 args.max_segment, args.block_size))

@@ -5,7 +5,6 @@ Method: docs/benchmarks.md ("ExecuTorch beside ONNX Runtime")."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -34,18 +33,12 @@ FILES = ("ExecuTorch fp32", "ExecuTorch int4 (8da4w)", "ONNX Runtime fp32", "ONN
 PARITY = {"ExecuTorch fp32": "ONNX Runtime fp32", "ExecuTorch int4 (8da4w)": "ONNX Runtime fp32"}
 
 
-def _code_key(*modules) -> str:
-    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:8]
-
-
 def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_text=None) -> Path:
-    """The .pte of `checkpoint` at `precision`, exported once per exporter version (with verification: fp32 against
-    PyTorch on multi-segment streams; int4 by its KL and, given `eval_text`, its accuracy gate)."""
+    """The .pte of `checkpoint` at `precision`, exported (and verified) once per exporter version."""
     from txl_deploy.exporters.executorch import export as pte
-    from txl_deploy.exporters.executorch import stream
     from txl_deploy.model import linear_step
 
-    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{_code_key(pte, stream, linear_step)}.pte"
+    out = CACHE / f"{name}-m{mem_len}-s{MAX_SEGMENT}-{precision}-{harness.code_key(pte, linear_step)}.pte"
     if not out.exists():
         t0 = time.perf_counter()
         pte.export_executorch(checkpoint, out, precision=precision, mem_len=mem_len, max_segment=MAX_SEGMENT,
@@ -60,7 +53,7 @@ def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> t
     from txl_deploy.exporters.precision import convert, folding, int4
 
     fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
-    out = fp32.with_name(fp32.stem + f"-int4-{_code_key(convert, folding, int4)}.onnx")
+    out = fp32.with_name(fp32.stem + f"-int4-{harness.code_key(convert, folding, int4)}.onnx")
     if not out.exists():
         convert.reduce_onnx(fp32, out, precision="int4", eval_data=eval_text, verify=eval_text is not None,
                             force=True)
@@ -95,12 +88,12 @@ def timing(paths: dict, threads: int, steps: int, prefill: int, repeat: int, see
         log_probs[label].append(runtimes[label].step([[int(tokens[k])]])[0, -1])
         decode[label].append(time.perf_counter() - t0)
 
-    def prefill(label, r):
+    def prefill_time(label, r):
         runtimes[label].load_state(full[label])
         return harness.seconds(lambda: runtimes[label].prefill(prompt))
 
     harness.interleaved({label: functools.partial(step, label) for label in runtimes}, steps)
-    prefill_s = harness.interleaved({label: functools.partial(prefill, label) for label in runtimes}, repeat + 1)
+    prefill_s = harness.interleaved({label: functools.partial(prefill_time, label) for label in runtimes}, repeat + 1)
     prefill_s = {label: s[1:] for label, s in prefill_s.items()}  # the first round warms prefill-sized buffers
     for rt in runtimes.values():
         rt.close()
@@ -138,32 +131,24 @@ def child_memory(path: str, threads) -> dict:
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 
-def memory(path: Path, threads: int) -> dict:
-    return harness.in_fresh_process("executorch_vs_ort", path, threads)
-
-
 # -- where an ExecuTorch step goes -----------------------------------------------------------------------------
 
 def profile_pte(path: Path, threads: int, steps: int = PROFILE_STEPS, seed: int = 0) -> dict:
     """ETDump of `steps` decode steps (batch 1, memory full): median ms per step of the XNNPACK delegate calls, of
     each portable operator (its kernel plus the runtime's dispatch of it) and of the whole execute."""
     from executorch.devtools import Inspector  # optional (the executorch extra): ETDump's reader
-    from executorch.extension.pybindings import portable_lib  # optional (the executorch extra)
     from executorch.runtime import Runtime  # optional (the executorch extra)
 
-    from txl_deploy.exporters.executorch.stream import RingStepper, program_call
+    from txl_deploy.runtimes.backends.executorch import ExecuTorchBackend  # imports torch and executorch
 
-    info = read_pte_info(path)
-    portable_lib._unsafe_reset_threadpool(threads)
-    program = Runtime.get().load_program(str(path), enable_etdump=True, debug_buffer_size=0)
-    method = program.load_method("forward")
-    stepper = RingStepper(program_call(method), info.spec())
-    rng = np.random.default_rng(seed)
-    mem_len = info.mem_len
-    for start in range(0, mem_len, MAX_SEGMENT):
-        stepper.step(rng.integers(0, info.config.n_token, size=(1, min(MAX_SEGMENT, mem_len - start))))
-    for tok in rng.integers(0, info.config.n_token, size=steps):
-        stepper.step(np.array([[tok]]))
+    backend = ExecuTorchBackend(path, threads)  # as TxlRuntime.load opens it, the program reloaded with ETDump on
+    program = backend._program = Runtime.get().load_program(str(path), enable_etdump=True, debug_buffer_size=0)
+    backend.method = program.load_method("forward")
+    info, rng = backend.info, np.random.default_rng(seed)
+    with TxlRuntime(backend) as rt:
+        rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
+        for tok in rng.integers(0, rt.n_token, size=steps):
+            rt.step([[int(tok)]])
     with tempfile.TemporaryDirectory(prefix="txl-etdump-") as work:
         etdump = Path(work) / "step.etdp"
         program.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
@@ -208,10 +193,9 @@ def _op(name: str) -> str:
     return name.removeprefix("aten.").rsplit(".", 1)[0]
 
 
-def state_bytes(cfg, mem_len: int) -> int:
-    """The memory one stream carries (fp32 keys and values of every layer and the counter), as `info --memory`
-    counts it."""
-    return int(ram_state_bytes(cfg, mem_len))
+def _slowest(head: str, ms_by_op: dict, top: int) -> list[str]:
+    return harness.table([head, "ms / step"], [[op, f"{ms:.3f}"] for op, ms in
+                                               sorted(ms_by_op.items(), key=lambda kv: -kv[1])[:top]])
 
 
 def render(raw: dict) -> str:
@@ -236,19 +220,18 @@ def render(raw: dict) -> str:
     ratio_lines = []
     for shape in raw["shapes"]:
         t, files, mem = shape["timing"], shape["files"], shape["memory"]
+        ref = t["decode_ms"]["ONNX Runtime fp32"]
         lines += [f"## {shape['title']}", "",
                   f"mem_len {shape['mem_len']}; the memory of one stream is {fb(shape['state_bytes'])} (fp32 keys "
                   "and values of every layer).", "",
-                  "| file | decode ms / token (p50) | p90 | x ONNX Runtime fp32 | prefill "
-                  f"{raw['prefill']} ms | file MB | peak RAM | added after imports | of which by the load |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        ref = t["decode_ms"]["ONNX Runtime fp32"]
-        for label in files:
-            lines.append(f"| {label} | {t['decode_ms'][label]:.2f} | {t['decode_p90_ms'][label]:.2f} | "
-                         f"{t['decode_ms'][label] / ref:.2f}x | {t['prefill_ms'][label]:.1f} | "
-                         f"{files[label]['mb']:.2f} | {fb(mem[label]['peak'])} | "
-                         f"{fb(mem[label]['peak'] - mem[label]['base'])} | "
-                         f"{fb(mem[label]['loaded'] - mem[label]['base'])} |")
+                  *harness.table(["file", "decode ms / token (p50)", "p90", "x ONNX Runtime fp32",
+                                  f"prefill {raw['prefill']} ms", "file MB", "peak RAM", "added after imports",
+                                  "of which by the load"],
+                                 [[label, f"{t['decode_ms'][label]:.2f}", f"{t['decode_p90_ms'][label]:.2f}",
+                                   f"{t['decode_ms'][label] / ref:.2f}x", f"{t['prefill_ms'][label]:.1f}",
+                                   f"{files[label]['mb']:.2f}", fb(mem[label]["peak"]),
+                                   fb(mem[label]["peak"] - mem[label]["base"]),
+                                   fb(mem[label]["loaded"] - mem[label]["base"])] for label in files])]
         et, et4 = t["decode_ms"]["ExecuTorch fp32"], t["decode_ms"]["ExecuTorch int4 (8da4w)"]
         ort4 = t["decode_ms"]["ONNX Runtime int4"]
         ratio_lines.append(f"{shape['title']}: ExecuTorch fp32 decode {et / ref:.2f}x ONNX Runtime fp32's time, "
@@ -277,12 +260,8 @@ def render(raw: dict) -> str:
                       f"({100 * prof['xnnpack_ms'] / prof['execute_ms']:.0f}%) and {prof['portable_calls']} "
                       f"portable-kernel calls {prof['portable_ms']:.2f} ms ({100 * share:.0f}%; their kernels "
                       f"{prof['portable_kernels_ms']:.2f} ms, the rest the runtime's dispatch).", "",
-                      "| portable operator | ms / step |", "|---|---|",
-                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["portable_by_op_ms"].items(),
-                                                                    key=lambda kv: -kv[1])[:8]],
-                      "", "| XNNPACK operator | ms / step |", "|---|---|",
-                      *[f"| {op} | {ms:.3f} |" for op, ms in sorted(prof["xnnpack_by_op_ms"].items(),
-                                                                    key=lambda kv: -kv[1])[:6]]]
+                      *_slowest("portable operator", prof["portable_by_op_ms"], 8),
+                      "", *_slowest("XNNPACK operator", prof["xnnpack_by_op_ms"], 6)]
         lines.append("")
     first = raw["shapes"][0]["profiles"].get("ExecuTorch fp32") or {}
     lines += ["## Which operators XNNPACK takes", "",
@@ -300,13 +279,13 @@ def measure_files(args) -> dict:
 
     raw = {"machine": machine_info(), "versions": versions(), "threads": args.threads, "steps": args.steps,
            "prefill": args.prefill, "repeat": args.repeat, "torch": torch.__version__,
-           "executorch": getattr(executorch, "__version__", None) or _version("executorch"), "shapes": []}
+           "executorch": getattr(executorch, "__version__", None) or harness.package_version("executorch"), "shapes": []}
     for shape in args.shapes.split(","):
         files, mem_len = shape_files(shape, args.mem_len)
         print(f"{shape}: timing ...", file=sys.stderr, flush=True)
         t = timing(files, args.threads, args.steps, args.prefill, args.repeat)
         print(f"{shape}: peak RAM and profiles ...", file=sys.stderr, flush=True)
-        mem = {label: memory(path, args.threads) for label, path in files.items()}
+        mem = {label: harness.in_fresh_process("executorch_vs_ort", path, args.threads) for label, path in files.items()}
         profiles = {label: profile_pte(files[label], args.threads) for label in FILES[:2]}
         info = read_pte_info(files["ExecuTorch fp32"], check_hash=False)
         int4_info = read_pte_info(files["ExecuTorch int4 (8da4w)"], check_hash=False)
@@ -314,17 +293,11 @@ def measure_files(args) -> dict:
         raw["shapes"].append({
             "name": shape, "mem_len": mem_len,
             "title": ("demo model `kjv-char`" if shape == "demo" else f"{shape} shape, random weights"),
-            "state_bytes": state_bytes(info.config, mem_len), "timing": t, "memory": mem, "profiles": profiles,
+            "state_bytes": int(ram_state_bytes(info.config, mem_len)), "timing": t, "memory": mem, "profiles": profiles,
             "int4_accuracy": report.get("accuracy"),
             "files": {label: {"path": path.name, "mb": path.stat().st_size / 1e6} for label, path in files.items()}})
     raw["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return raw
-
-
-def _version(package: str) -> str:
-    from importlib import metadata
-
-    return metadata.version(package)
 
 
 def measure(args, command):

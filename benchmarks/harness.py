@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -14,12 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
 from txl_deploy.bench.benchmark import machine_info, versions
-from txl_deploy.errors import TxlError
+from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint
+from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
 HERE = Path(__file__).resolve().parent
@@ -51,8 +54,8 @@ def seconds(fn) -> float:
 
 
 def interleaved(sides: dict, rounds: int) -> dict:
-    """{name: [side(r) for each round r]}, the sides taking turns in each round and the order reversed every other
-    round (A B C, C B A, ...), so that a change in the machine's other load hits every side alike."""
+    """{name: [side(r) for each round r]}, the sides taking turns, the order reversed every other round (A B C,
+    C B A, ...) so that a change in the machine's other load hits every side alike."""
     names, out = list(sides), {name: [] for name in sides}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -61,16 +64,14 @@ def interleaved(sides: dict, rounds: int) -> dict:
 
 
 def table(head, rows, numeric_from: int | None = None) -> list[str]:
-    """A Markdown table's lines: the header's cells, then each row's (already formatted); columns from
-    `numeric_from` on are right-aligned."""
+    """A Markdown table's lines (cells already formatted); columns from `numeric_from` on right-aligned."""
     align = ["---:" if numeric_from is not None and i >= numeric_from else "---" for i in range(len(head))]
     return [f"| {' | '.join(head)} |", f"|{'|'.join(align)}|", *(f"| {' | '.join(map(str, r))} |" for r in rows)]
 
 
 def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
-    """Every runtime's memory filled with the same random context, so that each timed step attends to mem_len
-    cached positions, then two untimed steps (first-run allocations). Returns `steps` tokens to time and each
-    runtime's state with the memory just filled."""
+    """Every runtime's memory filled with the same random context (each timed step attends to mem_len positions),
+    then two untimed steps (first-run allocations): (`steps` tokens to time, each runtime's state once filled)."""
     rt0 = next(iter(runtimes.values()))
     context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
     tokens = rng.integers(0, rt0.n_token, size=steps + 2)
@@ -83,10 +84,40 @@ def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
     return tokens[2:], full
 
 
+def decode_step(rt, rng):
+    """A callable running one decode step of `rt` (batch 1) with its memory full (`fill_memories`)."""
+    tokens = iter(fill_memories({"": rt}, 100_000, rng)[0].tolist())
+    return lambda: rt.step([[next(tokens)]])
+
+
 def targets_table(targets) -> list[str]:
     """The targets table of a results file: (target, measured, met) rows, met None where nothing measured it."""
     return table(["target", "measured", "met"],
                  [[t, val, "not measured" if ok is None else "yes" if ok else "NO"] for t, val, ok in targets])
+
+
+def code_key(*modules) -> str:
+    """A short hash of the modules' source: part of a cached file's name, so that new code builds it again."""
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:8]
+
+
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version, None where it is absent."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def checkpoint_of(model: str, cache_dir) -> tuple[Path, str]:
+    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model: a published shape's random-weight stand-in
+    (built once in `cache_dir`) or a checkpoint."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if is_shape_name(model) and not Path(model).exists():
+        return standin_checkpoint(model, cache_dir), "shape"
+    if Path(model).exists():
+        return Path(model), "checkpoint"
+    raise InputError(f"{model}: no such checkpoint, and not a published shape name")
 
 
 def load_average() -> float:
@@ -108,8 +139,7 @@ def command(name: str, argv) -> str:
 
 
 def results_markdown(title: str, body: str, command: str) -> str:
-    """A results file: a title, the command that wrote it (so that every figure in RESULTS.md can be reproduced),
-    the body."""
+    """A results file: a title, the command that wrote it (every figure in RESULTS.md can be reproduced), the body."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n{GENERATED_BY}{command}` on {when}; do not edit by hand (run the command again).\n\n"
             f"{body.strip()}\n")
@@ -156,8 +186,8 @@ def process_memory() -> dict:
 
 
 def in_fresh_process(name: str, *args):
-    """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter, so that what it measures of its memory is
-    its own; the child prints its result as JSON on its last stdout line (see `child_main`)."""
+    """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter (what it measures of its memory is its own):
+    the result it prints as JSON on its last line (`child_main`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--child", *map(str, args)],
                           capture_output=True, text=True, env=env, check=False)
@@ -176,8 +206,7 @@ def child_main(child) -> bool:
 
 
 def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, cache: bool = True):
-    """The options the benchmarks share: --threads (unless None), --cache-dir (with `cache`), --md (its JSON and
-    plots beside it), --force."""
+    """The shared options: --threads (unless None), --cache-dir (with `cache`), --md (JSON and plots beside), --force."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc.split("\n\n")[0])
     if threads is not None:
         p.add_argument("--threads", type=int, default=threads, help=f"threads per side (default {threads}; 0: the "
@@ -191,8 +220,8 @@ def parser(name: str, doc: str, md: str | None = None, threads: int | None = 1, 
 
 
 def main(name: str, p: argparse.ArgumentParser, measure, argv=None, outputs=(".json",)) -> int:
-    """Parse, refuse files it may not overwrite, run `measure(args, command) -> (results file's text, raw, exit
-    code)`, write the text and `raw` as JSON beside it, and end with a one-line error for a bad input."""
+    """Parse, refuse files it may not overwrite, run `measure(args, command) -> (text, raw, exit code)`, write the
+    text and `raw` as JSON beside it; a bad input ends in a one-line error."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's progress messages
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     argv = sys.argv[1:] if argv is None else list(argv)

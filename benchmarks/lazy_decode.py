@@ -1,6 +1,6 @@
-"""Lazy against full adaptive-softmax generation, on a WikiText-103 base stand-in whose head is fitted so that its
-tails are needed as often as a trained model's (measured in the same run on the KJV word model). Method, and why a
-random model's rates would mislead: docs/benchmarks.md ("Lazy adaptive-softmax generation against full")."""
+"""Lazy against full adaptive-softmax generation on a WikiText-103 base stand-in whose head is fitted to need its
+tails as often as a trained model (the KJV word model, measured in the same run). Method: docs/benchmarks.md
+("Lazy adaptive-softmax generation against full")."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ TARGET = 2.0  # lazy / full tokens per second at batch 1, greedy and T=1
 TARGET_MODES = ("greedy", "T=1")
 PART_REPS = 3  # head, tails and full step timed alone, per batch-1 round
 
-# The last layer's feed-forward output weight is multiplied by this: its output then outweighs the residual (the
-# input word's embedding, carried through the post-norm layers) about 50 to 1 after the layer norm.
+# The last feed-forward output weight times this outweighs the residual (the input word's embedding) 50 to 1.
 DECORRELATE = 50.0
 CALIBRATION_TOKENS = 512  # hidden states the head is fitted on (random words, the memory threaded)
 CALIBRATION_SEGMENT = 64
@@ -48,8 +47,7 @@ MODES = {"greedy": {"temperature": 0.0}, "T=1": {"temperature": 1.0},
 
 # -- the trained model's rates -------------------------------------------------------------------------------------
 def trained_fractions(rt, prompt_ids, modes: dict, n_tokens: int, seed: int) -> dict:
-    """Per mode, the fraction of decisions that needed each tail when `rt` (a lazy runtime on a trained word
-    model) generates n_tokens from prompt_ids: {mode: {"fractions": [...], "decisions": n}}."""
+    """Per mode, the fraction of decisions that needed each tail as `rt` (lazy, a trained model) generates."""
     out = {}
     for name, controls in modes.items():
         rt.reset()
@@ -62,11 +60,6 @@ def trained_fractions(rt, prompt_ids, modes: dict, n_tokens: int, seed: int) -> 
 
 
 # -- the stand-in's head -------------------------------------------------------------------------------------------
-def _log_sum_exp(x: np.ndarray, axis: int) -> np.ndarray:
-    top = np.max(x, axis=axis, keepdims=True)
-    return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
-
-
 class HeadFit:
     """What the head's fit sees: per calibration step the shortlist's best logit and log-sum-exp, and each
     cluster's unscaled logit `w_i . h` (column i - 1 for cluster i)."""
@@ -75,17 +68,16 @@ class HeadFit:
                  cluster_logits: np.ndarray):
         logits = hidden.astype(np.float64) @ shortlist_weight.astype(np.float64).T + shortlist_bias
         self.best = logits.max(axis=1)
-        self.shortlist_lse = _log_sum_exp(logits, axis=1)
+        self.shortlist_lse = np.logaddexp.reduce(logits, axis=1)
         self.u = np.asarray(cluster_logits, dtype=np.float64)
 
     def logits(self, scale, bias) -> np.ndarray:
         return self.u * np.asarray(scale)[None] + np.asarray(bias)[None]
 
     def rates(self, scale, bias) -> tuple[np.ndarray, np.ndarray]:
-        """(greedy, T=1) per cluster: the fraction of steps whose cluster logit reaches the best shortlist logit,
-        and the mean head probability of the cluster."""
+        """(greedy, T=1) per cluster: how often its logit reaches the best shortlist one; its mean probability."""
         c = self.logits(scale, bias)
-        total = np.logaddexp(self.shortlist_lse, _log_sum_exp(c, axis=1))
+        total = np.logaddexp(self.shortlist_lse, np.logaddexp.reduce(c, axis=1))
         greedy = (c >= self.best[:, None]).mean(axis=0)
         sampled = np.exp(c - total[:, None]).mean(axis=0)
         return greedy, sampled
@@ -96,9 +88,8 @@ class HeadFit:
 
 
 def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], sweeps: int = 6) -> dict:
-    """Per cluster the (scale, bias) whose rates are the targets: the bias from the greedy target at each scale,
-    the scale by bisection (in log space) on the T=1 target, the clusters coupled through the normaliser and
-    swept until they settle. Returns {"scale", "bias", "greedy", "sampled"} (the rates the fit achieves)."""
+    """Per cluster the (scale, bias) whose rates are the targets: the bias from the greedy target, the scale by
+    bisection in log space on the T=1 one, swept until the clusters (coupled by the normaliser) settle."""
     n = fit.u.shape[1]
     scale = np.ones(n)
     bias = np.array([fit.bias_for(i, 1.0, greedy[i - 1]) for i in range(1, n + 1)])
@@ -122,8 +113,8 @@ def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], swee
 
 def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[float], seed: int = 0,
                        threads: int = 1) -> tuple[Path, dict]:
-    """Our checkpoint folder for shape `name` with random weights, the last feed-forward output decorrelated and
-    the head fitted to the target rates; built once per cache_dir and targets. Returns (folder, the fit)."""
+    """(checkpoint folder, fit): shape `name` with random weights, the last feed-forward output decorrelated and
+    the head fitted to the target rates; built once per cache_dir and targets."""
     import torch  # optional (the torch extra): the stand-in is built and its hidden states computed in PyTorch
 
     config = shape_config(name)
@@ -165,8 +156,7 @@ def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[
 
 # -- timing --------------------------------------------------------------------------------------------------------
 def time_generate(rt, state: dict, prompt: int, n_tokens: int, seed: int, controls: dict, lazy: bool) -> dict:
-    """One stream's `generate` of n_tokens after `prompt`, from the saved `state`, with the lazy path on or off:
-    {"seconds", "tokens", "tails"} (tails: per cluster, the decisions that computed it; zeros on the full path)."""
+    """One stream's `generate` from the saved `state`, lazy or not: {"seconds", "tokens", "tails" (per cluster)}."""
     rt.load_state(state)
     rt.lazy = lazy
     before = list(rt.tail_stats["tails"])
@@ -179,11 +169,9 @@ def time_generate(rt, state: dict, prompt: int, n_tokens: int, seed: int, contro
 
 def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed: int, controls: dict,
                  lazy: bool) -> dict:
-    """A batch of streams (row r: its own Sampler seeded seed + r) decoded n_tokens steps from the saved state
-    `arrays` (backend.state_arrays' form), as a batched decoder does: each step feeds every row's last token, then
-    decides every row's next one. Lazy: the head graph, then `lazy_decode.decide` runs each tail a row asks for,
-    once per round on all rows that ask. Full: the main graph's full distributions, `Sampler.choose` per row.
-    {"seconds", "tokens" [B, n], "tail_rows" per cluster (rows that computed it; zeros on the full path)}."""
+    """A batch of streams (row r sampled with seed + r) decoded from the saved `arrays` as a batched decoder does.
+    Lazy: the head graph, then `lazy_decode.decide` runs each tail once for the rows that ask for it; full: the
+    main graph, `Sampler.choose` per row. {"seconds", "tokens" [B, n], "tail_rows" per cluster}."""
     clusters = Clusters.of(backend.config)
     batch = len(prompts)
     samplers = [Sampler(SamplingParams(seed=seed + r, max_tokens=n_tokens, **controls), backend.config.n_token,
@@ -210,9 +198,8 @@ def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed
 
 
 def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
-    """Median milliseconds, at batch 1 from the saved state `arrays`, of one step through the head graph, of each
-    tail graph on that step's hidden state, and of one step through the main graph, taking turns rep by rep:
-    {"head_ms", "tail_ms": [...], "full_ms"}."""
+    """Median ms at batch 1 of a step through the head graph, each tail graph on its hidden state and the main
+    graph, taking turns: {"head_ms", "tail_ms": [...], "full_ms"}."""
     clusters = backend.clusters
     tok, last = np.array([[prompt]], dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
     head_ms, full_ms, tail_ms = [], [], [[] for _ in range(clusters.n_clusters)]
@@ -236,9 +223,8 @@ def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
 
 
 def at_rates(summary: dict, parts: dict, fractions) -> dict:
-    """Batch 1's lazy time moved to other tail rates: each round's lazy seconds per token plus, per tail, the
-    difference between `fractions` and the rate the lazy side showed over all rounds, times that tail's time alone
-    (`time_parts`). {"lazy_tokens_per_s", "speedup"} at those rates (medians over rounds)."""
+    """Batch 1's lazy time moved to the tail rates `fractions`: each round's seconds per token plus, per tail,
+    (its rate there - the rate measured) x its time alone. {"lazy_tokens_per_s", "speedup"}, medians."""
     extra = sum((f - g) * t / 1e3 for f, g, t in zip(fractions, summary["tail_fractions"], parts["tail_ms"]))
     n = summary["tokens_per_round"]
     lazy = np.array(summary["lazy_seconds"]) / n + extra
@@ -247,11 +233,9 @@ def at_rates(summary: dict, parts: dict, fractions) -> dict:
 
 
 def byte_bound(main_path, fractions) -> dict:
-    """The most a batch-1 lazy token can gain over a full one by reading fewer bytes: what a full step reads (the
-    main graph, counted as `graph_step_bytes` counts it), what a lazy one reads (the same less the tails' weights,
-    plus each tail's weights times the rate it is needed at), and their ratio. A lazy step saves bytes, nothing
-    else: an implementation that reads both at the same rate gains exactly this ratio, so a speed-up above it needs
-    the full side to read slower than the lazy side. {"full_mb", "lazy_mb", "tail_mb": [...], "bound"}."""
+    """The most a batch-1 lazy token can gain by reading fewer bytes: a full step's bytes (`graph_step_bytes`)
+    over a lazy one's (the same less the tails' weights, plus each tail's weights times its rate).
+    {"full_mb", "lazy_mb", "tail_mb": [...], "bound"}."""
     full = graph_step_bytes(main_path)["total"]
     info = read_onnx_info(main_path)
     parts = parts_contract.Parts.from_export(info.export, info.config, main_path)
@@ -261,16 +245,15 @@ def byte_bound(main_path, fractions) -> dict:
 
 
 def _weight_bytes(path) -> int:
-    """Bytes of a tail graph's float initializers of two or more dimensions and of its biases: its weights."""
+    """Bytes of a tail graph's float initializers of more than one value: its weights and biases."""
     graph = onnx.load(str(path)).graph
     return sum(int(np.prod(t.dims)) * 4 for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT
                and int(np.prod(t.dims)) > 1)
 
 
 def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> dict:
-    """Medians over rounds: tokens/s of each side (generated tokens of every row per second), the median of the
-    rounds' full/lazy time ratios, whether every round's tokens agreed (and, for each stream that did not, its
-    first differing token), and the tail fractions of the lazy side."""
+    """Medians over rounds of each side's tokens/s and of the full/lazy time ratios, each stream whose tokens
+    differ (at its first differing token), and the lazy side's tail fractions."""
     lazy_s = np.array([x["seconds"] for x in lazy])
     full_s = np.array([x["seconds"] for x in full])
     differ = []  # per stream that differs: where its first differing token is, and the two tokens there
@@ -292,6 +275,9 @@ def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> 
             "tokens_identical": not differ, "differ": differ, "tail_fractions": (tails / decisions).tolist(),
             "distinct_tokens": len(np.unique(np.concatenate([np.asarray(x["tokens"]).ravel() for x in lazy])))}
 
+
+def _met(speedup: float) -> str:
+    return "yes" if speedup >= TARGET else "NO"
 
 
 def fractions_cells(fr) -> str:
@@ -317,29 +303,22 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
         f"{CALIBRATION_TOKENS} hidden states of the stand-in (the fit's own rates: greedy "
         f"{fractions_cells(fit['greedy'])}, T=1 {fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
         "",
-        "| mode | trained model: tail 1 / 2 / 3 | stand-in, batch 1 | stand-in, batch 8 |",
-        "|---|---|---|---|",
-    ]
-    for mode in MODES:
-        lines.append(f"| {mode} | {fractions_cells(trained[mode]['fractions'])} | "
-                     f"{fractions_cells(results[mode]['1']['tail_fractions'])} | "
-                     f"{fractions_cells(results[mode]['8']['tail_fractions'])} |")
-    lines += [
+        *harness.table(["mode", "trained model: tail 1 / 2 / 3", "stand-in, batch 1", "stand-in, batch 8"],
+                       [[mode, fractions_cells(trained[mode]["fractions"]),
+                         *(fractions_cells(results[mode][b]["tail_fractions"]) for b in ("1", "8"))] for mode in MODES]),
         "",
         f"## Generated tokens per second (target: lazy at least {TARGET:g}x full at batch 1, greedy and T=1)",
         "",
-        "| mode | batch | lazy tokens/s | full tokens/s | lazy / full | tokens identical | target |",
-        "|---|---|---|---|---|---|---|",
+        *harness.table(["mode", "batch", "lazy tokens/s", "full tokens/s", "lazy / full", "tokens identical", "target"],
+                       [[mode, b, f"{r['lazy_tokens_per_s']:.2f}", f"{r['full_tokens_per_s']:.2f}",
+                         f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f} to {r['speedup_range'][1]:.2f})",
+                         "yes" if r["tokens_identical"] else "NO",
+                         _met(r["speedup"]) if b == "1" and mode in TARGET_MODES else ""]
+                        for mode in MODES for b, r in results[mode].items() if b in ("1", "8")]),
     ]
-    for mode in MODES:
-        for batch in ("1", "8"):
-            r = results[mode][batch]
-            lo, hi = r["speedup_range"]
-            target = ("yes" if r["speedup"] >= TARGET else "NO") if batch == "1" and mode in TARGET_MODES else ""
-            lines.append(f"| {mode} | {batch} | {r['lazy_tokens_per_s']:.2f} | {r['full_tokens_per_s']:.2f} | "
-                         f"{r['speedup']:.2f}x ({lo:.2f} to {hi:.2f}) | "
-                         f"{'yes' if r['tokens_identical'] else 'NO'} | {target} |")
     tails = " / ".join(f"{t:.1f}" for t in parts["tail_ms"])
+    bound = next(iter(results.values()))["1"]["byte_bound"]
+    tail_mb, full_mb = " / ".join(f"{t:.1f}" for t in bound["tail_mb"]), bound["full_mb"]
     lines += ["", "tokens identical: whether in every round the lazy side generated exactly the full side's tokens "
               "(same seed, same memory)."]
     differ = [(mode, batch, d) for mode in MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
@@ -366,19 +345,13 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
         f"time alone ({PART_REPS} turns per round, medians): head graph {parts['head_ms']:.1f} ms, tail 1 / 2 / 3 "
         f"{tails} ms, main graph {parts['full_ms']:.1f} ms.",
         "",
-        "| mode | lazy tokens/s at the trained rates | full tokens/s (measured) | lazy / full | target | "
-        "MB a lazy token reads | bound from the bytes |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode in MODES:
-        r = results[mode]["1"]
-        est, bound = r["at_trained_rates"], r["byte_bound"]
-        target = ("yes" if est["speedup"] >= TARGET else "NO") if mode in TARGET_MODES else ""
-        lines.append(f"| {mode} | {est['lazy_tokens_per_s']:.2f} | {r['full_tokens_per_s']:.2f} | "
-                     f"{est['speedup']:.2f}x | {target} | {bound['lazy_mb']:.0f} | {bound['bound']:.2f}x |")
-    tail_mb = " / ".join(f"{t:.1f}" for t in next(iter(results.values()))["1"]["byte_bound"]["tail_mb"])
-    full_mb = next(iter(results.values()))["1"]["byte_bound"]["full_mb"]
-    lines += [
+        *harness.table(["mode", "lazy tokens/s at the trained rates", "full tokens/s (measured)", "lazy / full",
+                        "target", "MB a lazy token reads", "bound from the bytes"],
+                       [[mode, f"{r['at_trained_rates']['lazy_tokens_per_s']:.2f}", f"{r['full_tokens_per_s']:.2f}",
+                         f"{r['at_trained_rates']['speedup']:.2f}x",
+                         _met(r["at_trained_rates"]["speedup"]) if mode in TARGET_MODES else "",
+                         f"{r['byte_bound']['lazy_mb']:.0f}", f"{r['byte_bound']['bound']:.2f}x"]
+                        for mode, r in ((m, results[m]["1"]) for m in MODES)]),
         "",
         f"Bound from the bytes: a full step reads {full_mb:.0f} MB, tails 1 / 2 / 3 {tail_mb} MB of it; a lazy token "
         "reads the rest plus each tail's bytes times its trained rate, and gains at most full MB / lazy MB.",

@@ -1,10 +1,7 @@
-"""ONNX Runtime's mobile-usability checker on the demo model's graphs: how much of each graph the NNAPI and Core ML
-execution providers would take, as exported (dynamic batch, segment and memory slots) and with the shapes fixed by
-`onnxruntime.tools.make_dynamic_shape_fixed` to a decode step (batch 1, segment 1, the whole memory), and the ops
-each lacks (quoted by docs/onnxruntime-mobile.md).
-
-The checker covers NNAPI and Core ML (NeuralNetwork and MLProgram); the CPU provider runs every op of the graph, and
-the checker does not look at XNNPACK."""
+"""ONNX Runtime's mobile-usability checker on the demo model's graphs: how much of each graph NNAPI and Core ML
+would take, as exported and with a decode step's shapes fixed (`make_dynamic_shape_fixed`), and the ops each
+lacks (quoted by docs/onnxruntime-mobile.md). The CPU provider runs every op; the checker does not look at
+XNNPACK."""
 
 from __future__ import annotations
 
@@ -16,10 +13,11 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import harness
+from txl_deploy.assets import DEMO_DIR
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.exporters.export import export_checkpoint
 
-DEMO = harness.ROOT / "txl_deploy" / "assets" / "demo" / "kjv-char"
+DEMO = DEMO_DIR / "kjv-char"
 GRAPHS = {"fp32": {}, "fp32-full-state": {"state": "full"}, "int4": {"precision": "int4"},
           "int8-dynamic": {"precision": "int8-dynamic"}}
 CHECKER = "onnxruntime.tools.check_onnx_model_mobile_usability"
@@ -28,12 +26,10 @@ COVERAGE = re.compile(r"(\d+) partitions with a total of (\d+)/(\d+) nodes can b
 
 def fix_shapes(src: Path, dst: Path, mem_len: int) -> None:
     """A decode step's shapes: batch 1, segment 1, one output position, the whole memory (mem_len slots)."""
-    values = {"batch": 1, "segment": 1, "positions": 1, "slots": mem_len}
-    current = src
-    for name, value in values.items():
+    for name, value in {"batch": 1, "segment": 1, "positions": 1, "slots": mem_len}.items():
         subprocess.run([sys.executable, "-m", "onnxruntime.tools.make_dynamic_shape_fixed", "--dim_param", name,
-                        "--dim_value", str(value), str(current), str(dst)], check=True, capture_output=True)
-        current = dst
+                        "--dim_value", str(value), str(src), str(dst)], check=True, capture_output=True)
+        src = dst
 
 
 def check(path: Path) -> dict:
@@ -82,6 +78,11 @@ def main(argv=None) -> int:
     return harness.main("mobile_usability", p, measure, argv)
 
 
+def cov(d) -> str:
+    """A coverage's cell: nodes taken, their share, partitions."""
+    return f"{d['nodes']}/{d['total_nodes']} ({100 * d['nodes'] / d['total_nodes']:.0f}%), {d['partitions']}" if d else "-"
+
+
 def report(results: dict, command: str) -> str:
     lines = ["The checker: onnxruntime.tools.check_onnx_model_mobile_usability; fixed shapes by "
              "onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ".", "",
@@ -92,11 +93,6 @@ def report(results: dict, command: str) -> str:
             if provider == "recommendation":
                 continue
             fixed = graph["fixed_decode_shapes"].get(provider, {})
-
-            def cov(d):
-                return f"{d['nodes']}/{d['total_nodes']} ({100 * d['nodes'] / d['total_nodes']:.0f}%), " \
-                       f"{d['partitions']}" if d else "-"
-
             lines.append(f"| {name} | {provider} | {cov(found.get('as_exported'))} | "
                          f"{cov(found.get('fixed_shapes_predicted'))} | {cov(fixed.get('as_exported'))} | "
                          f"{', '.join(found.get('unsupported_ops', []))} |")

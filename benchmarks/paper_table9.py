@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +17,11 @@ from tqdm import tqdm
 
 from benchmarks import harness
 from txl_deploy.bench.benchmark import machine_info, versions
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.random_weights import standin_onnx
+from txl_deploy.bench.report import pyplot, save_figure
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
+from txl_deploy.exporters.onnx.trace import onnx_program
 from txl_deploy.files import atomic_path
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
@@ -63,32 +64,23 @@ def export_vanilla(model, path, opset: int = 18):
     batch = torch.export.Dim("batch", min=1, max=4096)
     window = torch.export.Dim("window", min=2, max=65536)
     example = torch.zeros(2, 8, dtype=torch.long)
-    quiet = logging.getLogger("torch.onnx")  # registry warnings about absent torchvision ops say nothing here
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
-                                        dynamic_shapes=({0: batch, 1: window},), opset_version=opset, dynamo=True,
-                                        verbose=False, report=False)
-    finally:
-        quiet.setLevel(level)
+    with torch.no_grad():
+        program = onnx_program(model, (example,), [INPUT], [OUTPUT], ({0: batch, 1: window},), opset)
     program.save(str(path))
     return path
 
 
 def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tuple[Path, dict]:
-    """The vanilla model of a Transformer-XL config's size as ONNX (random weights), cached by size, seed and this
-    code; and the export's check: ONNX Runtime against PyTorch on one window of `check_window` tokens."""
+    """The vanilla model of a config's size as ONNX (random weights, cached), and its check against PyTorch on
+    one window of `check_window` tokens."""
     import onnxruntime as ort  # optional (the cpu or gpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     from txl_deploy.model import vanilla  # imports torch
 
     cfg = vanilla.VanillaConfig.like(config)
-    code = hashlib.sha256(Path(vanilla.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:8]
-    key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, code]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), seed, harness.code_key(vanilla, sys.modules[__name__])])
+                         .encode()).hexdigest()[:10]
     path = Path(cache_dir) / f"vanilla-{key}.onnx"
     check_path = path.with_suffix(".check.json")
     if path.exists() and check_path.exists():
@@ -109,9 +101,8 @@ def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tu
 
 
 def vanilla_session(path, threads: int | None):
-    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one
-    inter-op thread (the graph runs sequentially), and its default CPU arena (the window's [L, L] score blocks are
-    reused between runs instead of allocated anew)."""
+    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one inter-op
+    thread, its default CPU arena (the window's [L, L] score blocks reused between runs)."""
     import onnxruntime as ort  # optional (the cpu or gpu extra)
 
     opts = ort.SessionOptions()
@@ -126,23 +117,14 @@ def vanilla_session(path, threads: int | None):
 def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int = DEFAULT_SEGMENT,
                rounds: int = 3, decode_steps: int = 16, warmup: int = 1, threads: int | None = 1, cache_dir=None,
                seed: int = 0, progress: bool = True) -> dict:
-    """Both sides at every attention length in `lengths`; returns the JSON report (`SCHEMA`).
-
-    model: a published shape name (a random-weight stand-in; the default, enwik8 base, is the paper's Table 9
-    setting) or a checkpoint; the vanilla model takes its sizes."""
+    """Both sides at every attention length in `lengths` on `model` (a shape name or a checkpoint; the vanilla
+    model takes its sizes); returns the JSON report (`SCHEMA`)."""
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 2 or rounds < 1 or segment < 1 or decode_steps < 1 or warmup < 0:
         raise InputError("lengths must be >= 2; rounds, segment and decode steps >= 1; warmup >= 0")
-    if cache_dir is None:
-        raise InputError("run_table9 needs a cache folder for the exports")
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     decode_steps = min(decode_steps, segment)
-    if is_shape_name(model):
-        checkpoint, label = standin_checkpoint(model, cache_dir), f"{model} shape, random weights"
-    elif Path(model).exists():
-        checkpoint, label = Path(model), Path(model).name
-    else:
-        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    checkpoint, source = harness.checkpoint_of(model, cache_dir)
+    label = f"{model} shape, random weights" if source == "shape" else Path(model).name
     config = load_model(checkpoint).config
     vanilla_path, vanilla_check = vanilla_onnx(config, cache_dir, seed)
     graphs = {n: standin_onnx(checkpoint, cache_dir, n, max_segment=segment) for n in lengths}  # exports first
@@ -156,27 +138,23 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
         io = inputs(stream, n, segment, rounds + warmup)
         rt.prefill(io.fill)
         full = rt.save_state()
-        evaluation, single, windows = [], [], []
 
-        def txl_segment():
+        def txl_segment(_):
             rt.load_state(full)
-            evaluation.append(harness.seconds(lambda: rt.step(io.segment)) / segment)
+            return harness.seconds(lambda: rt.step(io.segment)) / segment
 
-        def txl_single():
+        def txl_single(_):
             rt.load_state(full)
-            single.append([harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)])
+            return [harness.seconds(lambda t=t: rt.step(io.segment[:, t:t + 1])) for t in range(decode_steps)]
 
-        def vanilla_window():
-            window = io.windows[len(windows)]
-            windows.append(harness.seconds(lambda: vanilla.run(None, {INPUT: window})))
-
-        sides = [txl_segment, txl_single, vanilla_window]
-        for r in range(warmup + rounds):
-            for side in (sides if r % 2 == 0 else sides[::-1]):
-                side()
+        def vanilla_window(r):
             bar.update(1)
+            return harness.seconds(lambda: vanilla.run(None, {INPUT: io.windows[r]}))
+
+        out = harness.interleaved({"evaluation": txl_segment, "single": txl_single, "windows": vanilla_window},
+                                  warmup + rounds)
         rt.close()
-        evaluation, single, windows = evaluation[warmup:], single[warmup:], windows[warmup:]
+        evaluation, single, windows = (out[k][warmup:] for k in ("evaluation", "single", "windows"))
         ev_ms, one_ms, van_ms = (1e3 * float(np.median(x)) for x in (evaluation, np.concatenate(single), windows))
         rows.append({
             "length": n, "paper_slowdown": PAPER_SLOWDOWN.get(n),
@@ -212,7 +190,7 @@ def _ms(v: float) -> str:
 
 def markdown(result: dict) -> str:
     s, rows = result["settings"], result["rows"]
-    m, v, c = result["machine"], result["versions"], result["config"]
+    m, v, c, vc = result["machine"], result["versions"], result["config"], result["vanilla_check"]
     threads = s["threads"] or "ONNX Runtime's default"
     lines = [
         f"Model: {s['model']} ({c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads of "
@@ -221,19 +199,15 @@ def markdown(result: dict) -> str:
         f"({m['cores']} cores, {m['platform']}); python {v['python']}, onnxruntime {v['onnxruntime']}, torch "
         f"{v['torch']}, txl-deploy {v['txl_deploy']}.",
         "",
-        "| attention length L | Transformer-XL ms/token, evaluation | Transformer-XL ms/token, one token per call "
-        "| vanilla ms/token | vanilla slower, evaluation | vanilla slower, one token per call | paper (GPU) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ev = r["slowdown_evaluation_rounds"]
-        paper = f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"
-        lines.append(f"| {r['length']:,} | {_ms(r['txl_evaluation_ms_per_token'])} | "
-                     f"{_ms(r['txl_one_token_per_call_ms'])} | {_ms(r['vanilla_ms_per_token'])} | "
-                     f"**{_x(r['slowdown_evaluation'])}** ({_x(min(ev))} to {_x(max(ev))}) | "
-                     f"{_x(r['slowdown_one_token_per_call'])} | {paper} |")
-    vc = result["vanilla_check"]
-    lines += [
+        *harness.table(["attention length L", "Transformer-XL ms/token, evaluation",
+                        "Transformer-XL ms/token, one token per call", "vanilla ms/token", "vanilla slower, evaluation",
+                        "vanilla slower, one token per call", "paper (GPU)"],
+                       [[f"{r['length']:,}", *(_ms(r[k]) for k in ("txl_evaluation_ms_per_token",
+                                                                   "txl_one_token_per_call_ms", "vanilla_ms_per_token")),
+                         f"**{_x(r['slowdown_evaluation'])}** ({_x(min(ev))} to {_x(max(ev))})",
+                         _x(r["slowdown_one_token_per_call"]),
+                         f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"]
+                        for r in rows for ev in [r["slowdown_evaluation_rounds"]]], numeric_from=0),
         "",
         f"What each side computes, per predicted token, with {s['rounds']} measured rounds per L (after "
         f"{s['warmup']} unmeasured), the sides alternating in every round:",
@@ -257,14 +231,9 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path, force: bool = False):
     """The measured slowdowns and the paper's against L."""
-    import matplotlib  # optional (the bench extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # optional (the bench extra)
-
     rows = result["rows"]
     xs = [r["length"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4))
     ax.plot(xs, [r["slowdown_evaluation"] for r in rows], marker="o", label="measured, evaluation (segments)")
     ax.plot(xs, [r["slowdown_one_token_per_call"] for r in rows], marker="s",
             label="measured, Transformer-XL one token per call")
@@ -276,9 +245,7 @@ def plot(result: dict, path, force: bool = False):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path, force=force) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, force)
 
 
 def measure(args, command):
@@ -290,8 +257,8 @@ def measure(args, command):
     try:
         plot(result, md.with_suffix(".png"), force=args.force)
         body += f"\n![vanilla time over Transformer-XL time per token against L]({md.with_suffix('.png').name})\n"
-    except ImportError:
-        logger.warning("no plot: matplotlib is not installed (pip install matplotlib)")
+    except InputError as e:
+        logger.warning(f"no plot: {e}")
     title = "The paper's Table 9: evaluation speed against a vanilla Transformer"
     return harness.results_markdown(title, body, command), result, 0
 

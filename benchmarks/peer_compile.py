@@ -1,11 +1,6 @@
-"""`torch.compile` of the cached step: what a PyTorch user would try next, on txl-deploy's own formulation.
-
-A peer in the benchmark: the `torch-fast` backend (`CachedTxl`: projected keys and values in ring buffers, the
-positional table precomputed) with its decode step compiled by `torch.compile` (the default mode and backend,
-inductor; static shapes, so one compilation per batch size, paid in the benchmark's warm-up). The ring write
-stays eager, in place. Longer inputs (a prompt, the memory's fill) run the cached step uncompiled: compiling
-every segment length would only add compilations the benchmark does not time.
-"""
+"""`torch.compile` of the cached step (the `torch-fast` backend): what a PyTorch user would try next. The decode
+step is compiled (inductor, static shapes: one compilation per batch size, in the warm-up); the ring write and
+longer inputs (a prompt, the memory's fill) run eager."""
 
 from __future__ import annotations
 

@@ -1,50 +1,34 @@
-"""HuggingFace transformers' TransfoXL generating with its mems: what a PyTorch user would try first.
-
-A peer in the benchmark, not a runtime of the project (transformers is in the test extra; its TransfoXL is
-deprecated, and deleted in transformers 5.0). The model is built from the same weights as every other side:
-our parameter names mapped onto HuggingFace's (the inverse of the import in `checkpoints/huggingface.py`), with
-the cluster trap handled: HuggingFace reads tail cluster i's logit from head column `cutoffs[0] + i - 1`, ours
-(like the original code) from column `-i`, so the rows of `crit.cluster_weight` / `crit.cluster_bias` are
-reversed (`reverse_rows`, its own inverse). The ties are ours, pattern for pattern (`config.tie_projs`).
-
-The memory starts explicitly empty (n_layer tensors of length 0): HuggingFace fed that behaves as the paper and
-txl-deploy do from the first token on; left to `init_mems` it would attend to mem_len zero vectors until they
-scroll out. A decode step is `model(input_ids=tokens, mems=mems)` and keeps `.mems` and `.prediction_scores`,
-as a user's generation loop does; longer inputs (the memory's fill) run the model body and the output layer at
-the requested positions only.
-
-The deprecated model calls `torch.arange(...).type_as(dtype=...)`, which current torch no longer accepts; each
-call runs with `Tensor.type_as` taking that keyword as `.to(dtype)`, and puts the original back afterwards.
-"""
+"""HuggingFace transformers' TransfoXL generating with its mems: what a PyTorch user would try first. A peer in the
+benchmark, not a runtime of the project: built from the same weights as every other side (`checkpoints/
+huggingface.py`'s rules inverted), its memory started empty as the paper's. How it is driven: docs/benchmarks.md
+("Peers")."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
-import numpy as np
-
-from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.huggingface import reverse_rows
+from txl_deploy.bench.eager_baseline import EagerAtPositions
+from txl_deploy.checkpoints.huggingface import HF_RULES
 from txl_deploy.checkpoints.keymap import Rule, rename
 from txl_deploy.errors import InputError
-from txl_deploy.runtimes.backend import Backend
 
-# our name -> HuggingFace's (the inverse of checkpoints/huggingface.py's HF_RULES)
-TO_HF_RULES = [
-    Rule(r"word_emb\.emb_layers\.(\d+)\.weight", r"transformer.word_emb.emb_layers.\1.weight"),
-    Rule(r"word_emb\.emb_projs\.(\d+)", r"transformer.word_emb.emb_projs.\1"),
-    Rule(r"layers\.(\d+)\.dec_attn\.(qkv_net|o_net|r_net)\.weight", r"transformer.layers.\1.dec_attn.\2.weight"),
-    Rule(r"layers\.(\d+)\.dec_attn\.layer_norm\.(weight|bias)", r"transformer.layers.\1.dec_attn.layer_norm.\2"),
-    Rule(r"layers\.(\d+)\.dec_attn\.(r_w_bias|r_r_bias)", r"transformer.layers.\1.dec_attn.\2"),
-    Rule(r"layers\.(\d+)\.pos_ff\.CoreNet\.(0|3)\.(weight|bias)", r"transformer.layers.\1.pos_ff.CoreNet.\2.\3"),
-    Rule(r"layers\.(\d+)\.pos_ff\.layer_norm\.(weight|bias)", r"transformer.layers.\1.pos_ff.layer_norm.\2"),
-    Rule(r"(r_w_bias|r_r_bias)", r"transformer.\1"),
-    Rule(r"pos_emb\.inv_freq", r"transformer.pos_emb.inv_freq"),
-    Rule(r"crit\.(cluster_weight|cluster_bias)", r"crit.\1", reverse_rows),
-    Rule(r"crit\.out_layers\.(\d+)\.(weight|bias)", r"crit.out_layers.\1.\2"),
-    Rule(r"crit\.out_projs\.(\d+)", r"crit.out_projs.\1"),
-]
+GROUP = re.compile(r"\((?:[^()\\]|\\.)*\)")  # a group of a rule's pattern, such as (\d+) or (weight|bias)
+
+
+def inverted(rule: Rule) -> Rule:
+    """HF_RULES' rule read backwards: our name -> HuggingFace's (`reverse_rows`, the one transform, is its own
+    inverse). Each rule's target names its groups in order (\\1, \\2, ...)."""
+    groups = GROUP.findall(rule.pattern)
+    parts = re.split(r"\\(\d)", rule.target)  # literal, group number, literal, ...
+    pattern = "".join(groups[int(x) - 1] if i % 2 else re.escape(x) for i, x in enumerate(parts))
+    literals = [re.sub(r"\\(.)", r"\1", x) for x in GROUP.split(rule.pattern)]
+    target = "".join(f"\\{i}{x}" if i else x for i, x in enumerate(literals))
+    return Rule(pattern, target, rule.transform)
+
+
+TO_HF_RULES = [inverted(rule) for rule in HF_RULES]
 
 
 @contextlib.contextmanager
@@ -96,102 +80,27 @@ def to_huggingface(model):
         given = next((state[n] for n in names if n in state), None)
         if given is not None:
             state.update({n: given for n in names if n not in state})
-    with torch.no_grad():
-        missing, unexpected = hf.load_state_dict(state, strict=False)
+    with torch.no_grad():  # assign: HuggingFace's parameters are our tensors, not copies of them
+        missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise InputError(f"the HuggingFace model does not take these weights (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")
     return hf
 
 
-class HuggingFaceBackend(Backend):
-    """State: {"mems": n_layer tensors [mlen, B, d_model]} (HuggingFace's time-major memory of hidden states)."""
+class HuggingFaceBackend(EagerAtPositions):
+    """The eager reference's memory of hidden states (its state, saved as it saves it) run through HuggingFace's
+    model, whose memory is the same hidden states, time-major."""
 
     name = "transformers"
 
-    @classmethod
-    def from_checkpoint(cls, path, mem_len: int | None = None, max_segment: int = 512, threads: int | None = None):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
+    def _prepare(self):
+        self.hf = to_huggingface(self.model)
 
-        from txl_deploy.model.weights import build_model  # imports torch
+    def _body(self, tokens, mems):
+        with transformers_on_current_torch():
+            out = self.hf.transformer(input_ids=tokens, mems=[m.transpose(0, 1) for m in mems])
+        return out.last_hidden_state, [m.transpose(0, 1) for m in out.mems]
 
-        if threads:
-            torch.set_num_threads(int(threads))  # process-wide: PyTorch has no per-model thread pool
-        self = cls()
-        loaded = load_model(path)
-        model = build_model(loaded.config, loaded.state_dict, loaded.path)
-        if mem_len:
-            model.reset_length(mem_len)
-        self.config, self.vocab, self.mem_len = model.cfg, loaded.vocab, model.cfg.mem_len
-        self.max_segment, self.threads = int(max_segment), threads
-        self.model = to_huggingface(model)
-        del model
-        return self
-
-    def fingerprint(self) -> str:
-        return f"transformers-{self.config.n_layer}x{self.config.d_model}-m{self.mem_len}"
-
-    def new_state(self, batch: int):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        return {"mems": [torch.zeros(0, batch, self.config.d_model) for _ in range(self.config.n_layer)]}
-
-    def state_batch(self, state) -> int:
-        return state["mems"][0].shape[1]
-
-    def run(self, state, tokens, out_positions):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        x, idx = torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(out_positions))
-        with torch.no_grad(), transformers_on_current_torch():
-            if tokens.shape[1] == 1 and out_positions.shape[1] == 1:
-                out = self.model(input_ids=x, mems=state["mems"])
-                log_probs, mems = out.prediction_scores, out.mems
-            else:
-                out = self.model.transformer(input_ids=x, mems=state["mems"])
-                hidden = out.last_hidden_state.gather(1, idx[:, :, None].expand(-1, -1, self.config.d_model))
-                log_probs = self.model.crit(hidden).view(*idx.shape, -1)
-                mems = out.mems
-        state["mems"] = mems  # only once the call succeeded
-        return log_probs.float().numpy()
-
-    def reset_rows(self, state, rows):
-        if len(set(int(r) for r in rows)) != self.state_batch(state):
-            raise InputError("the HuggingFace peer keeps one memory length for all rows: reset all of them")
-        state.update(self.new_state(self.state_batch(state)))
-
-    # Saved, the memory has a fixed layout like the other backends' (runtimes.saved_state reads nothing else):
-    # "lens" [B] (its filled length, one for all rows) and "mems.i" [B, mem_len, d_model], filled from the start.
-    def state_layout(self, batch):
-        layout = {"lens": ((batch,), np.dtype(np.int64))}
-        for i in range(self.config.n_layer):
-            layout[f"mems.{i}"] = ((batch, self.mem_len, self.config.d_model), np.dtype(np.float32))
-        return layout
-
-    def state_arrays(self, state) -> dict:
-        mlen, batch = state["mems"][0].shape[:2]
-        arrays = {"lens": np.full(batch, mlen, np.int64)}
-        for i, m in enumerate(state["mems"]):
-            padded = np.zeros((batch, self.mem_len, self.config.d_model), np.float32)
-            padded[:, :mlen] = m.numpy().transpose(1, 0, 2)
-            arrays[f"mems.{i}"] = padded
-        return arrays
-
-    def state_from_arrays(self, arrays, copy=True):
-        import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-        if set(arrays) != set(self.state_layout(1)):
-            raise InputError("this state does not belong to this model (its tensors differ)")
-        lens = np.asarray(arrays["lens"])
-        batch = lens.shape[0] if lens.ndim == 1 else -1
-        for name, (shape, dtype) in self.state_layout(max(batch, 0)).items():
-            a = np.asarray(arrays[name])
-            if batch < 0 or a.shape != shape or a.dtype != dtype:
-                raise InputError(f"state tensor {name} has shape {a.shape} {a.dtype}, this model needs {shape} "
-                                 f"{dtype.name}")
-        if batch and (lens.min() != lens.max() or not 0 <= lens[0] <= self.mem_len):
-            raise InputError(f"the HuggingFace peer keeps one memory length (0..{self.mem_len}) for all rows, "
-                             f"got {sorted(set(lens.tolist()))[:4]}")
-        mlen = int(lens[0]) if batch else 0
-        time_major = (np.asarray(arrays[f"mems.{i}"])[:, :mlen].transpose(1, 0, 2) for i in range(self.config.n_layer))
-        return {"mems": [torch.from_numpy(np.ascontiguousarray(m)) for m in time_major]}
+    def _output_layer(self, hidden):
+        return self.hf.crit(hidden).view(*hidden.shape[:-1], -1)

@@ -1,18 +1,7 @@
-"""OpenVINO's CPU plugin on txl-deploy's own `.onnx` file, driven from the documented graph contract.
-
-A peer in the benchmark, not a runtime of the project (OpenVINO is in the test extra): it shows what the same
-exported file does in another engine a user might pick. Everything comes from docs/graph-contract.md: the
-inputs and outputs by name (`contract.io_spec`), the metadata (`mem_len`, `max_segment`, the state dtype), the
-incremental layout's ring write (`HostRingBackend`, `contract.ring.write_segment`: slot `(n + j) % mem_len`, then the count
-advances), an all-zero state as the empty memory, and output names matched through `get_names()` (compiled
-models can merge names).
-
-How it is compiled, as a careful user would: `INFERENCE_NUM_THREADS` threads, one stream, the latency hint, and
-`INFERENCE_PRECISION_HINT` "f32" for fp32 results (the plugin's default is bf16 on CPUs with AVX512-BF16 or AMX,
-f32 elsewhere; `precision_hint=None` keeps the default, `inference_precision` says which it was). Decode steps
-(one token, one position per row) run a copy of the model reshaped to static shapes for their batch size, which
-lets the plugin plan every buffer once; anything else (a prompt, the memory's fill) runs the dynamic model.
-"""
+"""OpenVINO's CPU plugin on txl-deploy's own `.onnx` file, driven from docs/graph-contract.md alone: a peer in the
+benchmark, not a runtime of the project. Compiled as a careful user would (threads, one stream, the latency hint,
+an f32 precision hint unless `precision_hint=None`); decode steps run a copy reshaped to static shapes per batch
+size, so that the plugin plans every buffer once; anything else runs the dynamic model."""
 
 from __future__ import annotations
 

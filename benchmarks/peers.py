@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,7 +18,7 @@ from benchmarks.peer_openvino import OpenVinoBackend, cpu_default_precision
 from txl_deploy.bench import timing
 from txl_deploy.bench.benchmark import machine_info, versions
 from txl_deploy.bench.eager_baseline import EagerAtPositions
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
+from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.bench.runners import torch_threads
 from txl_deploy.checkpoints import load_model
 from txl_deploy.errors import InputError
@@ -51,7 +50,6 @@ def row_label(peer: str, precision: str) -> str:
 
 
 def _recording(peer: str, open_fn, precisions: dict):
-    """`open_fn`, noting in `precisions[peer]` the precision the opened side computes in."""
     def open_side():
         rt = open_fn()
         precisions[peer] = computed_precision(rt.backend)
@@ -65,21 +63,11 @@ def openers(checkpoint, onnx_path, mem_len: int, threads, peers) -> dict:
         "onnxruntime": lambda: TxlRuntime(OrtBackend(onnx_path, providers=["cpu"], intra_op_threads=threads)),
         "openvino-f32": lambda: TxlRuntime(OpenVinoBackend(onnx_path, "f32", threads)),
         "openvino-default": lambda: TxlRuntime(OpenVinoBackend(onnx_path, None, threads)),
-        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len, threads=threads)),
+        "transformers": lambda: TxlRuntime(HuggingFaceBackend.from_checkpoint(checkpoint, mem_len=mem_len, threads=threads)),
         "eager": lambda: TxlRuntime(EagerAtPositions.from_checkpoint(checkpoint, mem_len=mem_len)),
         "torch-compile": lambda: TxlRuntime(TorchCompileBackend.from_checkpoint(checkpoint, mem_len=mem_len)),
     }
     return {p: table[p] for p in peers}
-
-
-def _peer_versions() -> dict:
-    out = {}
-    for dist in ("openvino", "transformers"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: int = 24, repeat: int = 3,
@@ -92,15 +80,7 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
         raise InputError(f"unknown peers {', '.join(unknown)}; known: {', '.join(PEERS)}")
     if gen_len < 1 or repeat < 1 or warmup < 0 or not batches or min(batches) < 1:
         raise InputError("gen-len, repeat and batch sizes must be >= 1, warmup >= 0")
-    if cache_dir is None:
-        raise InputError("run_peers needs a cache folder for the exports")
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    if is_shape_name(model) and not Path(model).exists():
-        checkpoint, source = standin_checkpoint(model, cache_dir), "shape"
-    elif Path(model).exists():
-        checkpoint, source = Path(model), "checkpoint"
-    else:
-        raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    checkpoint, source = harness.checkpoint_of(model, cache_dir)
     config = load_model(checkpoint).config
     mem_len = int(mem_len or config.mem_len)
     if mem_len < 1:
@@ -120,15 +100,14 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
                leave=False)
     for batch in batches:
         bar.set_postfix_str(f"mem_len {mem_len} batch {batch}")
-        precisions = {}
+        precisions = {}  # noted while each side is open: the precision its arithmetic ran in
         sides = [timing.Side(p, _recording(p, open_fns[p], precisions), decode_only=True) for p in chosen]
         stream = timing.make_stream(config.n_token, batch, mem_len, gen_len, 1, seed)
         timing.run_pair(sides, stream, repeat, warmup, progress=bar.update)
         by = {s.label: s for s in sides}
         summary = {p: {"backend": row_label(p, precisions[p]), "precision": precisions[p],
-                       **timing.summarise(by[p], stream)} for p in chosen}
-        for p in chosen:
-            summary[p]["decode_rounds_ms"] = timing.decode_rounds_ms(by[p], repeat)
+                       **timing.summarise(by[p], stream), "decode_rounds_ms": timing.decode_rounds_ms(by[p], repeat)}
+                   for p in chosen}
         ref, base = summary[REFERENCE]["decode_ms"]["p50"], summary[BASELINE]["decode_ms"]["p50"]
         results.append({
             "mem_len": mem_len, "batch": batch, "sides": summary,
@@ -140,7 +119,8 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
     return {
         "schema": SCHEMA, "name": name or (model if source == "shape" else Path(model).name), "model": str(model),
         "source": source, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": {**versions(), **_peer_versions()},
+        "machine": machine_info(), "versions": {**versions(), "openvino": harness.package_version("openvino"),
+                                                 "transformers": harness.package_version("transformers")},
         "settings": {"mem_len": mem_len, "batches": list(batches), "gen_len": gen_len, "repeat": repeat,
                      "warmup": warmup, "threads": threads, "seed": seed, "peers": chosen},
         "openvino": {"cpu_default_precision": default_precision}, "notes": notes,
@@ -164,29 +144,28 @@ def _ms(v: float) -> str:
 
 
 def section(rep: dict) -> str:
-    s, c = rep["settings"], rep["config"]
-    batches = [res["batch"] for res in rep["results"]]
-    head = ["side"] + [f"batch {b}: ms/step (p50)" for b in batches] + [f"batch {b}: vs ONNX Runtime" for b in batches] \
-        + [f"batch {b}: vs eager" for b in batches] + ["max abs diff vs eager", "KL vs eager", "top-1 vs eager"]
-    lines = [f"## {rep['name']}", "",
-             f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
-             f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
-             f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
-             f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured "
-             f"{rep['date']}.", "",
-             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for p in s["peers"]:
-        cells = [rep["results"][0]["sides"][p]["backend"]]
-        cells += [_ms(res["sides"][p]["decode_ms"]["p50"]) for res in rep["results"]]
-        cells += [f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in rep["results"]]
-        cells += [f"{res['relative_to_eager'][p]:.1f}x" for res in rep["results"]]
-        par = [res["parity_vs_eager"].get(p) for res in rep["results"]]
-        cells += ["-" if None in par else f"{max(q['max_abs_diff'] for q in par):.1e}",
-                  "-" if None in par else f"{max(q['kl_divergence'] for q in par):.1e}",
-                  "-" if None in par else f"{min(q['top1_agreement'] for q in par):.4f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *[f"- {n}" for n in rep["notes"]]]
-    return "\n".join(lines).rstrip() + "\n"
+    s, c, results = rep["settings"], rep["config"], rep["results"]
+    batches = [res["batch"] for res in results]
+
+    def parity(p, key, best) -> str:
+        par = [res["parity_vs_eager"].get(p) for res in results]
+        return "-" if None in par else f"{best(q[key] for q in par):{'.4f' if key == 'top1_agreement' else '.1e'}}"
+
+    return "\n".join([
+        f"## {rep['name']}", "",
+        f"Model: {rep['name']} ({'random weights' if rep['source'] == 'shape' else 'checkpoint'}; "
+        f"{c['n_layer']} layers, d_model {c['d_model']}, {c['n_token']:,} tokens), mem_len {s['mem_len']}, memory "
+        f"full, {s['gen_len']} decode steps x {s['repeat']} rounds per side (after {s['warmup']} warm-up "
+        f"steps), {s['threads'] or 'library default'} thread(s) per side, fp32 unless said; measured {rep['date']}.",
+        "",
+        *harness.table(["side", *(f"batch {b}: {what}" for what in ("ms/step (p50)", "vs ONNX Runtime", "vs eager")
+                                  for b in batches), "max abs diff vs eager", "KL vs eager", "top-1 vs eager"],
+                       [[results[0]["sides"][p]["backend"], *(_ms(res["sides"][p]["decode_ms"]["p50"]) for res in results),
+                         *(f"{res['relative_to_onnxruntime'][p]:.2f}x" for res in results),
+                         *(f"{res['relative_to_eager'][p]:.1f}x" for res in results),
+                         parity(p, "max_abs_diff", max), parity(p, "kl_divergence", max),
+                         parity(p, "top1_agreement", min)] for p in s["peers"]], numeric_from=1),
+        "", *[f"- {n}" for n in rep["notes"]]]).rstrip() + "\n"
 
 
 HOW_TO_READ = """\

@@ -1,6 +1,5 @@
-"""Reduced-precision ONNX: fp16, int8 and int8-dynamic against fp32 on held-out text (default: the demo model; the
-first half of its held-out text calibrates int8, the second half is evaluated). The decode speed of int8-dynamic is
-a configuration of run_all.py."""
+"""Reduced-precision ONNX (fp16, int8, int8-dynamic) against fp32 on held-out text: the first half calibrates int8,
+the second is evaluated. int8-dynamic's decode speed is a configuration of run_all.py."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ from txl_deploy.exporters.precision.token_data import read_token_ids
 
 # The accuracy targets (relative change in bits per character or perplexity against fp32) this benchmark checks.
 TARGETS = {"fp16": 0.002, "int8": 0.02, "int8-dynamic": 0.01}
-
-
 
 def accuracy(args, command):
     model = Path(args.model or DEMO_DIR / "kjv-char")

@@ -68,9 +68,7 @@ def run_scripts(names: list[str]):
 
 
 def reduced(fp32_path: Path, precision: str) -> Path:
-    """The stand-in's export converted to `precision` by txl-deploy's own converter (exporters/precision.py), cached.
-
-    Not verified here: the benchmark itself compares its log-probs with the eager fp32 reference."""
+    """The export converted to `precision` (cached; unverified: the benchmark compares it with eager fp32)."""
     out = fp32_path.with_name(fp32_path.stem + f"-{precision}.onnx")
     if not out.exists():
         reduce_onnx(fp32_path, out, precision=precision, verify=False)
@@ -78,7 +76,6 @@ def reduced(fp32_path: Path, precision: str) -> Path:
 
 
 def run_config(cfg: dict, threads) -> dict | None:
-
     model, reference, compare = cfg["model"], None, None
     if not is_shape_name(model):
         model = str(ROOT / model)
@@ -272,49 +269,29 @@ def main(argv=None):
                     help=f"other benchmark scripts to run first, comma-separated: {', '.join(SCRIPTS)}, or all "
                          "(default none: their last results files are taken in as they are)")
     args = ap.parse_args(argv)
+    all_configs = json.loads((HERE / "configs.json").read_text())["configs"]
     scripts = list(SCRIPTS) if args.scripts == "all" else [s for s in args.scripts.split(",") if s]
-    unknown = sorted(set(scripts) - set(SCRIPTS))
-    if unknown:
-        raise SystemExit(f"--scripts {','.join(unknown)}: no such script (known: {', '.join(SCRIPTS)}, all)")
+    for option, asked, known in (("--scripts", scripts, SCRIPTS), ("--only", args.only or [],
+                                                                    [c["name"] for c in all_configs])):
+        if set(asked) - set(known):
+            raise SystemExit(f"{option} {','.join(sorted(set(asked) - set(known)))}: unknown (known: "
+                             f"{', '.join(known)})")
     run_scripts(scripts)
-    configs = all_configs = json.loads((HERE / "configs.json").read_text())["configs"]
-    known = {c["name"] for c in all_configs}
-    if args.only:
-        unknown = sorted(set(args.only) - known)
-        if unknown:
-            raise SystemExit(f"--only {' '.join(unknown)}: no such configuration (known: {', '.join(sorted(known))})")
-        configs = [c for c in configs if c["name"] in args.only]
-    if args.report_only:
-        configs = []
     results_dir = HERE / "results"
     results_dir.mkdir(exist_ok=True)
     reports = []
     for cfg in all_configs:
         saved = results_dir / f"{cfg['name']}.json"
-        if cfg not in configs:  # --only / --report-only: the other configurations keep their last results
-            if saved.exists():
-                reports.append(json.loads(saved.read_text()))
-            continue
-        rep = run_config(cfg, args.threads or None)
-        if rep is None:
-            continue
-        saved.write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
-        reports.append(rep)
+        if args.report_only or (args.only and cfg["name"] not in args.only):  # keeps its last results
+            reports += [json.loads(saved.read_text())] if saved.exists() else []
+        elif (rep := run_config(cfg, args.threads or None)) is not None:
+            saved.write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
+            reports.append(rep)
     if not reports:
         raise SystemExit("nothing ran")
-    floors = [r["floor"] for rep in reports for r in rep["results"] if r.get("floor")]
-    bws = [bw / 1e9 for f in floors for bw in f.get("bandwidth_rounds", [f["bandwidth_bytes_per_s"]])]
-    in_rounds = sum(bool(f.get("bandwidth_rounds")) for f in floors)
-    when = ("measured in every round of the decode steps it is compared with" if in_rounds == len(floors) else
-            "measured once at the start of each configuration" if not in_rounds else
-            f"measured in the rounds of the decode steps for {in_rounds} of {len(floors)} floors, at the start of "
-            "their configuration for the others")
-    note = (f"memory bandwidth (numpy copy of 256 MB, read + write, one thread), {when}: {min(bws):.1f} to "
-            f"{max(bws):.1f} GB/s (it moves with the other jobs' load; each floor uses its own configuration's)"
-            if bws else "memory bandwidth: not measured")
     # The command that reproduces the whole file (a configuration re-run alone with --only lands in the same place)
     cmd = command("run_all", [] if args.threads == 1 else ["--threads", str(args.threads)])
-    Path(args.out).write_text(results_md(reports, note, cmd))
+    Path(args.out).write_text(results_md(reports, bandwidth_note(reports), cmd))
     try:  # latency against memory length and batch size, where matplotlib is installed
         for rep in reports:
             if len(rep["results"]) > 1:
@@ -326,6 +303,21 @@ def main(argv=None):
     for path in included_results()[1]:
         print(f"left out {path.name}: it does not say which command generated it", file=sys.stderr)
     print(f"wrote {args.out}")
+
+
+def bandwidth_note(reports) -> str:
+    """RESULTS.md's line on the copy bandwidth behind the floors: its range, and when it was measured."""
+    floors = [r["floor"] for rep in reports for r in rep["results"] if r.get("floor")]
+    bws = [bw / 1e9 for f in floors for bw in f.get("bandwidth_rounds", [f["bandwidth_bytes_per_s"]])]
+    if not bws:
+        return "memory bandwidth: not measured"
+    in_rounds = sum(bool(f.get("bandwidth_rounds")) for f in floors)
+    when = ("measured in every round of the decode steps it is compared with" if in_rounds == len(floors) else
+            "measured once at the start of each configuration" if not in_rounds else
+            f"measured in the rounds of the decode steps for {in_rounds} of {len(floors)} floors, at the start of "
+            "their configuration for the others")
+    return (f"memory bandwidth (numpy copy of 256 MB, read + write, one thread), {when}: {min(bws):.1f} to "
+            f"{max(bws):.1f} GB/s (it moves with the other jobs' load; each floor uses its own configuration's)")
 
 
 if __name__ == "__main__":

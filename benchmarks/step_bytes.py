@@ -1,7 +1,6 @@
-"""What a decode step reads and how close it comes to reading it: the bytes counted from the graph, each step against
-the plain read and the copy of its bytes round by round, and ONNX Runtime's profile per node with each big weight
-product run alone. Used by decode_efficiency, int4 and lazy_decode; method: docs/benchmarks.md ("Decode
-efficiency")."""
+"""What a decode step reads and how close it comes to reading it: bytes counted from the graph, steps against the
+read and copy of those bytes round by round, ONNX Runtime's profile per node, big weight products run alone.
+Method: docs/benchmarks.md ("Decode efficiency")."""
 
 from __future__ import annotations
 
@@ -12,20 +11,20 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from benchmarks import harness
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.op_profile import node_events, trace_steps
 from txl_deploy.contract.metadata import read_onnx_info
 
+PROBE = "bandwidth probe"  # the probe's turn among the sides of `interleaved_efficiency`
 ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto data types: FLOAT, UINT8, INT8, ...
 
 
 def graph_step_bytes(path) -> dict:
-    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the constants
-    of the weight products (MatMul by a 2-D constant; MatMulNBits' 4-bit weights, scales and zero points), the
-    positional tables (MatMul by a 3-D constant), and the memory's keys and values. A constant stored in fp16 and
-    cast when the session loads counts as the fp32 the kernels read; one reached through a Transpose or Reshape (a
-    tied output layer) counts as the constant ONNX Runtime folds it into. At batch 1 every byte is read once per
-    step, so fp32 bytes / int4 bytes bounds the speed-up a bandwidth-bound step can get."""
+    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the weight
+    products' constants (4-bit blocks, scales and zero points included), the positional tables (MatMul by a 3-D
+    constant) and the memory's keys and values. A constant is counted as the kernel reads it (an fp16 one cast at
+    load as fp32; one behind a Transpose or Slice as the constant ONNX Runtime folds it into)."""
     graph = onnx.load(str(path)).graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
@@ -77,58 +76,53 @@ def graph_step_bytes(path) -> dict:
 
 
 def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, rounds: int, steps_per_round: int) -> dict:
-    """Each side's decode step against the copy floor and the plain read of the bytes it reads, in one run.
-
-    steps: {side: a callable running one decode step}; n_bytes: {side: bytes that step reads}. A round times
-    `steps_per_round` steps of every side (the order alternating from round to round), then the probe's copy and
-    read; each round's step median is set against that round's bandwidth (`efficiency`). Every step is timed in
-    wall time and in CPU time of the calling thread (one intra-op thread runs the graph on it)."""
-    step_rounds = {side: [] for side in steps}
-    cpu_rounds = {side: [] for side in steps}
-    bandwidths = []
-    for k in range(rounds):
-        order = list(steps.items()) if k % 2 == 0 else list(steps.items())[::-1]
-        for side, step in order:
-            times, cpu = [], []
+    """Each side's decode step ({side: callable}) against the plain read and the copy floor of the bytes it reads
+    ({side: bytes}): a round times `steps_per_round` steps of every side, in wall time and in CPU time of the
+    calling thread, and the probe takes its turn among them (`harness.interleaved`); each round's step median is
+    set against that round's bandwidth (`efficiency`)."""
+    def timed(step):
+        def side(_):
+            wall, cpu = [], []
             for _ in range(steps_per_round):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 step()
-                times.append(time.perf_counter() - t0)
+                wall.append(time.perf_counter() - t0)
                 cpu.append(time.thread_time() - c0)
-            step_rounds[side].append(1e3 * float(np.median(times)))
-            cpu_rounds[side].append(1e3 * float(np.median(cpu)))
-        bandwidths.append(probe())
-    return {side: efficiency(n_bytes[side], step_rounds[side], bandwidths, cpu_rounds[side]) for side in steps}
+            return 1e3 * harness.median(wall), 1e3 * harness.median(cpu)
+        return side
+
+    out = harness.interleaved({**{s: timed(f) for s, f in steps.items()}, PROBE: lambda _: probe()}, rounds)
+    bandwidths = out.pop(PROBE)
+    return {s: efficiency(n_bytes[s], [w for w, _ in r], bandwidths, [c for _, c in r]) for s, r in out.items()}
+
+
+def _over(n_bytes: int, step_ms, rates) -> float:
+    """The median over rounds of each round's step over its bytes at that round's rate."""
+    return harness.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms, rates)])
 
 
 def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None) -> dict:
-    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` (the
-    bytes over the median plain-read rate), `copy_ms` (the copy floor: the bytes over the median copy rate, which
-    counts a byte read and a byte written), and the medians of each round's own ratios (`over_read`,
-    `over_copy`), so a round slowed by another job compares its step with its own bandwidth.
-
-    step_cpu_ms_rounds: the same rounds' step medians in CPU time; adds `step_cpu_ms`, `read_cpu_ms` (the bytes over
-    the read's CPU-time rate), `copy_cpu_ms` and `over_read_cpu`, `over_copy_cpu`: the step against the read and
-    the copy floor with the time either side waited for a core left out."""
-    step_ms_rounds = [float(ms) for ms in step_ms_rounds]
-    read = [float(bw.read) for bw in bandwidths]
-    copy = [float(bw.copy) for bw in bandwidths]
-    out = {"bytes": int(n_bytes), "step_ms": float(np.median(step_ms_rounds)), "step_ms_rounds": step_ms_rounds,
-           "read_bytes_per_s": float(np.median(read)), "copy_bytes_per_s": float(np.median(copy)),
-           "read_ms": n_bytes / float(np.median(read)) * 1e3, "copy_ms": n_bytes / float(np.median(copy)) * 1e3,
-           "over_read": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, read)])),
-           "over_copy": float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(step_ms_rounds, copy)]))}
-    read_cpu, copy_cpu = [bw.read_cpu for bw in bandwidths], [bw.copy_cpu for bw in bandwidths]
+    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` and
+    `copy_ms` (the bytes over the median read and copy rates; a copy counts a byte read and a byte written), and
+    `over_read`, `over_copy`: the medians of each round's own ratios, so that a round slowed by another job is set
+    against its own bandwidth. With `step_cpu_ms_rounds`, the same in CPU time (`*_cpu`), which leaves out the
+    time either side waited for a core."""
+    step = [float(ms) for ms in step_ms_rounds]
+    out = {"bytes": int(n_bytes), "step_ms": harness.median(step), "step_ms_rounds": step}
+    for kind in ("read", "copy"):
+        rates = [float(getattr(bw, kind)) for bw in bandwidths]
+        out.update({f"{kind}_bytes_per_s": harness.median(rates), f"{kind}_ms": n_bytes / harness.median(rates) * 1e3,
+                    f"over_{kind}": _over(n_bytes, step, rates)})
     if step_cpu_ms_rounds is None:
         return out
     cpu = [float(ms) for ms in step_cpu_ms_rounds]
-    out.update(step_cpu_ms=float(np.median(cpu)), step_cpu_ms_rounds=cpu)
-    if all(r is not None for r in read_cpu + copy_cpu):
-        out.update(read_cpu_bytes_per_s=float(np.median(read_cpu)), copy_cpu_bytes_per_s=float(np.median(copy_cpu)),
-                   read_cpu_ms=n_bytes / float(np.median(read_cpu)) * 1e3,
-                   copy_cpu_ms=n_bytes / float(np.median(copy_cpu)) * 1e3,
-                   over_read_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, read_cpu)])),
-                   over_copy_cpu=float(np.median([ms / (n_bytes / bw * 1e3) for ms, bw in zip(cpu, copy_cpu)])))
+    out.update(step_cpu_ms=harness.median(cpu), step_cpu_ms_rounds=cpu)
+    if all(bw.read_cpu is not None and bw.copy_cpu is not None for bw in bandwidths):
+        for kind in ("read", "copy"):
+            rates = [getattr(bw, f"{kind}_cpu") for bw in bandwidths]
+            out.update({f"{kind}_cpu_bytes_per_s": harness.median(rates),
+                        f"{kind}_cpu_ms": n_bytes / harness.median(rates) * 1e3,
+                        f"over_{kind}_cpu": _over(n_bytes, cpu, rates)})
     return out
 
 
@@ -149,9 +143,8 @@ PROFILE_TYPE_BYTES = {"float": 4, "float16": 2, "double": 8, "int64": 8, "int32"
 
 
 def input_bytes(event, constants=None) -> int:
-    """The bytes a profiled kernel reads: its activations from its input_type_shape, and its constant inputs
-    from the graph (`constants`: {input position: bytes}), since a weight ONNX Runtime prepacked at load is not
-    always listed with its shape."""
+    """The bytes a profiled kernel reads: activations from its input_type_shape, constants from the graph
+    (`constants`: {input position: bytes}; a prepacked weight is not always listed with its shape)."""
     constants = constants or {}
     total = sum(constants.values())
     for i, entry in enumerate(event.get("args", {}).get("input_type_shape", [])):
@@ -171,9 +164,8 @@ def constant_input_bytes(onnx_path) -> dict:
 
 def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | None = None, steps: int = 5,
                   providers=("cpu",)) -> dict:
-    """Like `profile_decode`, per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first,
-    "ops": [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being what the node reads per step (its
-    inputs, the initializers among them) and GB/s those bytes over its time."""
+    """`profile_decode` per node: {"step_ms", "nodes": [{name, op_type, ms_per_step, bytes}] slowest first, "ops":
+    [{op_type, ms_per_step, bytes, gb_per_s, nodes}]}, bytes being every input a node reads per step."""
     runs, events, cpu = trace_steps(onnx_path, state, tokens, threads, steps, providers)
     constants = constant_input_bytes(onnx_path)
     per_step = [defaultdict(float) for _ in runs]
@@ -200,8 +192,7 @@ def profile_nodes(onnx_path, state: dict, tokens: np.ndarray, threads: int | Non
 
 
 def _constant(graph, name):
-    """The value of a MatMul's B when it is an initializer or an initializer's Transpose (a tied output layer
-    that ONNX Runtime folds once at load), else None."""
+    """A MatMul's B when it is an initializer or an initializer's Transpose (a tied output layer), else None."""
     inits = {t.name: t for t in graph.initializer}
     if name in inits:
         return numpy_helper.to_array(inits[name])
@@ -212,9 +203,8 @@ def _constant(graph, name):
     return None
 
 
-# Read between the runs of `matmul_alone` so that each run finds its weight in memory, not in a cache, as it does in a
-# decode step (which reads hundreds of MB between two reads of one weight). Larger than the last-level caches of the
-# machines measured here (32 MB).
+# Read between the runs of `matmul_alone` so that each finds its weight in memory, not in a cache, as in a decode
+# step; larger than the last-level caches of the machines measured here (32 MB).
 EVICT_BYTES = 128 * 2**20
 
 

@@ -53,7 +53,7 @@ def test_interleaved_efficiency_alternates_sides_and_probes_every_round():
         return Bandwidth(copy=2e9, read=1e9)
 
     out = interleaved_efficiency(sides, {"a": 10, "b": 20}, probe, rounds=2, steps_per_round=2)
-    assert calls == ["a", "a", "b", "b", "probe", "b", "b", "a", "a", "probe"]
+    assert calls == ["a", "a", "b", "b", "probe", "probe", "b", "b", "a", "a"]  # the order reversed every round
     assert set(out) == {"a", "b"} and out["b"]["bytes"] == 20 and len(out["a"]["step_ms_rounds"]) == 2
     assert len(out["a"]["step_cpu_ms_rounds"]) == 2  # every step is timed on the thread's CPU clock too
 

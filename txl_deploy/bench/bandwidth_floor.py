@@ -1,8 +1,6 @@
-"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read (every weight once,
-the keys and values of every memory slot) over the bandwidth one thread gets, measured by a numpy copy and by a
-pure read of the same buffer, in the same rounds as the decode steps (`BandwidthProbe`, a turn of
-`timing.run_pair`), since a shared machine's bandwidth moves with its load. Why both, and how to read the gap:
-docs/benchmarks.md ("Decode efficiency")."""
+"""The floor a decode step cannot beat on a bandwidth-bound machine: the bytes it must read over one thread's
+bandwidth, measured by a copy and a pure read in the rounds of the decode steps (`BandwidthProbe`). Why both, and
+how to read the gap: docs/benchmarks.md ("The floor")."""
 
 from __future__ import annotations
 
@@ -26,11 +24,9 @@ class Bandwidth(NamedTuple):
 
 
 class BandwidthProbe:
-    """The copy and the read bandwidth, measured again at every call on buffers allocated (and faulted in) once:
-    the best of `repeats` copies of `nbytes` (far larger than any cache) and the best of `repeats` reads of the
-    same buffer, so a call takes about a tenth of a second. The read is also timed in CPU time of the calling
-    thread (`read_cpu`): on a machine with more runnable threads than cores, wall time includes the time a thread
-    waits for a core, and the CPU time does not."""
+    """The copy and the read bandwidth at every call: the best of `repeats` copies and reads of a buffer of
+    `nbytes` (far larger than any cache, allocated once), in wall time and in the calling thread's CPU time (which
+    leaves out the time it waited for a core)."""
 
     def __init__(self, nbytes: int = 256 * 2**20, repeats: int = 3):
         self.src = np.ones(max(1, nbytes // 8), dtype=np.float64)
@@ -58,8 +54,7 @@ class BandwidthProbe:
 
 
 def _one_blas_thread():
-    """A context in which numpy's BLAS runs on one thread: OpenBLAS splits a long dot product over every core, which
-    makes the read a several-thread read (and hides its other threads' work from the caller's CPU clock)."""
+    """numpy's BLAS on one thread: OpenBLAS would split the read's dot product over every core."""
     try:
         from threadpoolctl import threadpool_limits  # optional (the bench extra)
     except ImportError:
@@ -72,9 +67,8 @@ PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic
 
 
 def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None, precision: str = "fp32") -> dict:
-    """Bytes a decode step reads: weights (body, positional table, output layer) and the memory of `batch` rows.
-
-    int8 graphs count one byte per matrix weight (biases, norms and tables are few bytes either way)."""
+    """Bytes a decode step reads: weights (body, positional table, output layer; int8: a byte per matrix weight) and
+    the memory of `batch` rows."""
     bytes_per_value, memory_bytes_per_value = PRECISION_BYTES.get(precision, (4, 4))
 
     D, H, Dh, Di, L = config.d_model, config.n_head, config.d_head, config.d_inner, config.n_layer
@@ -101,12 +95,9 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
 
 def floor(config, mem_len: int, batch: int, bandwidth: float, measured_ms: float, table_size=None,
           precision: str = "fp32", rounds=None, read_rounds=None) -> dict:
-    """The floor of a decode step and the measured step's ratio to it (`gap`).
-
-    rounds: [(bandwidth, decode median ms)] of each round when the bandwidth was measured in the rounds of the
-    decode steps; `bandwidth` is then their median, and `gap_rounds` holds each round's own ratio.
-    read_rounds: the read bandwidth of the same rounds; adds `read_ms` (the step's bytes over their median), the
-    step's ratio to it (`read_gap`) and where a pure read stands against the copy floor (`read_over_floor`)."""
+    """The floor of a decode step and the measured step's ratio to it (`gap`); with `rounds` [(bandwidth, decode
+    median ms)], each round's own ratio (`gap_rounds`); with `read_rounds`, the same against the read bandwidth
+    (`read_ms`, `read_gap`, `read_over_floor`)."""
     b = decode_bytes(config, mem_len, batch, table_size, precision)
     n_bytes = b["weight_bytes"] + b["memory_bytes"]
     floor_ms = n_bytes / bandwidth * 1e3

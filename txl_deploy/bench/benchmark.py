@@ -1,26 +1,17 @@
-"""`run_benchmark`: the measurements behind `txl-deploy bench`, as a function returning the JSON report.
-
-For every (mem_len, batch) the chosen backend (the candidate) and the PyTorch eager reference (the baseline)
-are measured in the same process on the same token stream, interleaved (see `measure`). The eager reference is
-`MemTransformerLM` with the memory of hidden states exactly as trained (it re-projects the memory at every step),
-its output layer applied only at the positions asked for (`eager.EagerAtPositions`: the last one of a prompt),
-as a text generator runs it. Optional extra sides, measured in the same interleaving:
-- "eager as written" (`as_written_batches`): the prefill with the output layer at every prompt position, as
-  `MemTransformerLM.forward` computes it; prefill only (a decode step is one position either way);
-- `compare`: another exported graph of the same model (e.g. the fp32 graph a reduced-precision one came from),
-  on the candidate's backend settings.
-"""
+"""`run_benchmark`: the measurements behind `txl-deploy bench`, as a function returning the JSON report: per
+(mem_len, batch), the backend under test and the PyTorch eager reference (`EagerAtPositions`) in one process on one
+token stream, interleaved, with optional extra sides (eager as written, another graph to `compare`). What each
+side runs: docs/benchmarks.md ("`txl-deploy bench`")."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import platform
-import shutil
 import sys
 import tempfile
-from contextlib import contextmanager
 
 import numpy
 
@@ -65,17 +56,12 @@ def versions() -> dict:
     return out
 
 
-@contextmanager
 def _cache(cache_dir):
+    """The folder for stand-ins and exports: `cache_dir`, else a temporary one removed afterwards."""
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
-        yield cache_dir
-        return
-    tmp = tempfile.mkdtemp(prefix="txl-bench-")
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        return contextlib.nullcontext(cache_dir)
+    return tempfile.TemporaryDirectory(prefix="txl-bench-", ignore_cleanup_errors=True)
 
 
 def _cuda_device(backend: str, device: str):

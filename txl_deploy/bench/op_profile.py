@@ -18,9 +18,8 @@ from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
 def profile_decode(onnx_path, state: dict, tokens: np.ndarray, threads: int | None = None, steps: int = 5,
                    providers=("cpu",)) -> dict:
-    """state: the runtime's saved memory arrays (a full memory); tokens [B, >= steps + 1] fed one per step.
-
-    Returns {"step_ms", "ops": [{op_type, ms_per_step, share, calls_per_step}] slowest first}."""
+    """{"step_ms", "ops": [{op_type, ms_per_step, share, calls_per_step}] slowest first} from the saved memory
+    `state`, `tokens` [B, >= steps + 1] fed one per step."""
     runs, events, cpu = trace_steps(onnx_path, state, tokens, threads, steps, providers)
     per_step = [defaultdict(float) for _ in runs]
     calls = defaultdict(int)

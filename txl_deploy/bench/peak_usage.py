@@ -1,12 +1,9 @@
-"""Peak memory of one side of a benchmark: resident set size on the CPU, the allocator's peak on CUDA.
-
-A side's peak is what loading it added to the process plus the largest transient rise while it ran a call
-(`peak during the call - level just before it`). Both sides live in one process (they are interleaved), so the
-process-wide high-water mark would charge one side with the other's weights; this split does not.
-"""
+"""Peak memory of one side of a benchmark (resident set on the CPU, the allocator's peak on CUDA): what loading it
+added plus the largest rise during a call, since both sides share one process and its high-water mark."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -20,7 +17,6 @@ def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE
     except OSError:  # not Linux: the high-water mark is the best there is
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if os.uname().sysname == "Darwin" else peak * 1024
 
@@ -89,36 +85,25 @@ class PeakMemory:
     def _meter(self):
         return CudaPeak(self.cuda_device) if self.cuda_device is not None else RssSampler()
 
+    @contextlib.contextmanager
     def load(self):
-        return _Track(self, "loaded")
+        with self._meter() as meter:
+            yield
+        # what stays resident after loading; the load's own transient peak is not a cost of running
+        if self.cuda_device is not None:
+            import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
+            level = torch.cuda.memory_allocated(self.cuda_device)
+        else:
+            level = rss_bytes()
+        self.loaded += max(0, level - meter.start)
+
+    @contextlib.contextmanager
     def call(self):
-        return _Track(self, "transient")
+        with self._meter() as meter:
+            yield
+        self.transient = max(self.transient, meter.rise)
 
     @property
     def peak(self) -> int:
         return self.loaded + self.transient
-
-
-class _Track:
-    def __init__(self, owner: PeakMemory, field: str):
-        self.owner, self.field = owner, field
-
-    def __enter__(self):
-        self.meter = self.owner._meter().__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.meter.__exit__(*exc)
-        if self.field == "loaded":
-            # what stays resident after loading; the load's own transient peak is not a cost of running
-            self.owner.loaded += max(0, self._end_level() - self.meter.start)
-        else:
-            self.owner.transient = max(self.owner.transient, self.meter.rise)
-
-    def _end_level(self) -> int:
-        if self.owner.cuda_device is not None:
-            import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
-
-            return torch.cuda.memory_allocated(self.owner.cuda_device)
-        return rss_bytes()

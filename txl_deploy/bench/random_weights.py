@@ -1,10 +1,6 @@
-"""Random-weight stand-ins of the published shapes: what `bench enwik8-base` measures when no trained model is
-at hand. Speed depends on the shapes, not on the values, so a stand-in is timed exactly like the real model.
-
-The weights are drawn like a freshly initialised model (normal(0, 0.02), layer norms at identity), which keeps
-log-probabilities finite and comparable between backends. Built models and their ONNX exports are cached in a
-directory keyed by shape name, mem_len, layout and seed, so repeated benchmark runs do not re-export.
-"""
+"""Random-weight stand-ins of the published shapes, timed like the real model (speed depends on the shapes, not
+the values): weights drawn like a fresh model's, built and exported once per cache folder, shape, mem_len, layout
+and seed."""
 
 from __future__ import annotations
 
@@ -24,10 +20,8 @@ logger = logging.getLogger(__name__)
 SEED = 0
 INIT = "nonzero-biases"  # how `random_model` draws the weights: part of a cached stand-in's key
 
-# The paper's other published models, as stand-in shapes only (no checkpoint reader needs them): text8's model is
-# enwik8 large's shape and evaluation settings over text8's 27 symbols; One Billion Word's large model (the 0.8B
-# one) is 24 x 1280, 16 heads of 80, d_inner 8192, adaptive input and softmax with div_val 4 over the original
-# code's lm1b cutoffs, no projection tied (lm1b's tie_projs are all False), evaluated with 32 / 128 / no clamp.
+# The paper's other published models, as stand-in shapes only: text8 is enwik8 large over 27 symbols; One Billion
+# Word's 0.8B model takes the original code's lm1b cutoffs, no projection tied, evaluated with 32 / 128 / no clamp.
 STANDIN_SHAPES: dict[str, dict] = {
     "text8": {**PUBLISHED_SHAPES["enwik8-large"], "n_token": 27},
     "lm1b-large": dict(
@@ -50,9 +44,8 @@ def shape_config(name: str, **overrides) -> TxlConfig:
 
 
 def random_model(config, seed: int = SEED):
-    """A MemTransformerLM of `config` with reproducible random weights. Biases are small and nonzero, as a trained
-    model's: an exporter drops a zero bias from a Gemm, so a stand-in with zero biases would leave out work that a
-    real model's graph does."""
+    """A MemTransformerLM of `config` with reproducible random weights; biases small and nonzero, as a trained
+    model's (an exporter drops a zero bias, and with it work a real model's graph does)."""
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     from txl_deploy.model.mem_transformer import MemTransformerLM  # imports torch
@@ -96,9 +89,8 @@ def standin_onnx(checkpoint, cache_dir, mem_len: int, state: str = "incremental"
 
 
 def _content_key(checkpoint: Path) -> str:
-    """Changes whenever the checkpoint's files do (names, sizes, modification times) or the code that writes the
-    graph does: a model retrained in place, or a new exporter, is exported again instead of being benchmarked
-    through a stale cached export."""
+    """Changes with the checkpoint's files (names, sizes, times) and the code that writes the graph, so that a
+    stale cached export is never benchmarked."""
     import txl_deploy.model.cached_step  # imports torch
     import txl_deploy.model.output_layer  # imports torch
 

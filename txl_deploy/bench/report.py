@@ -1,34 +1,5 @@
-"""The benchmark's outputs: a table for people, JSON for machines, an optional plot.
-
-JSON (`schema` "txl-deploy-bench/1"):
-  model, source ("shape" | "checkpoint" | "onnx" | "engine"), date (UTC ISO), machine {cpu, cores, platform,
-  gpu}, versions {python, numpy, txl_deploy, onnxruntime, torch, tensorrt: null when absent}, settings
-  {backend, baseline, device, threads, prompt_len, gen_len, warmup, repeat, seed, state, as_written_batches,
-  compare},
-  results: one entry per (mem_len, batch):
-    mem_len, batch,
-    sides: {label: {backend, decode_ms {p50, p90, p99, mean, min, n}, decode_tokens_per_s (batch / p50),
-            prefill_ms (median), prefill_tokens_per_s, peak_memory_bytes (loaded + largest rise during a call,
-            from a separate untimed pass), loaded_memory_bytes, memory_kind ("rss" | "cuda_allocated")}};
-            labels: candidate (the backend under test), baseline (PyTorch eager, output layer at the requested
-            positions), eager_as_written (prefill only, output layer at every position: decode_ms and
-            decode_tokens_per_s null), compare (another graph of the same model, with `compare`),
-    speedup: {decode_p50, decode_tokens_per_s, prefill, prefill_vs_as_written (with that side)} (baseline /
-            candidate; null without a baseline),
-    parity: {max_abs_diff, kl_divergence (KL(baseline || candidate), nats per position), top1_agreement,
-            positions} (candidate against baseline log-probs on the same stream; null without a baseline);
-            as_written_parity (eager as written against the baseline, prefill position), compare_parity
-            (candidate against the compared graph),
-    speedup_vs_compare: {decode_p50, prefill} (compared graph / candidate, with `compare`),
-    floor: {weight_bytes, memory_bytes, output_layer_bytes, precision, bandwidth_bytes_per_s, floor_ms, gap,
-           bandwidth_rounds, gap_rounds} (the copy bandwidth is measured in every round, between the sides'
-           turns: bandwidth_rounds; bandwidth_bytes_per_s is their median and floor_ms the bytes over it; gap =
-           candidate decode p50 / floor_ms; gap_rounds = each round's candidate decode median over that round's
-           own floor; present when the bandwidth was measured, CPU only; read_bandwidth_rounds,
-           read_bandwidth_bytes_per_s, read_ms, read_gap, read_over_floor: the same with a pure read of the
-           probe's buffer instead of a copy, read_ms being the step's bytes at the median read rate),
-    profile: {step_ms, kernel_ms, ops: [{op_type, ms_per_step, share, calls_per_step}]} (with --profile, ORT).
-"""
+"""The benchmark's outputs: a table for people, JSON for machines (its fields: docs/benchmarks.md, "The JSON
+report"), an optional plot."""
 
 from __future__ import annotations
 
@@ -36,8 +7,6 @@ import json
 
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
-
-SCHEMA = "txl-deploy-bench/1"
 
 
 def _mb(n):
@@ -97,15 +66,28 @@ def write_json(report: dict, path, force: bool):
         tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
-def plot(report: dict, path, force: bool):
-    """Decode latency (p50) against memory length, one line per backend and batch size; and against batch size."""
+def pyplot():
+    """matplotlib's pyplot drawing to files, or a one-line error where the bench extra is not installed."""
     try:
         import matplotlib  # optional (the bench extra)
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # optional (the bench extra)
     except ImportError:
-        raise InputError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise InputError("a plot needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def save_figure(fig, path, force: bool):
+    """The figure written atomically, in the format its suffix names (png by default), then closed."""
+    with atomic_path(path, force=force) as tmp:
+        fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
+    pyplot().close(fig)
+
+
+def plot(report: dict, path, force: bool):
+    """Decode latency (p50) against memory length, one line per backend and batch size; and against batch size."""
+    plt = pyplot()
 
     series = {}
     for res in report["results"]:
@@ -128,6 +110,4 @@ def plot(report: dict, path, force: bool):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path, force=force) as tmp:
-        fig.savefig(tmp, dpi=110, format=str(path).rsplit(".", 1)[-1] if "." in str(path) else "png")
-    plt.close(fig)
+    save_figure(fig, path, force)

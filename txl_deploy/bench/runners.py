@@ -1,14 +1,5 @@
-"""What MODEL means to `bench`, and how each side of the comparison is opened.
-
-MODEL is an exported graph (.onnx), a TensorRT engine (.engine/.plan/.trt), an ExecuTorch program (.pte), a
-checkpoint (any format
-`load_model` reads), or a published shape name (`enwik8-base`, `wt103-base`, ...: a random-weight stand-in).
-A checkpoint or shape is exported on the fly for the ONNX Runtime backend, once per memory length.
-The eager baseline needs the checkpoint: for an .onnx or .engine MODEL pass it as `reference`. Besides the
-runtime backends, `opener` knows the two eager baselines: "eager" (the model body, then the output layer at the
-requested positions only: `eager.EagerAtPositions`) and "eager-as-written" (the output layer at every position of
-the segment, as `MemTransformerLM.forward` and the `torch` backend do).
-"""
+"""What MODEL means to `bench` (an .onnx, a TensorRT engine, a .pte, a checkpoint or a published shape name,
+exported on the fly), and how each side of the comparison is opened (`opener`), the eager baselines included."""
 
 from __future__ import annotations
 

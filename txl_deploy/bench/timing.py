@@ -1,10 +1,6 @@
-"""Timing one configuration (memory length, batch) of several runtimes side by side, interleaved.
-
-All sides see the same token stream: the memory filled once and restored before every repeat, `gen_len` decode
-steps and a `prompt_len` prefill timed per repeat, the sides alternating (A B C, C B A, ...) so that a slow phase
-of a shared machine hits all; ratios are between medians. A `probe` (the floor's bandwidth) takes its turn in every
-round like a side. Peak memory comes from a separate untimed pass: the resident-set sampler's thread would
-otherwise wake inside the timed loops."""
+"""Timing one configuration (memory length, batch) of several runtimes side by side on one token stream, the sides
+alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass
+(a sampler thread would otherwise wake inside the timed loops)."""
 
 from __future__ import annotations
 
@@ -103,8 +99,7 @@ MEMORY_DECODE_STEPS = 8  # a decode step's footprint does not change from step t
 
 
 def _memory_pass(side: Side, stream: Stream):
-    """The side's largest transient rise in resident memory (or CUDA allocation) over one prefill and a few decode
-    steps, untimed."""
+    """The side's largest rise in memory over one prefill and a few decode steps, untimed."""
     rt = side.rt
     if not side.decode_only:
         rt.reset()
@@ -121,9 +116,9 @@ def _memory_pass(side: Side, stream: Stream):
 
 
 def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None, probe=None) -> list:
-    """Measure every side on `stream`, interleaved, then each side's memory. `progress(n)` is told about each
-    finished phase. `probe()`, if given, runs once per round in the same alternating order as the sides (after
-    them in even rounds, before them in odd ones); returns its result of every round."""
+    """Measure every side on `stream`, interleaved, then each side's memory; `progress(n)` hears of each phase.
+    `probe()` takes a turn in every round, after the sides in even rounds, before them in odd ones: returns its
+    result of every round."""
     for side in sides:
         _setup(side, stream, warmup)
         if progress:
