@@ -24,7 +24,7 @@ class SymbolTable(Sequence):
         encoded = [str(s).encode(*_CODEC) for s in symbols]
         self._blob = b"".join(encoded)
         # array, not numpy: indexing it gives Python ints, several times faster to slice with
-        self._ends = _int64s(np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))))
+        self._ends = _ints(np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))))
 
     def __len__(self):
         return len(self._ends)
@@ -82,7 +82,7 @@ class SymbolIndex(Mapping):
             if len(set(run)) != len(run):
                 dup = next(s for s in run if run.count(s) > 1)
                 raise ValueError(f"vocabulary has a duplicate symbol {dup!r}")
-        self._hashes, self._ids = _int64s(hashes), _int64s(order)
+        self._hashes, self._ids = _ints(hashes), _ints(order)
 
     def get(self, symbol, default=None):
         if not isinstance(symbol, str):
@@ -114,10 +114,13 @@ class SymbolIndex(Mapping):
 
     @property
     def nbytes(self) -> int:
-        return 8 * (len(self._hashes) + len(self._ids))
+        return self._hashes.itemsize * len(self._hashes) + self._ids.itemsize * len(self._ids)
 
 
-def _int64s(values: np.ndarray) -> array:
-    out = array("q")
-    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+def _ints(values: np.ndarray) -> array:
+    """`values` as an array of the narrowest of int32 and int64 that holds them."""
+    narrow = values.size == 0 or -2 ** 31 <= int(values.min()) and int(values.max()) < 2 ** 31
+    code, dtype = ("i", np.int32) if narrow else ("q", np.int64)
+    out = array(code)
+    out.frombytes(np.ascontiguousarray(values, dtype=dtype).tobytes())
     return out
