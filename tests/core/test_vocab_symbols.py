@@ -43,3 +43,16 @@ def test_a_vocab_round_trips_through_json_with_its_symbols():
     vocab = Vocab(SYMBOLS)
     back = Vocab.from_dict(vocab.to_dict())
     assert back == vocab and back.symbols == SYMBOLS and back.index["the"] == 1
+
+
+def test_a_vocab_sent_to_another_process_finds_its_ids():
+    import pickle
+    import subprocess
+    import sys
+
+    blob = pickle.dumps(Vocab(SYMBOLS))  # str hashes differ between processes: the index is rebuilt there
+    code = ("import pickle, sys; v = pickle.loads(sys.stdin.buffer.read()); "
+            "print([v.index.get(s) for s in v.symbols] == list(range(len(v))))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "random"})
+    assert out.stdout.strip() == b"True"

@@ -84,6 +84,9 @@ class SymbolIndex(Mapping):
                 raise ValueError(f"vocabulary has a duplicate symbol {dup!r}")
         self._hashes, self._ids = _ints(hashes), _ints(order)
 
+    def __reduce__(self):
+        return SymbolIndex, (self._table,)  # rebuilt where it is unpickled: another process hashes str otherwise
+
     def get(self, symbol, default=None):
         if not isinstance(symbol, str):
             return default
