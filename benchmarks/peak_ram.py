@@ -17,8 +17,10 @@ within 10% of ONNX Runtime's defaults (the CPU arena on).
 --runtime-only exports the shape once (not measured) and measures the runtime alone, with the sessions an
 adaptive-softmax model loads (the model, its head graph and every tail graph): the backend as it is (each weight
 held once in a pool the sessions share, no prepacking), each session reading its own file with ONNX Runtime's
-prepacking (how the backend loaded them before), and ONNX Runtime's defaults (the CPU arena on). The target there:
-the runtime's resident set after loading within 1.1x the weight bytes, the state excluded.
+prepacking (how the backend loaded them before), and ONNX Runtime's defaults (the CPU arena on); then the backend
+again after a prompt through `generate` and through `step`. The targets there: the runtime's resident set after
+loading within 1.1x the weight bytes, and after a prompt of mem_len tokens through any of prefill, generate and step
+within 1.15x, everything the process keeps counted (the recurrent state, the vocabulary, libraries' pages).
 Writes benchmarks/results_peak_ram_runtime.md (and .json).
 """
 
@@ -48,7 +50,11 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     return {"seconds": time.perf_counter() - start, "peak": harness.process_memory()["VmHWM"], "base": base}
 
 
-def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: bool = False) -> dict:
+PROMPT_PATHS = ("prefill", "generate", "step")  # the calls that read a prompt (--runtime-only measures each)
+
+
+def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: bool = False,
+                  path: str = "prefill") -> dict:
     import numpy as np
     import onnxruntime as ort
 
@@ -69,24 +75,45 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
 
         ort.SessionOptions = Prepacked
         ort_backend.SharedWeights = lambda *_: None  # noqa: E731  (no pool: OrtBackend opens each file itself)
-    base = harness.process_memory()["VmRSS"]
+    base = resident()
     rt = TxlRuntime.load(model, threads=os.cpu_count())
-    loaded = harness.process_memory()["VmRSS"]
+    loaded = resident()
     tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
     start = time.perf_counter()
-    rt.prefill(tokens[:, :prefill])
+    if path == "prefill":
+        rt.prefill(tokens[:, :prefill])
+    elif path == "generate":  # the prompt, then one sampled token
+        list(rt.generate(tokens[0, :prefill], max_new_tokens=1))
+    else:  # every position's log-probs, handed to the caller (dropped here: what the caller keeps is theirs)
+        rt.step(tokens[:, :prefill])
     prefill_s = time.perf_counter() - start
-    prompted = harness.process_memory()["VmRSS"]  # what the runtime keeps once a prompt has been read
+    prompted = resident()  # what the runtime keeps once a prompt has been read
     times = []
     for i in range(decode):
         t = time.perf_counter()
         rt.step(tokens[:, prefill + i:prefill + i + 1])
         times.append(time.perf_counter() - t)
-    return {"peak": harness.process_memory()["VmHWM"], "base": base, "loaded": loaded, "prompted": prompted,
+    decoded = resident()
+    pool = getattr(rt.backend, "weights", None)
+    vocab = rt.vocab
+    return {"peak": decoded["VmHWM"], "base": base["VmRSS"], "loaded": loaded["VmRSS"],
+            "prompted": prompted["VmRSS"], "decoded": decoded["VmRSS"], "path": path,
+            "file_backed": {k: v["RssFile"] - base["RssFile"] for k, v in
+                            (("loaded", loaded), ("prompted", prompted), ("decoded", decoded))},
+            "pool_bytes": pool.held_bytes if pool is not None else None,
+            "vocab_bytes": vocab.symbols.nbytes + vocab.index.nbytes if vocab is not None else 0,
             "prefill_s": prefill_s,
             "sessions": 1 + (rt.backend._head is not None) + len(rt.backend._tails),
             "decode_ms": 1e3 * float(np.median(times)),
             "state_bytes": sum(a.nbytes for k, a in rt.save_state().items() if not k.startswith("__"))}
+
+
+def resident() -> dict:
+    """harness.process_memory() and RssFile: the resident pages that are files' (libraries' code, mapped files)."""
+    out = harness.process_memory()
+    with open("/proc/self/status") as f:
+        out["RssFile"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+    return out
 
 
 def run_child(*args) -> dict:
@@ -97,7 +124,8 @@ def run_child(*args) -> dict:
 def child(kind: str, *rest) -> dict:
     if kind == "export":
         return child_export(rest[0], rest[1], rest[2] == "1", rest[3] or None)
-    return child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ("1",))
+    return child_runtime(rest[0], int(rest[1]), int(rest[2]), rest[3] == "1", rest[4:5] == ("1",),
+                         *rest[5:6])
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -185,6 +213,11 @@ def measure_runtime(args) -> dict:
         r = run_child("runtime", model, mem_len, args.decode, int(arena), int(separate))
         r.update(label=label, arena=arena, separate=separate)
         raw["runtime"].append(r)
+    # what the backend keeps after each call that reads a prompt (prefill is the first row's)
+    raw["prompts"] = [raw["runtime"][0]]
+    for path in PROMPT_PATHS[1:]:
+        print(f"runtime after a prompt through {path} ...", flush=True)
+        raw["prompts"].append(run_child("runtime", model, mem_len, args.decode, 0, 0, path))
     raw["load_average_end"] = os.getloadavg()
     return raw
 
@@ -195,26 +228,50 @@ def render_runtime(raw: dict) -> str:
     m, weights = raw["machine"], raw["model_bytes"]
     ours = raw["runtime"][0]
     held = (ours["loaded"] - ours["base"]) / weights
-    # what a prompt leaves resident, the recurrent state (held by design, filled by the prompt) counted apart
-    state = ours["state_bytes"] / weights
-    kept = (ours.get("prompted", float("nan")) - ours["base"]) / weights - state  # nan: recorded since
+    prompts = raw.get("prompts", [ours])
+    kept = {r.get("path", "prefill"): (r["prompted"] - r["base"]) / weights for r in prompts}  # state included
+    worst = max(kept, key=kept.get)
     lines = [
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; shared with other jobs (load average over 1 "
         f"minute {raw['load_average'][0]:.2f} at the start, {raw['load_average_end'][0]:.2f} at the end)",
         f"- shape: {raw['shape']} (random-weight stand-in), mem_len {raw['mem_len']}; the files an ONNX Runtime "
         f"backend loads: {', '.join(raw['files'])} ({fb(raw['files_bytes'])} on disk, the model's own weights "
         f"{fb(weights)}); every row is a fresh process",
-        f"- each row: load (`TxlRuntime.load`, all cores), a prefill of {raw['mem_len']} tokens, then "
+        f"- each row: load (`TxlRuntime.load`, all cores), a prompt of {raw['mem_len']} tokens, then "
         f"{raw['decode_steps']} decode steps with a full memory; loaded = resident set after the load over the one "
-        "before it; peak = the process's high-water mark (VmHWM) over the same base",
+        "before it (the imports done); peak = the process's high-water mark (VmHWM) over the same base",
         "",
         "## Target",
         "",
         "| target | measured | met |",
         "|---|---|---|",
         f"| loaded runtime within 1.1x the model's weight bytes | {held:.2f}x | {'yes' if held <= 1.1 else 'NO'} |",
-        f"| after a prompt of {raw['mem_len']} tokens within 1.15x, its memory state ({state:.2f}x) apart | "
-        f"{kept:.2f}x ({kept + state:.2f}x with it) | {'yes' if kept <= 1.15 else 'NO'} |",
+        f"| after a prompt of {raw['mem_len']} tokens ({', '.join(kept)}) within 1.15x, everything the process keeps "
+        f"(its memory state included) | {kept[worst]:.3f}x ({worst}) | {'yes' if kept[worst] <= 1.15 else 'NO'} |",
+    ]
+    if "prompts" in raw:
+        lines += ["", "## What the runtime keeps after a prompt", "",
+                  f"Resident set over the base, as a multiple of the weights ({fb(weights)}), after a prompt of "
+                  f"{raw['mem_len']} tokens through each call (`step` returns every position's log-probs, which "
+                  f"are the caller's and dropped here), then after {raw['decode_steps']} decode steps. Parts: the "
+                  "weight pool, the recurrent memory state, the vocabulary's tables, and pages of files (ONNX "
+                  "Runtime's code as the sessions touched it); the rest is heap in use: ONNX Runtime's sessions "
+                  "(graphs, kernels), the last log-probs, Python objects.", "",
+                  "| prompt through | after it | after decoding | weights | state | vocabulary | files' pages | "
+                  "the rest | prompt time |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in prompts:
+            after = r["prompted"] - r["base"]
+            pool, files = r["pool_bytes"], r["file_backed"]["prompted"]
+            rest = after - pool - r["state_bytes"] - r["vocab_bytes"] - files
+            lines.append(f"| `{r['path']}` | {after / weights:.3f}x | {(r['decoded'] - r['base']) / weights:.3f}x | "
+                         + " | ".join(f"{x / weights:.3f}x ({fb(x)})" for x in
+                                      (pool, r["state_bytes"], r["vocab_bytes"], files, rest))
+                         + f" | {r['prefill_s']:.1f} s |")
+        lines += ["", "Decoding keeps a step's working memory too (the heap holds what a step freed for the next "
+                  "one): handing it back after every step, as after a prompt, measured about 4% slower decode steps "
+                  "(interleaved, one thread), so it is left in place."]
+    lines += [
         "",
         "## Runtime (ONNX Runtime, fp32, CPU)",
         "",

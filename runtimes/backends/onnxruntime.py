@@ -70,7 +70,7 @@ class OrtBackend(HostRingBackend):
         """prepack: let ONNX Runtime prepack the MatMul weights, each session its own copies (no shared pool).
         For an fp32 or fp16 graph a prefill's segments then run faster (a 64-token WikiText-103 base segment took
         232 against 299 ms of CPU time on one thread), a decode step slower (44.4 against 40.7 ms), and the
-        sessions of a model with its adaptive-softmax parts hold 2.10 GiB instead of 645 MiB
+        sessions of a model with its adaptive-softmax parts hold 2.11 GiB instead of 611 MiB
         (benchmarks/results_peak_ram_runtime.md). None (the default): off for fp32 and fp16 graphs, on for the
         quantized ones, whose kernels take their weights in a packed form of their own: without it int4's
         MatMulNBits unpacks every weight to fp32 at every call (a demo-model decode step took 8.3 against 1.2 ms

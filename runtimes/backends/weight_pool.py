@@ -69,6 +69,9 @@ class SharedWeights:
         opts.add_external_initializers(names, values)
         for name, value in zip(names, values):
             opts.add_initializer(name, value)
+        # The metadata (the vocabulary's JSON, 3 MB for WikiText-103) is read by the backend from the file; the
+        # session would keep its own copies of it for good, and ONNX Runtime's wrapper the bytes given here.
+        del model.metadata_props[:]
         return model.SerializeToString()
 
     def _find(self, array):

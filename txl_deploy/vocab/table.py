@@ -31,6 +31,7 @@ from txl_deploy.vocab.kinds import (
     misfit,
 )
 from txl_deploy.vocab.stream import StreamDecoder
+from txl_deploy.vocab.symbols import SymbolIndex, SymbolTable
 
 
 class Vocab:
@@ -50,17 +51,16 @@ class Vocab:
                  never_split=(), representation=None):
         if kind not in KINDS:
             raise UnknownKindError(kind)
-        self.symbols = list(symbols)
-        if len(set(self.symbols)) != len(self.symbols):
-            dup = next(s for s in self.symbols if self.symbols.count(s) > 1)
-            raise ValueError(f"vocabulary has a duplicate symbol {dup!r}")
-        problem = misfit(kind, self.symbols)
+        given = symbols if isinstance(symbols, (list, tuple)) else list(symbols)  # read once as plain strings
+        # Held as a SymbolTable and SymbolIndex (a list and a dict cost a 267,735-word vocabulary 40 MB, these 8)
+        self.symbols = SymbolTable(given)
+        self.index = SymbolIndex(self.symbols, given)  # refuses a duplicate symbol
+        problem = misfit(kind, given)
         if problem:
             raise ValueError(f"not a {kind} vocabulary: {problem}")
         self.kind = kind
-        self.index = {s: i for i, s in enumerate(self.symbols)}
         if kind == "word":
-            tokenizer = detect_tokenizer(self.symbols) if tokenizer is None else tokenizer
+            tokenizer = detect_tokenizer(given) if tokenizer is None else tokenizer
             if tokenizer not in TOKENIZERS:
                 raise ValueError(f"tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
         elif tokenizer is not None:
@@ -87,7 +87,7 @@ class Vocab:
         self._moses = None  # the sacremoses objects, built on first use (slow to build)
         self._quotes = None  # its symbols the Moses detokenizer counts as quotes (moses.quote_symbols)
         if kind == "bytes":
-            self.byte_ids, self.byte_of = enc.byte_tables(self.symbols)
+            self.byte_ids, self.byte_of = enc.byte_tables(given)
 
     def _settings(self):
         return (self.kind, self.tokenizer, self.lower_case, self.delimiter, self.never_split, self.representation)
@@ -223,7 +223,7 @@ class Vocab:
     def to_dict(self) -> dict:
         """The vocabulary as JSON: kind, symbols and, for a word vocabulary, its tokenizer (with HuggingFace's
         settings where they are not the defaults)."""
-        d = {"kind": self.kind, "symbols": self.symbols}
+        d = {"kind": self.kind, "symbols": list(self.symbols)}
         if self.tokenizer is not None:
             d["tokenizer"] = self.tokenizer
         if self.lower_case:
