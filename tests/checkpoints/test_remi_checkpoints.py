@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 # The oracle that writes the fixtures (tensorflow-cpu is in the test extra: a missing install fails, never skips).
 import tensorflow as tf
@@ -22,7 +24,7 @@ from helpers.cli import assert_one_line_error, cli
 from helpers.remi import SCOPE, keras_norm, remi_stream, remi_variables
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.tensorflow.remi import is_remi_checkpoint
+from txl_deploy.checkpoints.tensorflow.remi import is_remi_checkpoint, remi_architecture
 from txl_deploy.errors import CheckpointError
 
 DIMS = dict(n_token=21, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24)
@@ -203,3 +205,28 @@ def test_foreign_variable_and_flags_are_one_line_errors(remi, tmp_path):
     with pytest.raises(CheckpointError, match="normal_softmax/bias"):
         load_model(wrong)
     assert_one_line_error(cli("info", folder, "--preset", "wt103-large"), "REMI")
+
+
+# -- fuzz: the name and shape checks a REMI index goes through -----------------------------------------------------
+_VALID_SHAPES = {name: tuple(v.shape) for name, v in remi_variables(**DIMS).items()}
+_NAME_PARTS = st.sampled_from(sorted(_VALID_SHAPES) + [
+    SCOPE + "layer_0/ff/layer_normalization_7/gamma", SCOPE + "layer_5/rel_attn/qkv/kernel",
+    SCOPE + "adaptive_embed/lookup_table", SCOPE + "normal_embed/proj_W", SCOPE + "adaptive_softmax/cutoff_0/b",
+    SCOPE + "adaptive_embed/cutoff_0/lookup_table", SCOPE + "adaptive_embed/cutoff_1/lookup_table",
+    "global_step", SCOPE + "r_w_bias/Adam_1", "other/r_w_bias", SCOPE + "layer_0/rel_attn/layer_normalization"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drop=st.sets(st.sampled_from(sorted(_VALID_SHAPES))),
+       add=st.dictionaries(_NAME_PARTS, st.lists(st.integers(0, 50), max_size=4).map(tuple), max_size=4),
+       reshape=st.dictionaries(st.sampled_from(sorted(_VALID_SHAPES)),
+                               st.lists(st.integers(0, 50), max_size=4).map(tuple), max_size=2))
+def test_fuzz_names_and_shapes_give_a_model_or_a_checkpoint_error(drop, add, reshape):
+    """Whatever an index claims, the checks end in an architecture REMI's model has, or a CheckpointError."""
+    shapes = {**{k: v for k, v in _VALID_SHAPES.items() if k not in drop}, **add, **reshape}
+    try:
+        names, arch = remi_architecture(shapes, "fuzz.index")
+    except CheckpointError:
+        return
+    assert not arch["untie_r"] and not arch["cutoffs"] and arch["d_embed"] == arch["d_model"]
+    assert set(names.values()) <= set(shapes)

@@ -71,8 +71,8 @@ def paper_names(shapes: dict, where) -> dict:
             raise CheckpointError(where, f"variable {name!r} is not part of a REMI Transformer-XL (expected names "
                                          f"like {SCOPE}layer_0/rel_attn/qkv/kernel)")
         if paper in out:
-            raise CheckpointError(where, f"variables {out[paper]!r} and {name!r} are both "
-                                         f"{paper[len(SCOPE):].rsplit('/', 2)[0]}'s layer norm")
+            what = f"layer norms of {norm.group(1)}" if norm else f"read as {paper!r}"
+            raise CheckpointError(where, f"variables {out[paper]!r} and {name!r} are both {what}")
         out[paper] = name
     return out
 
@@ -102,6 +102,22 @@ def _in_remi_names(message: str, names: dict) -> str:
     return message
 
 
+def remi_architecture(shapes: dict, where) -> tuple[dict, dict]:
+    """({the paper's name: REMI's}, what the shapes determine) of a REMI checkpoint's {variable: shape}; a
+    CheckpointError naming REMI's variable for anything its model has not."""
+    names = paper_names(shapes, where)
+    try:
+        arch = infer_architecture({paper: tuple(shapes[remi]) for paper, remi in names.items()}, where)
+    except CheckpointError as e:
+        raise CheckpointError(where, _in_remi_names(e.problem, names)) from None
+    unlike = ("per-layer biases" if arch["untie_r"] else "an embedding projection" if arch["d_embed"] !=
+              arch["d_model"] else "an adaptive softmax" if arch["cutoffs"] else None)
+    if unlike:
+        raise CheckpointError(where, "REMI's model shares one r_w_bias/r_r_bias [n_head, d_head], embeds in d_model "
+                                     f"and has a plain softmax; this checkpoint has {unlike}")
+    return names, arch
+
+
 def load_remi(path, verify_checksums: bool = True) -> LoadedModel:
     """A `LoadedModel` of a REMI folder (or its `model` prefix), without its vocabulary: `dictionary.pkl` beside it
     is read by the vocabulary step every format goes through (`vocab_files.attach_vocab`)."""
@@ -111,15 +127,7 @@ def load_remi(path, verify_checksums: bool = True) -> LoadedModel:
     prefix = found[0]
     ckpt = TFCheckpoint(prefix, verify_checksums=verify_checksums)
     where = ckpt.index_path
-    names = paper_names({n: e.shape for n, e in ckpt.entries.items()}, where)
-    try:
-        arch = infer_architecture({paper: ckpt.entries[remi].shape for paper, remi in names.items()}, where)
-    except CheckpointError as e:
-        raise CheckpointError(where, _in_remi_names(e.problem, names)) from None
-    if arch["untie_r"] or arch["d_embed"] != arch["d_model"]:
-        raise CheckpointError(where, "REMI's model shares one r_w_bias/r_r_bias [n_head, d_head] and embeds in "
-                                     "d_model; this checkpoint has " +
-                                     ("per-layer biases" if arch["untie_r"] else "an embedding projection"))
+    names, arch = remi_architecture({n: e.shape for n, e in ckpt.entries.items()}, where)
     try:
         cfg = TxlConfig(
             n_token=arch["n_token"], n_layer=arch["n_layer"], n_head=arch["n_head"], d_model=arch["d_model"],
