@@ -126,8 +126,12 @@ def test_a_model_missing_one_difference_fails_the_check(remi, missing):
 def remi_onnx(remi, tmp_path_factory):
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    path = tmp_path_factory.mktemp("remi-onnx") / "remi.onnx"
-    export_onnx(remi[0], path, mem_len=MEM_LEN, max_segment=4, threads=1)  # verified against PyTorch at export
+    out = tmp_path_factory.mktemp("remi-onnx")
+    # a plain symbol list (dictionary.pkl is the events vocabulary's), so the page can be written too
+    (out / "vocab.txt").write_text("".join(f"e{i}\n" for i in range(DIMS["n_token"])))
+    loaded = load_model(remi[0], vocab=out / "vocab.txt")
+    path = out / "remi.onnx"
+    export_onnx(loaded, path, mem_len=MEM_LEN, max_segment=4, threads=1)  # verified against PyTorch at export
     return path
 
 
@@ -168,6 +172,37 @@ def test_reduced_precision_and_executorch_keep_remis_settings(remi, remi_onnx, t
     rt = TxlRuntime.load(pte)
     tokens = _stream(seed=3)
     np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-fast"])
+def test_pytorch_backends_start_and_reset_from_the_zero_memory(remi, backend):
+    from txl_deploy.runtimes import TxlRuntime
+
+    folder, weights = remi
+    rt = TxlRuntime.load(folder, backend=backend, mem_len=MEM_LEN)
+    tokens, fresh = _stream(seed=4), _stream(seed=5)
+    np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=TOL, rtol=0)
+    rt.reset(rows=[0])
+    got = _run_stream(rt, fresh)
+    np.testing.assert_allclose(got[0], _reference(weights, fresh[:1])[0], atol=TOL, rtol=0)
+
+
+def test_page_and_triton_start_from_the_zero_memory(remi_onnx, tmp_path):
+    """The page's model.json tells txl.js the count a fresh stream starts at; Triton's all-zero initial state cannot
+    say it, so only its python backend (TxlRuntime inside) serves such a model."""
+    import json
+
+    from txl_deploy.errors import ExportError
+    from txl_deploy.exporters.web.site import write_site
+    from txl_deploy.serving.triton.repository import write_repository
+
+    site = write_site(remi_onnx, tmp_path / "site")
+    assert json.loads((site / "model.json").read_text())["initial_mem_count"] == MEM_LEN
+    with pytest.raises(ExportError, match="--backend python"):
+        write_repository(remi_onnx, tmp_path / "repo")
+    assert (write_repository(remi_onnx, tmp_path / "py", backend="python", name="remi") / "remi").is_dir()
+    result = cli("info", remi_onnx)
+    assert result.exit_code == 0 and "mem_init" in result.output and "zeros" in result.output, result.output
 
 
 def test_info_names_the_family_and_its_settings(remi):
