@@ -24,8 +24,8 @@ from txl_deploy.contract import io_spec
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
-from txl_deploy.contract.ring import initial_mem_count
 from txl_deploy.contract.onnx_file import external_data
+from txl_deploy.contract.ring import initial_mem_count
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.files import atomic_path, check_writable
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 # The oracle that writes the fixtures (tensorflow-cpu is in the test extra: a missing install fails, never skips).
 import tensorflow as tf
 from helpers.cli import assert_one_line_error, cli
 from helpers.remi import SCOPE, keras_norm, remi_stream, remi_variables
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.tensorflow.remi import is_remi_checkpoint, remi_architecture
@@ -222,7 +222,8 @@ def test_layer_norms_are_matched_by_scope_not_number(remi, tmp_path):
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
     # two norms in one scope, or none, is refused naming the variables
     p = f"{SCOPE}layer_1/ff/"
-    for name, weights_ in (("two", {**weights, p + "layer_normalization_9/gamma": weights[p + f"{keras_norm(1, 'ff')}/gamma"]}),
+    second = {p + "layer_normalization_9/gamma": weights[p + f"{keras_norm(1, 'ff')}/gamma"]}
+    for name, weights_ in (("two", {**weights, **second}),
                            ("none", {k: v for k, v in weights.items() if not k.startswith(p + "layer_norm")})):
         bad = write_remi_folder(tmp_path / name, weights_, dictionary=False)
         with pytest.raises(CheckpointError, match=r"layer_1/ff/layer_normalization|layer_1/ff/"):
