@@ -97,6 +97,15 @@ def test_folder_is_read_without_flags(remi):
     assert (c.mem_len, c.tgt_len, c.clamp_len, c.same_length, c.untie_r, c.cutoffs, c.tie_weight) == \
            (512, 512, -1, False, False, [], True)
     assert (c.layer_norm_epsilon, c.ff_out_relu, c.mem_init) == (1e-3, True, "zeros")
+    assert loaded.value_sources["ff_out_relu"].startswith("REMI's modules.py")
+
+
+def test_converted_folder_keeps_remis_settings(remi, tmp_path):
+    folder, _ = remi
+    result = cli("convert", folder, "-o", tmp_path / "ours", "--no-vocab")
+    assert result.exit_code == 0, result.output
+    again = load_model(tmp_path / "ours")
+    assert again.config == load_model(folder).config and again.source_format == "txl-deploy"
 
 
 def test_model_matches_remi_on_a_wrapping_stream(remi):
