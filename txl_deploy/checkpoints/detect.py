@@ -50,13 +50,9 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
     text ("whitespace", "wikitext", "lm1b") [default: the vocabulary file's, or what its symbols show]."""
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
-    if is_remi_checkpoint(path):  # a TensorFlow checkpoint too: its own names and settings, dictionary.pkl beside it
-        if config is not None or preset is not None:
-            raise CheckpointError(path, "is a REMI checkpoint, whose settings are REMI's own (--config and --preset "
-                                        "are for the paper's TensorFlow checkpoints)")
-        loaded = load_remi(path)
-        folder = path if path.is_dir() else path.parent
-        return attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=folder)
+    if is_remi_checkpoint(path):  # a TensorFlow checkpoint too, with its own names and settings
+        loaded = load_remi(path, config=config, preset=preset)  # dictionary.pkl is beside its prefix
+        return attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=Path(loaded.path).parent)
     if is_tf_checkpoint(path):
         # its vocabulary is its corpus cache (data/cache.pkl), or `vocab`: the corpus named there picks the preset
         loaded = load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab)

@@ -118,9 +118,13 @@ def remi_architecture(shapes: dict, where) -> tuple[dict, dict]:
     return names, arch
 
 
-def load_remi(path, verify_checksums: bool = True) -> LoadedModel:
+def load_remi(path, config=None, preset=None, verify_checksums: bool = True) -> LoadedModel:
     """A `LoadedModel` of a REMI folder (or its `model` prefix), without its vocabulary: `dictionary.pkl` beside it
-    is read by the vocabulary step every format goes through (`vocab_files.attach_vocab`)."""
+    is read by the vocabulary step every format goes through (`vocab_files.attach_vocab`). `config` and `preset`
+    (the paper's TensorFlow checkpoints' options) are refused: REMI's settings are its own."""
+    if config is not None or preset is not None:
+        raise CheckpointError(path, "is a REMI checkpoint, whose settings are REMI's own (--config and --preset are "
+                                    "for the paper's TensorFlow checkpoints)")
     found = find_checkpoint(path)
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.index)")
