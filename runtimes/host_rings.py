@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from txl_deploy.contract import io_spec
-from txl_deploy.contract.ring import write_segment
+from txl_deploy.contract.ring import initial_mem_count, write_segment
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes.backend import Backend, contract_layout
 
@@ -38,7 +38,9 @@ class HostRingBackend(Backend):
 
     def new_state(self, batch: int):
         self._check_batch(batch)
-        return self._adopt({name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()})
+        arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.state_layout(batch).items()}
+        arrays[io_spec.MEM_COUNT][:] = initial_mem_count(self.config, self.mem_len)
+        return self._adopt(arrays)
 
     def state_batch(self, state) -> int:
         return state[io_spec.MEM_COUNT].shape[0]
@@ -54,6 +56,7 @@ class HostRingBackend(Backend):
     def reset_rows(self, state, rows):
         for a in state.values():
             a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
+        state[io_spec.MEM_COUNT][rows] = initial_mem_count(self.config, self.mem_len)  # REMI: attended zeros
 
     def _adopt(self, arrays: dict):
         """The state holding these checked host arrays (they are the backend's to keep)."""

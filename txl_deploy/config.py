@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 from txl_deploy.errors import TxlError
 
+# How a fresh memory starts: empty (the paper), or mem_len zero hidden states that are attended to (REMI).
+MEM_INITS = ("empty", "zeros")
+# Settings added after files were first written, left out of a config's dict at these defaults: every other model's
+# files (and the fingerprints saved states carry) stay as they were, and older readers still open them.
+LATER_DEFAULTS = {"ff_out_relu": False, "mem_init": "empty"}
 
 @dataclass
 class TxlConfig:
@@ -41,6 +46,11 @@ class TxlConfig:
     # so does the original TensorFlow code (mlen + 1 keys, with its always-full memory). Both are 1.
     same_length_extra: int = 0
     layer_norm_epsilon: float = 1e-5
+    # The Pop Music Transformer (REMI) differs from the paper's model in two ways its weights do not show:
+    # a ReLU after the feed-forward block's second layer too, LN(x + relu(W2 relu(W1 x + b1) + b2)), and a memory
+    # that starts as mem_len zero hidden states that are attended to ("zeros") instead of empty ("empty").
+    ff_out_relu: bool = False
+    mem_init: str = "empty"
 
     def __post_init__(self):
         # The types first: a config comes from files (JSON, a pickle's attributes, ONNX metadata), so a list may be
@@ -64,6 +74,11 @@ class TxlConfig:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if self.mem_len < 0:
             problems.append(f"mem_len must be >= 0, got {self.mem_len}")
+        if self.mem_init not in MEM_INITS:
+            problems.append(f"mem_init must be one of {', '.join(MEM_INITS)}, got {self.mem_init!r:.40}")
+        elif self.mem_init == "zeros" and self.pre_lnorm:
+            # zero hidden states are zero keys and values only where qkv_net reads them unnormalised
+            problems.append("mem_init 'zeros' needs pre_lnorm false")
         if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(
             c <= 0 or c >= self.n_token for c in self.cutoffs
         ):
@@ -99,7 +114,11 @@ class TxlConfig:
 
     # -- serialisation ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for name, default in LATER_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -142,9 +161,11 @@ def _check_types(c: TxlConfig) -> None:
         problems.append(f"cutoffs must be a list of integers, got {c.cutoffs!r:.60}")
     if not isinstance(c.tie_projs, (list, tuple)) or not all(isinstance(x, numbers.Integral) for x in c.tie_projs):
         problems.append(f"tie_projs must be a list of booleans, got {c.tie_projs!r:.60}")
-    for name in ("tie_weight", "pre_lnorm", "untie_r", "same_length"):
+    for name in ("tie_weight", "pre_lnorm", "untie_r", "same_length", "ff_out_relu"):
         if not isinstance(getattr(c, name), numbers.Integral):
             problems.append(f"{name} must be true or false, got {getattr(c, name)!r:.40}")
+    if not isinstance(c.mem_init, str):
+        problems.append(f"mem_init must be a string, got {c.mem_init!r:.40}")
     if not isinstance(c.layer_norm_epsilon, numbers.Real) or isinstance(c.layer_norm_epsilon, bool):
         problems.append(f"layer_norm_epsilon must be a number, got {c.layer_norm_epsilon!r:.40}")
     if problems:

@@ -25,6 +25,7 @@ from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
+from txl_deploy.contract.ring import initial_mem_count
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.files import atomic_path, check_writable
 
@@ -95,6 +96,8 @@ def graph_spec(model_path) -> dict:
     return {"name": Path(model_path).stem, "n_layer": c.n_layer, "n_head": c.n_head, "d_head": c.d_head,
             "mem_len": info.mem_len, "n_token": c.n_token, "state": info.state, "max_segment": info.max_segment,
             "precision": info.precision, "float_dtype": float_dtype,
+            # what a fresh stream's mem_count starts at: 0 (empty), or mem_len (REMI's attended zero memory)
+            "initial_mem_count": initial_mem_count(c, info.mem_len),
             # an adaptive softmax's layout (None for a plain softmax): the page samples it cluster by cluster
             "clusters": layout.to_dict() if (layout := Clusters.of(c)) is not None else None,
             # an incremental graph whose slot axis is dynamic takes a 1-slot memory for an empty stream

@@ -26,6 +26,7 @@ from txl_deploy.config import TxlConfig
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.engine_file import import_tensorrt, load_engine
 from txl_deploy.contract.metadata import ExportInfo
+from txl_deploy.contract.ring import initial_mem_count
 from txl_deploy.errors import CheckpointError, InputError, TxlError, install_hint
 from txl_deploy.runtimes.backend import Backend, check_state
 from txl_deploy.vocab import Vocab
@@ -180,7 +181,9 @@ class TensorRTBackend(Backend):
         state = _TrtState(self, batch)
         for buf in state.cur.values():
             _ok(self.cudart.cudaMemsetAsync(buf.ptr, 0, buf.nbytes, self.stream), "cudaMemsetAsync")
+        keep = self._upload_initial_counts(state, range(batch))
         self._sync()
+        del keep
         return state
 
     def state_batch(self, state) -> int:
@@ -213,7 +216,19 @@ class TensorRTBackend(Backend):
             buf = state.cur[name]
             for r in np.atleast_1d(rows):
                 _ok(self.cudart.cudaMemsetAsync(buf.ptr + int(r) * row, 0, row, self.stream), "cudaMemsetAsync")
+        keep = self._upload_initial_counts(state, np.atleast_1d(rows))
         self._sync()
+        del keep
+
+    def _upload_initial_counts(self, state, rows) -> list:
+        """A fresh row's mem_count where it is not 0 (REMI's attended zero memory: mem_len); the zeroed rings are
+        its keys and values. Returns the host arrays to keep alive until the stream is synchronised."""
+        count = initial_mem_count(self.config, self.mem_len)
+        if not count:
+            return []
+        dtype = self.tensors[io_spec.MEM_COUNT][1]
+        ptr = state.cur[io_spec.MEM_COUNT].ptr
+        return [self._upload(ptr + int(r) * dtype.itemsize, np.array([count], dtype=dtype)) for r in rows]
 
     # -- compute ----------------------------------------------------------------------------------------------
     def _io_buffers(self, batch):

@@ -32,7 +32,10 @@ def _random_state(step, batch, counts, seed=0):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"div_val": 1, "d_embed": 16}, {"cutoffs": [], "div_val": 1, "tie_projs": [False]},
-                                       {"pre_lnorm": True, "same_length": False}])
+                                       {"pre_lnorm": True, "same_length": False},
+                                       # REMI's: the second feed-forward ReLU, Keras's epsilon, the zero memory
+                                       {"cutoffs": [], "div_val": 1, "tie_projs": [False], "same_length": False,
+                                        "ff_out_relu": True, "layer_norm_epsilon": 1e-3, "mem_init": "zeros"}])
 def test_linear_step_computes_what_the_cached_step_does(overrides):
     from txl_deploy.model.cached_step import CachedTxl
     from txl_deploy.model.linear_step import LinearCachedTxl

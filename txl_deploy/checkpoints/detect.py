@@ -16,6 +16,7 @@ from txl_deploy.checkpoints import native as ours
 from txl_deploy.checkpoints.native import LoadedModel, read_json_object
 from txl_deploy.checkpoints.tensorflow.convert import load_checkpoint as load_tf_checkpoint
 from txl_deploy.checkpoints.tensorflow.discovery import is_tf_checkpoint
+from txl_deploy.checkpoints.tensorflow.remi import is_remi_checkpoint, load_remi
 from txl_deploy.checkpoints.torch_files import torch_load
 from txl_deploy.checkpoints.unpickler import pickled_class
 from txl_deploy.checkpoints.vocab_files import attach_vocab
@@ -51,6 +52,9 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
     vocabulary's own, or what its events show]."""
     path = Path(path)
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
+    if is_remi_checkpoint(path):  # a TensorFlow checkpoint too, with its own names and settings
+        loaded = load_remi(path, config=config, preset=preset)  # dictionary.pkl is beside its prefix
+        return attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=Path(loaded.path).parent)
     if is_tf_checkpoint(path):
         # its vocabulary is its corpus cache (data/cache.pkl), or `vocab`: the corpus named there picks the preset
         loaded = load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab)

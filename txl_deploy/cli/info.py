@@ -36,7 +36,8 @@ from txl_deploy.vocab import DESCRIPTIONS
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
 def info(path, config, preset, vocab, vocab_kind, representation, as_json, list_vocab, memory, mem_len, batch,
          max_segment):
-    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
+    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format (e.g. remi
+    for a Pop Music Transformer folder), config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8, events for music, with its representation) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak

@@ -12,6 +12,10 @@ are [B, n_head, d_head, Q] and [B, n_head, Q, d_head]. The same function serves 
   a decode step can capture it;
 - torch tensors, `in_place=False` (the `full`-state graph, cached.py): the next memory as new tensors, which is
   what the exported graph outputs.
+A fresh memory (a new state, a reset row) is zero rings with the count `initial_mem_count` gives: 0 masks every
+slot (the paper's empty memory); mem_len makes all mem_len slots attended zero keys and values, which is what
+mem_len zero hidden states project to (qkv_net has no bias): REMI's memory (config `mem_init` "zeros").
+
 This module never imports torch at import time: a tensor only comes from a caller that has loaded torch already,
 and the ONNX Runtime and TensorRT backends must stay free of it.
 """
@@ -19,6 +23,12 @@ and the ONNX Runtime and TensorRT backends must stay free of it.
 from __future__ import annotations
 
 import numpy as np
+
+
+def initial_mem_count(config, mem_len: int) -> int:
+    """Tokens a fresh row counts as consumed, i.e. the attended zero entries its memory starts with: 0 for an
+    empty memory, `mem_len` for `config.mem_init == "zeros"`. Every backend's new state and row reset read it."""
+    return int(mem_len) if config.mem_init == "zeros" else 0
 
 
 def write_ring(k_mem, v_mem, k, v, count, mem_len: int, in_place: bool = True):

@@ -30,7 +30,7 @@ from torch import nn
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.io_spec import r_table_size
-from txl_deploy.contract.ring import write_ring
+from txl_deploy.contract.ring import initial_mem_count, write_ring
 from txl_deploy.model.mem_transformer import MemTransformerLM
 from txl_deploy.model.output_layer import OutputLayer
 
@@ -82,7 +82,8 @@ class CachedTxl(nn.Module):
         for _ in range(s.n_layer):
             mems.append(torch.zeros(s.k_shape(batch), dtype=dtype, device=device))
             mems.append(torch.zeros(s.v_shape(batch), dtype=dtype, device=device))
-        return mems + [torch.zeros(batch, dtype=torch.int64, device=device)]
+        count = initial_mem_count(self.cfg, self.mem_len)  # zero rings: empty, or REMI's attended zero memory
+        return mems + [torch.full((batch,), count, dtype=torch.int64, device=device)]
 
     def forward(self, tokens, out_positions, *state):
         """tokens [B, Q]; out_positions [B, P]; state = mem_k.0, mem_v.0, mem_k.1, ..., mem_count [B] (io_spec order).
@@ -145,6 +146,8 @@ class CachedTxl(nn.Module):
             ff = layer.pos_ff
             x = ff.layer_norm(h) if cfg.pre_lnorm else h
             out = dense(F.relu(dense(x, ff.CoreNet[0])), ff.CoreNet[3])
+            if cfg.ff_out_relu:  # REMI's second feed-forward layer has a ReLU too
+                out = F.relu(out)
             h = h + out if cfg.pre_lnorm else ff.layer_norm(h + out)
             if self.state == "incremental":
                 outs += [k, v]

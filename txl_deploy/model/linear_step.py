@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl_deploy.contract.clusters import Clusters, pieces
+from txl_deploy.contract.ring import initial_mem_count
 from txl_deploy.model.cached_step import CachedTxl, scaled_qkv_weight
 from txl_deploy.model.mem_transformer import MemTransformerLM
 
@@ -93,7 +94,7 @@ class LinearCachedTxl(nn.Module):
         mems = []
         for _ in range(s.n_layer):
             mems += [torch.zeros(s.k_shape(batch), dtype=dtype), torch.zeros(s.v_shape(batch), dtype=dtype)]
-        return mems + [torch.zeros(batch, dtype=torch.int64)]
+        return mems + [torch.full((batch,), initial_mem_count(self.cfg, self.mem_len), dtype=torch.int64)]
 
     def embed(self, tokens):
         if len(self.emb_bounds) == 1:
@@ -161,10 +162,10 @@ class LinearCachedTxl(nn.Module):
             vec = (e_mem @ v_mem + e_cur @ v) / denom
             out = layer.o_net(vec.transpose(1, 2).reshape(B, Q, H * Dh))
             h = h + out if cfg.pre_lnorm else layer.attn_norm(h + out)
-            if cfg.pre_lnorm:
-                h = h + layer.ff_out(F.relu(layer.ff_in(layer.ff_norm(h))))
-            else:
-                h = layer.ff_norm(h + layer.ff_out(F.relu(layer.ff_in(h))))
+            out = layer.ff_out(F.relu(layer.ff_in(layer.ff_norm(h) if cfg.pre_lnorm else h)))
+            if cfg.ff_out_relu:  # REMI's second feed-forward layer has a ReLU too
+                out = F.relu(out)
+            h = h + out if cfg.pre_lnorm else layer.ff_norm(h + out)
             outs += [k, v]
 
         h_out = torch.gather(h, 1, out_positions[:, :, None].expand(B, out_positions.shape[1], cfg.d_model))

@@ -10,7 +10,8 @@ Differences from the original, all of them deliberate:
   without data-dependent branches (the original's `nonzero()` drops clusters absent from a traced example).
 
 Memory semantics are the paper's: the memory starts empty, layer i caches its own input, it is bounded by
-`mem_len`, and no gradient flows into it.
+`mem_len`, and no gradient flows into it. A config with `mem_init` "zeros" (REMI) starts it as mem_len zero hidden
+states instead, attended like any other.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from txl_deploy.config import TxlConfig
 from txl_deploy.contract.clusters import Clusters, pieces
+from txl_deploy.contract.ring import initial_mem_count
 
 
 def default_inv_freq(d_model: int, device=None) -> torch.Tensor:
@@ -100,9 +102,11 @@ class PositionwiseFF(nn.Module):
     def __init__(self, cfg: TxlConfig):
         super().__init__()
         self.pre_lnorm = cfg.pre_lnorm
-        # Indices 0 and 3 as in the original Sequential(Linear, ReLU, Dropout, Linear, Dropout).
+        # Indices 0 and 3 as in the original Sequential(Linear, ReLU, Dropout, Linear, Dropout); REMI's second
+        # layer has a ReLU too (ff_out_relu), a module without weights, so the keys stay the same.
         self.CoreNet = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(), nn.Identity(), nn.Linear(cfg.d_inner, cfg.d_model)
+            nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(), nn.Identity(), nn.Linear(cfg.d_inner, cfg.d_model),
+            nn.ReLU() if cfg.ff_out_relu else nn.Identity(),
         )
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
 
@@ -292,9 +296,10 @@ class MemTransformerLM(nn.Module):
         return self.pos_emb(pos_seq)
 
     def init_mems(self, batch_size: int) -> list[torch.Tensor]:
-        """The paper's empty memory: n_layer tensors of length 0."""
+        """A fresh memory: n_layer tensors of `initial_mem_count` zero hidden states (the paper's: length 0)."""
         p = next(self.parameters())
-        return [p.new_zeros(batch_size, 0, self.cfg.d_model) for _ in range(self.cfg.n_layer)]
+        n = initial_mem_count(self.cfg, self.cfg.mem_len)
+        return [p.new_zeros(batch_size, n, self.cfg.d_model) for _ in range(self.cfg.n_layer)]
 
     def body(self, tokens, mems=None):
         """tokens [B, Q] -> (last hidden [B, Q, d_model], new mems)."""

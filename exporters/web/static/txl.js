@@ -26,11 +26,12 @@ export class TxlStream {
     return new TxlStream(ort, session, spec);
   }
 
-  // Forget the memory: zeroed ring buffers and a count of 0.
+  // Forget the memory: zeroed ring buffers and the model's initial count (0: empty; mem_len: a memory of mem_len
+  // attended zero vectors, as REMI's starts, whose keys and values are the zeroed buffers).
   reset() {
     const { n_layer, n_head, d_head, mem_len } = this.spec;
     const Buffer = this.spec.float_dtype === "float16" ? Uint16Array : Float32Array; // fp16 kept as raw bits
-    this.count = 0;
+    this.count = this.spec.initial_mem_count || 0;
     this.k = [];
     this.v = [];
     for (let i = 0; i < n_layer; i++) {

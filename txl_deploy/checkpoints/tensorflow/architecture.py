@@ -80,11 +80,14 @@ def infer_architecture(shapes: dict, path="<checkpoint>") -> dict:
         raise CheckpointError(path, f"variable {full('r_w_bias')!r} has shape {list(rw)}, expected "
                                     "[n_head, d_head] or [n_layer, n_head, d_head]")
     expect("r_r_bias", rw)
-    qkv = need("layer_0/rel_attn/qkv/kernel")
-    if len(qkv) != 2:
-        raise CheckpointError(path, f"variable {full('layer_0/rel_attn/qkv/kernel')!r} is not a matrix")
-    d_model, hd = qkv[0], n_head * d_head
-    d_inner = need("layer_0/ff/layer_1/kernel")[-1]
+    def matrix(local):
+        shape = need(local)
+        if len(shape) != 2:
+            raise CheckpointError(path, f"variable {full(local)!r} is not a matrix")
+        return shape
+
+    d_model, hd = matrix("layer_0/rel_attn/qkv/kernel")[0], n_head * d_head
+    d_inner = matrix("layer_0/ff/layer_1/kernel")[-1]
     for i in range(n_layer):
         p = f"layer_{i}/"
         for local, shape in (("rel_attn/qkv/kernel", (d_model, 3 * hd)), ("rel_attn/r/kernel", (d_model, hd)),
@@ -97,7 +100,7 @@ def infer_architecture(shapes: dict, path="<checkpoint>") -> dict:
 
     arch = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, d_head=d_head, d_inner=d_inner, untie_r=untie_r)
     if "adaptive_embed/lookup_table" in v:  # div_val 1: one table, one optional projection
-        n_token, d_embed = need("adaptive_embed/lookup_table")
+        n_token, d_embed = matrix("adaptive_embed/lookup_table")
         has_proj = d_embed != d_model
         if has_proj:
             expect("adaptive_embed/proj_W", (d_embed, d_model))
@@ -126,7 +129,7 @@ def infer_architecture(shapes: dict, path="<checkpoint>") -> dict:
         arch.update(div_val=1, proj_same_dim=True)
     else:
         sizes = _cluster_sizes(v, "adaptive_embed/cutoff_{}/lookup_table", path, scope, dim=0)
-        dims = [need(f"adaptive_embed/cutoff_{i}/lookup_table")[1] for i in range(len(sizes))]
+        dims = [matrix(f"adaptive_embed/cutoff_{i}/lookup_table")[1] for i in range(len(sizes))]
         if len(sizes) < 2:
             raise CheckpointError(path, f"variable {full('adaptive_embed/cutoff_0/lookup_table')!r}: an adaptive "
                                         "embedding needs at least two clusters")
@@ -183,6 +186,9 @@ def infer_architecture(shapes: dict, path="<checkpoint>") -> dict:
 def _cluster_sizes(v, template, path, scope, dim=0) -> list[int]:
     sizes, i = [], 0
     while template.format(i) in v:
+        if len(v[template.format(i)]) <= dim:
+            raise CheckpointError(path, f"variable {scope}{template.format(i)!r} has shape "
+                                        f"{list(v[template.format(i)])}")
         sizes.append(v[template.format(i)][dim])
         i += 1
     if not sizes:

@@ -207,6 +207,10 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if opts.backend == "tensorrt" and model.kind != "engine":
         raise ExportError(f"{model.path}: the tensorrt backend serves engines; build one with "
                           "`txl-deploy build-engine` (or use --backend onnxruntime / python)")
+    if opts.backend in PLATFORMS and model.info.config.mem_init != "empty":
+        # Triton starts a sequence's implicit state as zeros: mem_count 0, an empty memory
+        raise ExportError(f"{model.path}: this model's memory starts as mem_len attended zero vectors, which "
+                          "Triton's zero initial state cannot express; serve it with --backend python")
     if opts.backend in PLATFORMS and model.info.state != "full":
         raise ExportError(f"{model.path}: Triton's implicit state needs a graph that outputs the whole next memory; "
                           f"this one was exported with the {model.info.state!r} state layout: re-export with "
