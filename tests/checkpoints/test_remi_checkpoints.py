@@ -98,6 +98,9 @@ def test_folder_is_read_without_flags(remi):
            (512, 512, -1, False, False, [], True)
     assert (c.layer_norm_epsilon, c.ff_out_relu, c.mem_init) == (1e-3, True, "zeros")
     assert loaded.value_sources["ff_out_relu"].startswith("REMI's modules.py")
+    # its vocabulary is the dictionary.pkl beside it: events kept whole, told as REMI's
+    assert loaded.vocab.kind == "events" and loaded.vocab.representation == "remi"
+    assert loaded.vocab.symbols[:2] == ["Bar_None", "Position_1/16"] and "Note On_60" in loaded.vocab.symbols
 
 
 def test_converted_folder_keeps_remis_settings(remi, tmp_path):

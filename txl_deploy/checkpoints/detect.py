@@ -54,7 +54,8 @@ def load_any(path, config=None, vocab=None, vocab_kind: str | None = None, prese
     # Before the existence check: a TensorFlow checkpoint is named by its prefix (model.ckpt-N), not a file.
     if is_remi_checkpoint(path):  # a TensorFlow checkpoint too, with its own names and settings
         loaded = load_remi(path, config=config, preset=preset)  # dictionary.pkl is beside its prefix
-        return attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=Path(loaded.path).parent)
+        return attach_vocab(loaded, vocab, kind=vocab_kind, tokenizer=tokenizer, folder=Path(loaded.path).parent,
+                            representation=representation)
     if is_tf_checkpoint(path):
         # its vocabulary is its corpus cache (data/cache.pkl), or `vocab`: the corpus named there picks the preset
         loaded = load_tf_checkpoint(path, config=config, preset=preset, vocab=vocab)
