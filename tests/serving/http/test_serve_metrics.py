@@ -108,7 +108,10 @@ def test_generated_tokens_equal_what_the_clients_received_by_how_each_ended(serv
         ids = []
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
                 "prompt": PROMPT, "max_tokens": 50, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
-            for line in r.iter_lines():
+            # Held in a name: a `break` out of an unnamed iter_lines() finalizes it at once, which closes the
+            # connection then, racing the engine to the gate; the response closes only when the block is left.
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: {"):
                     ids += json.loads(line.removeprefix("data: "))["choices"][0].get("token_ids") or []
                 if len(ids) >= 3:
