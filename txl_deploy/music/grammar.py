@@ -228,5 +228,23 @@ def compiled(which: str | Grammar, symbols: Iterable[str]) -> CompiledGrammar:
     return CompiledGrammar(g, symbols)
 
 
-__all__ = ["Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR", "REMI_XL_GRAMMAR", "grammar",
-           "compiled"]
+def constraint(which, vocab, context=()) -> GrammarState:
+    """The constraint a sampler applies: `which` a grammar or its name, compiled against the vocabulary's symbols
+    (`vocab`: a Vocab, or a list of symbols) and started after `context` (token ids), or a `GrammarState` (a piece
+    going on from an earlier call) advanced over it."""
+    if vocab is None:
+        raise InputError("a grammar needs the model's vocabulary, to know which token is which event; this model "
+                         "has none")
+    symbols = list(getattr(vocab, "symbols", vocab))
+    if isinstance(which, GrammarState):
+        if len(which.compiled.symbols) != len(symbols):
+            raise InputError(f"the grammar state was compiled for {len(which.compiled.symbols)} symbols, the "
+                             f"vocabulary has {len(symbols)}")
+        for tok in np.asarray(context, dtype=np.int64).reshape(-1).tolist():
+            which.advance(tok)
+        return which
+    return compiled(which, symbols).start(context)
+
+
+__all__ = ["constraint", "Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR", "REMI_XL_GRAMMAR",
+           "grammar", "compiled"]
