@@ -11,20 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.tiny import make_tiny_model
+from helpers.event_models import REMI_SYMBOLS, REMI_XL_SYMBOLS, SYMBOLS, save_event_model
 
 from txl_deploy.errors import InputError
 from txl_deploy.music.grammar import GrammarState, compiled, constraint
-
-REMI_SYMBOLS = (["Bar_None"] + [f"Position_{k}/16" for k in range(1, 17)]
-                + [f"Note Velocity_{v}" for v in range(10, 22)] + [f"Note On_{p}" for p in range(55, 80)]
-                + [f"Note Duration_{d}" for d in range(16)] + ["Chord_C:maj", "Chord_A:min", "Chord_N:N"]
-                + [f"Tempo Class_{c}" for c in ("slow", "mid", "fast")] + [f"Tempo Value_{n}" for n in range(12)]
-                + ["Note On_200", "Position_17/16"])  # values the writer cannot place: never allowed
-REMI_XL_SYMBOLS = (["Bar_None", "EOS_None"] + [f"Beat_{k}" for k in range(16)] + ["Chord_C_M", "Chord_N_N"]
-                   + [f"Tempo_{t}" for t in (60, 90, 120, 150)] + [f"Note_Pitch_{p}" for p in range(55, 80)]
-                   + [f"Note_Velocity_{v}" for v in range(40, 100, 8)]
-                   + [f"Note_Duration_{d}" for d in range(0, 1920, 120)] + ["Chord_broken"])
 
 
 def placed_remi(events) -> list[bool]:
@@ -123,7 +113,7 @@ def test_refusals_are_one_line():
     with pytest.raises(InputError, match="cannot continue after 'Note On' .* none of Note Duration") as e:
         compiled("remi", no_duration)
     assert "\n" not in str(e.value)
-    with pytest.raises(InputError, match="none of Bar"):
+    with pytest.raises(InputError, match="needs a vocabulary of remi events; this one.s symbols are not music events"):
         compiled("remi", [f"w{i}" for i in range(20)])
     with pytest.raises(InputError, match="compiled for"):
         constraint(constraint("remi", REMI_SYMBOLS), REMI_SYMBOLS[:-1])
@@ -133,14 +123,10 @@ def test_refusals_are_one_line():
 def music_runtime(request, tmp_path_factory):
     """A tiny model whose vocabulary is one representation's events, with an adaptive softmax (so decisions are
     cluster-factored), on the PyTorch reference."""
-    from txl_deploy.checkpoints import save_checkpoint
     from txl_deploy.runtimes import TxlRuntime
-    from txl_deploy.vocab import Vocab
 
-    symbols = REMI_SYMBOLS if request.param == "remi" else REMI_XL_SYMBOLS
-    folder = tmp_path_factory.mktemp("music") / request.param
-    save_checkpoint(folder, make_tiny_model(3, n_token=len(symbols), cutoffs=[12, 40]), Vocab(symbols))
-    return request.param, symbols, TxlRuntime.load(folder)
+    folder = save_event_model(tmp_path_factory.mktemp("music") / request.param, request.param)
+    return request.param, SYMBOLS[request.param], TxlRuntime.load(folder)
 
 
 def _generate(rt, prompt, n, **kw):
@@ -181,8 +167,8 @@ def test_masked_seeded_generation_is_deterministic_and_goes_on_across_calls(musi
 
 
 def test_generate_with_a_grammar_is_refused_in_one_line(music_runtime, ref_rt):
-    name, symbols, rt = music_runtime
+    name, _, rt = music_runtime
     with pytest.raises(InputError, match="unknown grammar"):
         rt.generate([0], grammar="midi")
-    with pytest.raises(InputError, match="cannot continue"):
+    with pytest.raises(InputError, match="symbols are not music events"):
         ref_rt.generate([0], grammar=name)  # a word model's vocabulary has no events

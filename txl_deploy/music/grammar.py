@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from txl_deploy.errors import InputError
-from txl_deploy.music.representation import REMI, REMI_XL, Representation
+from txl_deploy.music.representation import REMI, REMI_XL, Representation, detect
 
 START = ""  # the last event name before any event
 
@@ -125,6 +125,10 @@ class CompiledGrammar:
     def __init__(self, grammar: Grammar, symbols: Iterable[str]):
         self.grammar = g = grammar
         self.symbols = list(symbols)
+        if not g.representation.fits(self.symbols):
+            found = detect(self.symbols)
+            raise InputError(f"the {g.name} grammar needs a vocabulary of {g.name} events; this one's symbols are "
+                             + (f"{found.name} events" if found else "not music events"))
         self.names = (START,) + tuple(name for name in g.follows if name != START)
         index = {name: n for n, name in enumerate(self.names)}
         V = len(self.symbols)
@@ -218,32 +222,32 @@ def _compiled(name: str, symbols: tuple[str, ...]) -> CompiledGrammar:
     return CompiledGrammar(GRAMMARS[name], symbols)
 
 
-def compiled(which: str | Grammar, symbols: Iterable[str]) -> CompiledGrammar:
-    """`which` (a grammar or its name) compiled against these symbols, once per vocabulary (kept for reuse)."""
-    g = grammar(which) if isinstance(which, str) else which
-    if not isinstance(g, Grammar):
-        raise InputError(f"grammar must be a grammar's name ({', '.join(GRAMMARS)}), got {type(which).__name__}")
-    if GRAMMARS.get(g.name) is g:
-        return _compiled(g.name, tuple(symbols))
-    return CompiledGrammar(g, symbols)
-
-
-def constraint(which, vocab, context=()) -> GrammarState:
-    """The constraint a sampler applies: `which` a grammar or its name, compiled against the vocabulary's symbols
-    (`vocab`: a Vocab, or a list of symbols) and started after `context` (token ids), or a `GrammarState` (a piece
-    going on from an earlier call) advanced over it."""
+def compiled(which: str | Grammar, vocab) -> CompiledGrammar:
+    """`which` (a grammar or its name) compiled against a vocabulary (a Vocab, or its list of symbols), once per
+    vocabulary (kept for reuse)."""
     if vocab is None:
         raise InputError("a grammar needs the model's vocabulary, to know which token is which event; this model "
                          "has none")
-    symbols = list(getattr(vocab, "symbols", vocab))
+    symbols = tuple(getattr(vocab, "symbols", vocab))
+    g = grammar(which) if isinstance(which, str) else which
+    if not isinstance(g, Grammar):
+        raise InputError(f"grammar must be a grammar's name ({', '.join(GRAMMARS)}), got {type(which).__name__}")
+    return _compiled(g.name, symbols) if GRAMMARS.get(g.name) is g else CompiledGrammar(g, symbols)
+
+
+def constraint(which, vocab, context=()) -> GrammarState:
+    """The constraint a sampler applies: `which` a grammar or its name, compiled against the vocabulary (a Vocab,
+    or its symbols) and started after `context` (token ids), or a `GrammarState` (a piece going on from an earlier
+    call) advanced over it."""
     if isinstance(which, GrammarState):
-        if len(which.compiled.symbols) != len(symbols):
+        n = len(getattr(vocab, "symbols", vocab) or ())
+        if len(which.compiled.symbols) != n:
             raise InputError(f"the grammar state was compiled for {len(which.compiled.symbols)} symbols, the "
-                             f"vocabulary has {len(symbols)}")
+                             f"vocabulary has {n}")
         for tok in np.asarray(context, dtype=np.int64).reshape(-1).tolist():
             which.advance(tok)
         return which
-    return compiled(which, symbols).start(context)
+    return compiled(which, vocab).start(context)
 
 
 __all__ = ["constraint", "Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR", "REMI_XL_GRAMMAR",
