@@ -12,6 +12,7 @@ remi-xl `wrtie_midi`) and their data is written in; docs/music.md ("Valid music 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import numpy as np
 from txl_deploy.errors import InputError
 from txl_deploy.music.representation import REMI, REMI_XL, Representation, detect
 
+logger = logging.getLogger(__name__)
 START = ""  # the last event name before any event
 
 
@@ -178,6 +180,15 @@ class CompiledGrammar:
             return n, p
         return k, (q if k == self.position_kind else 0 if k == self.bar else p)
 
+    def to_dict(self) -> dict:
+        """What a browser page needs to compile the same masks (exporters/web's txl.js `Grammar`): the event names,
+        which follow which (indices), each token's event (-1: never allowed) and bar position."""
+        g = self.grammar
+        return {"name": g.name, "names": list(self.names),
+                "follows": [[self.names.index(f) for f in g.follows[name]] for name in self.names],
+                "kind": self.kind.tolist(), "position": self.position.tolist(), "position_kind": self.position_kind,
+                "bar": self.bar, "repeat_position": g.repeat_position, "n_positions": g.n_positions}
+
     def start(self, context=()) -> GrammarState:
         """A stream's state after `context` (token ids), the constraint its sampler applies."""
         state = GrammarState(self)
@@ -235,6 +246,19 @@ def compiled(which: str | Grammar, vocab) -> CompiledGrammar:
     return _compiled(g.name, symbols) if GRAMMARS.get(g.name) is g else CompiledGrammar(g, symbols)
 
 
+def detected(vocab) -> CompiledGrammar | None:
+    """The grammar of the representation a vocabulary's symbols are written in, compiled; None when they are not
+    music events (or lack an event the grammar needs: then it says so in the log)."""
+    found = None if vocab is None else detect(getattr(vocab, "symbols", vocab))
+    if found is None:
+        return None
+    try:
+        return compiled(found.name, vocab)
+    except InputError as e:
+        logger.warning("%s", e)
+        return None
+
+
 def constraint(which, vocab, context=()) -> GrammarState:
     """The constraint a sampler applies: `which` a grammar or its name, compiled against the vocabulary (a Vocab,
     or its symbols) and started after `context` (token ids), or a `GrammarState` (a piece going on from an earlier
@@ -250,5 +274,5 @@ def constraint(which, vocab, context=()) -> GrammarState:
     return compiled(which, vocab).start(context)
 
 
-__all__ = ["constraint", "Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR", "REMI_XL_GRAMMAR",
-           "grammar", "compiled"]
+__all__ = ["constraint", "detected", "Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR",
+           "REMI_XL_GRAMMAR", "grammar", "compiled"]
