@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.event_models import REMI_SYMBOLS, REMI_XL_SYMBOLS, SYMBOLS, save_event_model
 
 from txl_deploy.errors import InputError
@@ -117,6 +119,28 @@ def test_refusals_are_one_line():
         compiled("remi", [f"w{i}" for i in range(20)])
     with pytest.raises(InputError, match="compiled for"):
         constraint(constraint("remi", REMI_SYMBOLS), REMI_SYMBOLS[:-1])
+
+
+NAMES = ["Bar", "Position", "Note Velocity", "Note On", "Note Duration", "Tempo Class", "Tempo Value", "Chord", "EOS",
+         "Beat", "Note_Pitch", "Note_Velocity", "Note_Duration", "Tempo"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(NAMES), st.text(max_size=6)), min_size=1, max_size=40),
+       st.lists(st.integers(-3, 60), max_size=30))
+def test_any_vocabulary_compiles_or_is_refused_in_one_line(events, ids):
+    """Symbols are untrusted (they come with a checkpoint): any list compiles, or is an InputError, and any ids
+    (a prompt) are followed without a crash."""
+    symbols = list(dict.fromkeys(f"{name}_{value}" for name, value in events))
+    for name in ("remi", "remi-xl"):
+        try:
+            g = compiled(name, symbols)
+        except InputError as e:
+            assert "\n" not in str(e)
+            continue
+        state = g.start([i for i in ids if 0 <= i < len(symbols)])
+        assert state.allowed().shape == (len(symbols),) and state.allowed().any()
+        g.first_error(ids)
 
 
 @pytest.fixture(scope="module", params=["remi", "remi-xl"])

@@ -28,7 +28,7 @@ START = ""  # the last event name before any event
 def whole_in(lo: int, hi: int) -> Callable[[str], int | None]:
     """A value that is a whole number in [lo, hi] (its number), else None."""
     def read(value: str) -> int | None:
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):  # ("²".isdigit() is true, and int() refuses it)
             return None
         n = int(value)
         return n if lo <= n <= hi else None
