@@ -95,3 +95,36 @@ def test_txl_js_compiles_the_masks_and_samples_as_python_does(tmp_path):
 def test_the_grammar_dict_is_plain_json(name):
     d = compiled(name, SYMBOLS[name]).to_dict()
     assert json.loads(json.dumps(d)) == d
+
+
+def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_path):
+    """End to end in the browser: a tiny remi-xl model's page samples under the grammar its model.json carries,
+    and chooses the tokens TxlRuntime.generate(grammar="remi-xl") chooses on the same graph with the same seed."""
+    from helpers.browser import Browser, SiteServer, chromium, ort_web
+    from helpers.event_models import save_event_model
+
+    from txl_deploy.exporters.onnx.export import export_onnx
+    from txl_deploy.exporters.web.site import write_site
+    from txl_deploy.runtimes import TxlRuntime
+
+    exe = chromium()
+    onnx_path = tmp_path / "xl.onnx"
+    export_onnx(save_event_model(tmp_path / "xl", "remi-xl"), onnx_path, state="full", max_segment=16, verify=False)
+    site = write_site(onnx_path, tmp_path / "site", ort_web=ort_web(), prompt="Bar_None")
+    assert json.loads((site / "model.json").read_text())["grammar"]["name"] == "remi-xl"
+    fields = dict(temperature=1.1, top_k=12, seed=8, max_tokens=60)
+    server = SiteServer(site)
+    try:
+        browser = Browser(exe)
+        try:
+            browser.open(server.url + "index.html?ep=wasm")
+            ids, _ = browser.evaluate(f"txlDemo.ready.then(() => txlDemo.generate('Bar_None', "
+                                      f"{json.dumps(_camel(fields))}))")
+        finally:
+            browser.close()
+    finally:
+        server.stop()
+    with TxlRuntime.load(onnx_path, lazy=False) as rt:
+        want = list(rt.generate("Bar_None", max_new_tokens=60, temperature=1.1, top_k=12, seed=8, grammar="remi-xl"))
+    assert ids == want
+    assert compiled("remi-xl", SYMBOLS["remi-xl"]).first_error([0] + ids) is None
