@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from txl_deploy.errors import InputError
-from txl_deploy.music.representation import REMI, REMI_XL, Representation, detect
+from txl_deploy.music.representation import REMI, REMI_XL, Representation, detect, representation
 
 logger = logging.getLogger(__name__)
 START = ""  # the last event name before any event
@@ -247,9 +247,13 @@ def compiled(which: str | Grammar, vocab) -> CompiledGrammar:
 
 
 def detected(vocab) -> CompiledGrammar | None:
-    """The grammar of the representation a vocabulary's symbols are written in, compiled; None when they are not
-    music events (or lack an event the grammar needs: then it says so in the log)."""
-    found = None if vocab is None else detect(getattr(vocab, "symbols", vocab))
+    """The grammar of the representation a vocabulary is written in (the one it names, as an events vocabulary
+    may, else the one its symbols show), compiled; None when they are not music events (or lack an event the
+    grammar needs: then it says so in the log)."""
+    if vocab is None:
+        return None
+    stored = getattr(vocab, "representation", None)
+    found = representation(stored) if isinstance(stored, str) else detect(getattr(vocab, "symbols", vocab))
     if found is None:
         return None
     try:
