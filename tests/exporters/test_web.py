@@ -64,7 +64,7 @@ def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
     spec = json.loads((site / "model.json").read_text())
     assert spec == {"name": "kjv", "n_layer": 4, "n_head": 4, "d_head": 48, "mem_len": 128, "n_token": 73,
                     "state": "incremental", "max_segment": 64, "precision": "fp32", "float_dtype": "float32",
-                    "initial_mem_count": 0, "fresh_prefill": True, "clusters": None}
+                    "initial_mem_count": 0, "fresh_prefill": True, "clusters": None, "grammar": None}
     vocab = json.loads((site / "vocab.json").read_text())
     assert vocab["kind"] == "char" and len(vocab["symbols"]) == 73
     page = (site / "index.html").read_text()
