@@ -70,7 +70,7 @@ def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, m
         click.echo(json.dumps(d, indent=2, sort_keys=True, default=str))
         return
     click.echo(f"path:        {d['path']}")
-    click.echo(f"format:      {d['format']}")
+    click.echo(f"format:      {d['format']}" + (f" ({d['family']})" if d.get("family") else ""))
     # the model's trained tensors, as a checkpoint counts them; not the tables an export precomputes
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
                "parameters:  not recorded in this file (exported by an older txl-deploy)")
