@@ -35,7 +35,9 @@ from txl_deploy.vocab import DESCRIPTIONS
 @click.option("--max-segment", type=click.IntRange(min=1), default=512, show_default=True,
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
 def info(path, config, preset, vocab, vocab_kind, as_json, list_vocab, memory, mem_len, batch, max_segment):
-    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format, config, parameter count, vocabulary (size and
+    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format (for a
+    checkpoint, the family it comes from: txl-deploy, cmu, cmu-state-dict, huggingface, nvidia, tensorflow,
+    remi-xl), config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak
