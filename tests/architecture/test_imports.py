@@ -18,8 +18,10 @@ LIBRARY = ("txl_deploy", "exporters", "runtimes")
 # openvino: a peer the benchmarks compare with (benchmarks/peer_openvino.py), from the test extra.
 # sacremoses: the `text` extra (word vocabularies read with the Moses tokenizers); huggingface_hub: the `hub` extra.
 # executorch, torchao: the `executorch` extra (ExecuTorch programs and their quantization).
+# yaml: the `music` extra (a remi-xl run's config.yml).
 OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
-            "matplotlib", "threadpoolctl", "openvino", "sacremoses", "huggingface_hub", "executorch", "torchao"}
+            "matplotlib", "threadpoolctl", "openvino", "sacremoses", "huggingface_hub", "executorch", "torchao",
+            "yaml"}
 TORCH_MODULES = "txl_deploy.model"
 # The HTTP server imports its extra (FastAPI, uvicorn, sse-starlette, prometheus-client) at the top of its modules;
 # the `serve` command imports it when it runs, so the command line works on a base install.

@@ -15,7 +15,6 @@ from helpers import remi_xl as rx
 from helpers.cli import cli
 
 from txl_deploy.checkpoints import load_model
-from txl_deploy.checkpoints.detect import READERS
 from txl_deploy.checkpoints.remi_xl import config_from_setting
 from txl_deploy.errors import CheckpointError
 from txl_deploy.model.weights import build_model, model_parameters
@@ -148,4 +147,3 @@ def test_info_names_the_family(ckpt):
     result = cli("info", ckpt[0])
     assert result.exit_code == 0, result.output
     assert "format:      remi-xl (Compound Word Transformer's remi-xl" in result.output
-    assert len({r.name for r in READERS}) == len(READERS) and all(r.family for r in READERS)
