@@ -34,7 +34,7 @@ TRAIN_SETTING = {
 # The published run's MODEL section (its config.yml), for the shapes of the published checkpoint.
 PUBLISHED_SETTING = {**SETTING, "n_head": 8, "n_layer": 12, "d_inner": 2048, "d_embed": 512, "d_model": 512,
                      "seq_len": 512, "n_token": 332, "mem_len": 512, "tgt_len": 70, "eval_tgt_len": 50}
-PUBLISHED_PARAMETERS = 41_291_084  # its README's count of the ep_170.pth.tar it publishes
+PUBLISHED_PARAMETERS = 41_291_084  # the parameters of the published ep_170.pth.tar
 
 
 def state_dict(setting=SETTING, seed=0) -> dict:
