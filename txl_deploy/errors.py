@@ -45,6 +45,7 @@ EXTRA_OF_PACKAGE = {
     "huggingface_hub": "hub", "fastapi": "serve", "uvicorn": "serve", "sse_starlette": "serve",
     "prometheus_client": "serve", "tritonclient": "triton", "matplotlib": "bench", "threadpoolctl": "bench",
     "mido": "music",
+    "yaml": "music",
 }
 
 

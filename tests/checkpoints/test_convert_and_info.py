@@ -132,12 +132,13 @@ def test_info_reports_format_config_parameters_vocab_and_memory(cmu_checkpoint):
     d = json.loads(result.output)
     loaded = load_model(cmu_checkpoint)
     assert d["format"] == "cmu" and d["vocab_size"] == V and d["config"] == loaded.config.to_dict()
+    assert d["family"] == "the original CMU code's model.pt (torch.save of the whole MemTransformerLM)"
     assert d["parameters"] == sum(p.numel() for p in loaded.build().parameters())
     assert d["memory_bytes_per_stream"]["fp32"] == loaded.config.memory_bytes_per_stream()
     assert d["memory_bytes_per_stream"]["fp32"]["hidden"] == N_LAYER * MEM_LEN * D_MODEL * 4
     text = cli("info", cmu_checkpoint)
     assert text.exit_code == 0
-    assert "format:      cmu" in text.output and f"{V} symbols" in text.output and "memory per stream" in text.output
+    assert "format:      cmu (the original CMU code's model.pt" in text.output and f"{V} symbols" in text.output and "memory per stream" in text.output
 
 
 def test_help_on_every_option():

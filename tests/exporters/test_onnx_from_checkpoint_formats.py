@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import original_checkpoints as oc
 from helpers import reference_models as models
+from helpers import remi_xl
 from helpers.cli import cli
 
 from txl_deploy.contract.metadata import read_onnx_info
@@ -72,6 +73,22 @@ def test_huggingface_folder(hf, tmp_path):
     reference, _ = models.run_hf(model, ids, models.empty_mems())
     res = _onnx_vs_reference(folder, tmp_path, reference, ids)
     assert res.info.export["source_format"] == "huggingface"
+
+
+def test_remi_xl_pth_tar(tmp_path):
+    """Compound Word Transformer's remi-xl ep_N.pth.tar (untied output layer with a bias, pre_lnorm, same_length)
+    against its own independent reference (tests/helpers/remi_xl.py), batch 2, the memory (6) filled and wrapped."""
+    sd = remi_xl.state_dict(seed=5)
+    path = remi_xl.save_pth_tar(tmp_path / "ep_170.pth.tar", sd)
+    out = tmp_path / "model.onnx"
+    result = export_onnx(path, out, max_segment=16)
+    assert result.verification["passed"] and result.info.export["source_format"] == "remi-xl"
+    ids = torch.randint(0, remi_xl.SETTING["n_token"], (2, 20), generator=torch.Generator().manual_seed(5))
+    segments = list(torch.split(ids, [4, 4, 5, 1, 1, 3, 2], dim=1))
+    reference = remi_xl.reference_log_probs(sd, remi_xl.SETTING, segments)
+    rt = TxlRuntime.load(out)
+    worst = max(float(np.abs(rt.step(seg.numpy()) - ref.numpy()).max()) for seg, ref in zip(segments, reference))
+    assert worst <= TOL, worst
 
 
 def test_fp16_saved_checkpoint_exports_with_the_stored_inv_freq(hf, tmp_path):

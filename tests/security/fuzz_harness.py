@@ -29,6 +29,7 @@ from pathlib import Path
 import mido
 import numpy as np
 from crafted_files import mask_crc, npy_header, parse_npy, table_bytes, varint, write_bundle
+from helpers import remi_xl
 from hypothesis import strategies as st
 
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint, _fields, _varint, crc32c
@@ -194,6 +195,14 @@ def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
         torch.save(state_dict, buf, _use_new_zipfile_serialization=not legacy)
         seeds["torch"].append({"model.pt": buf.getvalue()})
     seeds["midi"] = _midi_songs(folder)
+    seeds["remi-xl"] = []
+    for with_setting in (True, False):  # without model_setting, the run's config.yml beside it is read
+        remi_folder = folder / f"remi-xl-{with_setting}"
+        remi_folder.mkdir()
+        remi_xl.save_pth_tar(remi_folder / "ep_1.pth.tar", remi_xl.state_dict(), with_model_setting=with_setting)
+        if not with_setting:
+            remi_xl.write_config_yml(remi_folder)
+        seeds["remi-xl"].append({p.name: p.read_bytes() for p in remi_folder.iterdir()})
     seeds["cache"] = [{"cache.pkl": p} for p in _corpus_pickles()]
     seeds["tokenizer-vocab"] = _tokenizer_vocabularies(folder)
     seeds["event-vocab"] = _event_dictionaries()

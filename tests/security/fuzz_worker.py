@@ -30,6 +30,7 @@ import mido  # noqa: F401  (imported before the limit: the MIDI reader needs it)
 import numpy as np
 import onnx  # noqa: F401  (imported before the limit, as every reader below needs it)
 import torch  # noqa: F401  (imported before the limit: the pickle readers need it)
+import yaml  # noqa: F401  (imported before the limit: a remi-xl run's config.yml is read with it)
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
@@ -107,6 +108,9 @@ class Targets:
         path = folder / "model.pt"
         torch_load(path)
         load_model(path, config=dict(self.config))
+
+    def remi_xl(self, folder, case):  # ep_N.pth.tar, and the run's config.yml beside it
+        load_model(folder / "ep_1.pth.tar")
 
     def onnx_metadata(self, folder, case):
         path = folder / "model.onnx"

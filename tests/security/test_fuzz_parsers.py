@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from txl_deploy.serving.triton.repository import write_repository
 
 FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "event-vocab", "safetensors", "config-json", "vocab-json",
-           "torch-pickle", "onnx-metadata", "ort-file", "saved-state", "triton-requests", "midi-file"]
+           "torch-pickle", "remi-xl", "onnx-metadata", "ort-file", "saved-state", "triton-requests", "midi-file"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
 
 
@@ -190,6 +190,19 @@ def test_fuzz_torch_pickles(fuzz):
         return "torch_file", {"model.pt": data.draw(damaged(seed, region))}
 
     fuzz_case(fuzz, "torch-pickle", build)
+
+
+def test_fuzz_remi_xl(fuzz):
+    """Compound Word Transformer's ep_N.pth.tar (with model_setting, or without and its config.yml beside it)."""
+    seeds = fuzz["seeds"]["remi-xl"]
+
+    def build(data):
+        files = dict(data.draw(st.sampled_from(seeds)))
+        name = data.draw(st.sampled_from(sorted(files)), label="damaged file")
+        files[name] = data.draw(damaged(files[name]))
+        return "remi_xl", files
+
+    fuzz_case(fuzz, "remi-xl", build)
 
 
 def test_fuzz_onnx_metadata_reader(fuzz):

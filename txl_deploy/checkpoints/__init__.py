@@ -7,7 +7,7 @@ writes) is a folder: `config.json`, `model.safetensors` (tied parameters stored 
 
 from txl_deploy.checkpoints.detect import load_any
 from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference
-from txl_deploy.checkpoints.native import LoadedModel, is_ours, load_ours, save_checkpoint
+from txl_deploy.checkpoints.native import LoadedModel, load_ours, save_checkpoint
 
 __all__ = ["LoadedModel", "load_model", "load_ours", "save_checkpoint"]
 
@@ -17,7 +17,4 @@ def load_model(path, **kwargs):
     (its snapshot folder is a HuggingFace folder)."""
     if isinstance(path, HubReference) or is_hub_reference(path):
         path = fetch_snapshot(path)
-    if is_ours(path) and not kwargs:
-        return load_ours(path)
-
     return load_any(path, **kwargs)

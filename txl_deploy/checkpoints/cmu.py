@@ -5,7 +5,7 @@ Two shapes of checkpoint:
   unpickler (`torch_files`): the modules come back as inert attribute holders; the hyper-parameters are their
   pickled attributes and the weights their `_parameters` / `_modules`.
 - a bare state_dict (`torch.save(model.state_dict())` or a `.safetensors` file with the same names) plus a JSON
-  config (see `config_from_kwargs` and `detect.find_config`).
+  config (see `config_from_kwargs` and `find_config`).
 
 Our model keeps the original parameter names, so the table below is nearly the identity; it exists to refuse
 foreign keys. The positional `inv_freq` buffer is kept as stored: a checkpoint saved in fp16 holds it rounded, and
@@ -15,9 +15,11 @@ the model was trained and evaluated with the rounded values.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from txl_deploy.checkpoints.keymap import Rule, infer_ties, normalise, rename, strip_prefix
-from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.native import LoadedModel, read_json_object
+from txl_deploy.checkpoints.reader import Reader, Source
 from txl_deploy.checkpoints.torch_files import module_tree_state_dict, submodule
 from txl_deploy.checkpoints.unpickler import attr, pickled_class
 from txl_deploy.config import TxlConfig
@@ -191,3 +193,30 @@ def load_state_dict(obj, path, config=None) -> LoadedModel:
         config_path = config.pop("_path", path)
         cfg = _config(config_from_json(config, config_path), config_path)
     return LoadedModel(cfg, normalise(state, cfg, path), None, "cmu-state-dict", str(path))
+
+
+def find_config(path: Path, config):
+    """The config of a bare state_dict: given, or `<stem>.json` / `config.json` beside it, or None."""
+    if isinstance(config, TxlConfig):
+        return config
+    if isinstance(config, dict):
+        return {**config, "_path": config.get("_path", "<config>")}
+    if config is None:
+        for candidate in (path.with_suffix(".json"), path.parent / "config.json"):
+            if candidate.is_file() and candidate != path:
+                config = candidate
+                break
+        else:
+            return None
+    return {**read_json_object(config), "_path": str(config)}
+
+
+def _read_state_dict(source: Source) -> LoadedModel:
+    return load_state_dict(source.payload, source.file, find_config(source.file, source.config))
+
+
+MODEL_PT = Reader("cmu", "the original CMU code's model.pt (torch.save of the whole MemTransformerLM)",
+                  lambda s: is_pickled_module(s.payload), lambda s: load_module(s.payload, s.file))
+STATE_DICT = Reader("cmu-state-dict", "a state_dict in the original CMU names (.pt or .safetensors) and a JSON "
+                    "config", lambda s: is_state_dict(s.payload), _read_state_dict,
+                    takes=frozenset({"config"}))

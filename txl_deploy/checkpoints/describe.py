@@ -3,6 +3,7 @@ memory one stream needs."""
 
 from __future__ import annotations
 
+from txl_deploy.checkpoints.detect import reader_named
 from txl_deploy.model.weights import model_parameters
 
 
@@ -13,6 +14,7 @@ def describe_checkpoint(loaded) -> dict:
     return {
         "path": loaded.path,
         "format": loaded.source_format,
+        "family": reader.family if (reader := reader_named(loaded.source_format)) else None,
         "config": cfg.to_dict(),
         "parameters": model_parameters(model),
         "vocab_size": len(loaded.vocab) if loaded.vocab is not None else None,

@@ -19,6 +19,7 @@ from pathlib import Path
 from txl_deploy.checkpoints.cmu import _config, check_supported
 from txl_deploy.checkpoints.keymap import Rule, normalise, rename
 from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.reader import Reader, read_safetensors
 from txl_deploy.checkpoints.torch_files import torch_load
 from txl_deploy.errors import CheckpointError
 
@@ -62,11 +63,7 @@ def read_config_json(folder: Path):
     return data if isinstance(data, dict) else None
 
 
-def is_hf_folder(path) -> bool:
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    data = read_config_json(path)
+def is_hf_config(data: dict | None) -> bool:
     return data is not None and data.get("model_type") in ("transfo-xl", "transfo_xl")
 
 
@@ -111,22 +108,17 @@ def read_weights(file: Path) -> dict:
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     if file.suffix == ".safetensors":
-        from safetensors import SafetensorError  # optional (the torch extra)
-        from safetensors.torch import load_file  # optional (the torch extra)
-
-        try:
-            return load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(file, f"not a readable safetensors file ({e})") from None
+        return read_safetensors(file)
     obj = torch_load(file)
     if not (isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())):
         raise CheckpointError(file, "is not a state_dict (a mapping of names to tensors)")
     return obj
 
 
-def load_folder(folder, config=None) -> LoadedModel:
+def load_folder(folder, data: dict | None = None) -> LoadedModel:
+    """`data`: the folder's config.json, when the caller has read it already."""
     folder = Path(folder)
-    data = read_config_json(folder)
+    data = read_config_json(folder) if data is None else data
     cfg = _config(config_fields(data, folder / CONFIG_FILE), folder / CONFIG_FILE)
     files = _weight_files(folder)
     state = {}
@@ -137,3 +129,8 @@ def load_folder(folder, config=None) -> LoadedModel:
     notes = ["HuggingFace starts the memory as mem_len zero vectors that are attended to; txl-deploy starts "
              "it empty as the paper does, so the first ~n_layer*ceil(mem_len/segment) segments differ"]
     return LoadedModel(cfg, state, None, "huggingface", str(weights_path), notes=notes)
+
+
+READER = Reader.of_folder("huggingface", "HuggingFace transformers' transfo-xl folder (config.json, model.safetensors "
+                          "or pytorch_model.bin)", lambda s: is_hf_config(s.folder_config),
+                          lambda s: load_folder(s.folder, s.folder_config))

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from txl_deploy.checkpoints.reader import Reader
 from txl_deploy.checkpoints.vocab_files import open_vocab_file
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
@@ -76,25 +77,17 @@ def save_checkpoint(directory, model, vocab: Vocab | None, force: bool = False, 
     return Path(directory)
 
 
-def is_ours(path) -> bool:
-    path = Path(path)
-    if not (path.is_dir() and (path / CONFIG_FILE).is_file()):
-        return False
-    try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
-    except (ValueError, OSError, AttributeError, RecursionError):
-        return False
-
-
-def load_ours(path) -> LoadedModel:
+def load_ours(path, meta: dict | None = None) -> LoadedModel:
+    """`meta`: the folder's config.json, when the caller has read it already."""
     from safetensors import SafetensorError  # optional (the torch extra)
     from safetensors.torch import load_file  # optional (the torch extra)
 
     path = Path(path)
-    try:
-        meta = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({str(e)[:200]})") from None
+    if meta is None:
+        try:
+            meta = json.loads((path / CONFIG_FILE).read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            raise CheckpointError(path / CONFIG_FILE, f"unreadable config ({str(e)[:200]})") from None
     version = meta.get("format_version", 0) if isinstance(meta, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointError(path / CONFIG_FILE, "not a txl-deploy config (no format_version number)")
@@ -116,3 +109,8 @@ def load_ours(path) -> LoadedModel:
     found = open_vocab_file(path / VOCAB_FILE)
     return LoadedModel(config, state_dict, found.vocab, FORMAT, str(path), vocab_source=str(path / VOCAB_FILE),
                        vocab_format=found.format)
+
+
+READER = Reader.of_folder(FORMAT, "txl-deploy's own folder (config.json, model.safetensors, vocab.json)",
+                          lambda s: (s.folder_config or {}).get("format") == FORMAT,
+                          lambda s: load_ours(s.folder, s.folder_config))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from txl_deploy.checkpoints.cmu import _config, config_fields_from_kwargs
 from txl_deploy.checkpoints.keymap import Rule, normalise, rename, strip_prefix
 from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.reader import Reader
 from txl_deploy.checkpoints.unpickler import attr, pickled_class
 from txl_deploy.errors import CheckpointError
 from txl_deploy.vocab import Vocab, choose_kind
@@ -85,3 +86,7 @@ def load_checkpoint(obj, path, config=None) -> LoadedModel:
                        vocab_source=str(path) if vocab is not None else None,
                        vocab_format="its vocab entry (NVIDIA's utils.vocabulary.Vocab, read without running it)"
                        if vocab is not None else None)
+
+
+READER = Reader("nvidia", "NVIDIA DeepLearningExamples' checkpoint_best.pt / checkpoint_last.pt (or their work "
+                "directory)", lambda s: is_checkpoint(s.payload), lambda s: load_checkpoint(s.payload, s.file))

@@ -29,7 +29,7 @@ from txl_deploy.progress import progress_bar
 def convert(src, out, config, preset, vocab, vocab_kind, representation, tokenizer, no_vocab, tf_semantics, force):
     """Convert a checkpoint (original CMU model.pt, a state_dict + config, a HuggingFace transfo-xl folder, an
     NVIDIA DeepLearningExamples checkpoint, an original TensorFlow model.ckpt-N or its published folder with model/
-    and data/, a REMI (Pop Music Transformer) checkpoint folder, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
+    and data/, a REMI (Pop Music Transformer) checkpoint folder, Compound Word Transformer's remi-xl ep_N.pth.tar, or ours) into a txl-deploy folder, checking every tensor's shape. The output is written
     atomically.
 
     SRC may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION]: it is fetched into the hub cache (or read

@@ -36,8 +36,9 @@ from txl_deploy.vocab import DESCRIPTIONS
               help="--memory, for a checkpoint: the longest segment of the export (an .onnx file's own is used).")
 def info(path, config, preset, vocab, vocab_kind, representation, as_json, list_vocab, memory, mem_len, batch,
          max_segment):
-    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format (e.g. remi
-    for a Pop Music Transformer folder), config, parameter count, vocabulary (size and
+    """Describe a checkpoint, an exported .onnx or an ExecuTorch .pte (from its sidecar): source format (for a
+    checkpoint, the family it comes from: txl-deploy, cmu, cmu-state-dict, huggingface, nvidia, tensorflow, remi,
+    remi-xl), config, parameter count, vocabulary (size and
     kind: word, char, bytes for enwik8, text8, events for music, with its representation) and the
     recurrent memory one stream needs (hidden states as the paper caches them, and the key/value cache the exported
     graphs use); for a reduced-precision file, its stored check against fp32. --memory adds the expected peak
@@ -74,7 +75,7 @@ def info(path, config, preset, vocab, vocab_kind, representation, as_json, list_
         click.echo(json.dumps(d, indent=2, sort_keys=True, default=str))
         return
     click.echo(f"path:        {d['path']}")
-    click.echo(f"format:      {d['format']}")
+    click.echo(f"format:      {d['format']}" + (f" ({d['family']})" if d.get("family") else ""))
     # the model's trained tensors, as a checkpoint counts them; not the tables an export precomputes
     click.echo(f"parameters:  {d['parameters']:,}" if d["parameters"] else
                "parameters:  not recorded in this file (exported by an older txl-deploy)")

@@ -54,7 +54,9 @@ VOCAB_HELP = ("Vocabulary file: our vocab.json, the original one-symbol-a-line v
 
 CONFIG_HELP = ("JSON config for a bare state_dict: our TxlConfig fields or the original MemTransformerLM "
                "constructor arguments. Default: <name>.json or config.json beside the weights. For a TensorFlow "
-               "checkpoint: its training flags under tf/train_gpu.py's names (n_layer, mem_len, same_length, ...).")
+               "checkpoint: its training flags under tf/train_gpu.py's names (n_layer, mem_len, same_length, ...). "
+               "For a remi-xl ep_N.pth.tar without model_setting: its run's config.yml (the MODEL section; "
+               "default: config.yml beside it).")
 
 
 PRESET_HELP = ("Which of the paper's published models a TensorFlow checkpoint is: its evaluation settings (tgt_len, "

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.reader import Reader, Source
 from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
 from txl_deploy.checkpoints.tensorflow.corpus import check_corpus_info, read_corpus_info
@@ -88,15 +89,16 @@ def to_state_dict(ckpt, arch: dict) -> dict:
     return sd
 
 
-def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, verify_checksums: bool = True):
+def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, verify_checksums: bool = True,
+                    found: tuple | None = None):
     """A `LoadedModel` from the published folder layout or a `model.ckpt-N` path.
 
     `config`: the original training flags (JSON file or dict, tf/train_gpu.py names); `preset`: one of PRESETS;
     `vocab`: a vocabulary file (a `cache.pkl`, read safely, or any other `vocab_files` reads) overriding
     `data/cache.pkl`. The corpus it or `data/corpus-info.json` names picks the preset and later fixes the
     vocabulary's kind (enwik8: bytes, text8: text8); `vocab_files.attach_vocab` applies the user's kind and checks
-    the size."""
-    found = find_checkpoint(path)
+    the size. `found`: what `find_checkpoint(path)` returned, when the caller has looked already."""
+    found = find_checkpoint(path) if found is None else found
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.ckpt-N.index)")
     prefix, data_dir = found
@@ -144,3 +146,15 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, ve
                          vocab_format=vocab_file.format if vocab_file else None, dataset=dataset)
     loaded.value_sources = sources
     return loaded
+
+
+def _found(source: Source):
+    return source.once(FORMAT, lambda: find_checkpoint(source.path))  # by the claim, then by the read
+
+
+# Its vocabulary is its corpus cache (data/cache.pkl), or the user's file: the corpus named there picks the preset.
+READER = Reader(FORMAT, "the paper's TensorFlow checkpoint (model.ckpt-N, or the published pretrained_xl/tf_<name> "
+                "folder)", lambda s: _found(s) is not None,
+                lambda s: load_checkpoint(s.path, config=s.config, preset=s.preset, vocab=s.vocab, found=_found(s)),
+                location=lambda s: s.path, vocab_folder=lambda s: None,
+                takes=frozenset({"config", "preset", "vocab"}))

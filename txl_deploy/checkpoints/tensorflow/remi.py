@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from txl_deploy.checkpoints.native import LoadedModel
+from txl_deploy.checkpoints.reader import Reader
 from txl_deploy.checkpoints.tensorflow.architecture import IGNORED, infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
 from txl_deploy.checkpoints.tensorflow.convert import to_state_dict
@@ -147,3 +148,11 @@ def load_remi(path, config=None, preset=None, verify_checksums: bool = True) -> 
                                 "and a memory that starts as mem_len attended zero vectors, as its generate does"])
     loaded.value_sources = dict(VALUE_SOURCES)
     return loaded
+
+
+# Its settings are REMI's own: it takes --config and --preset only to refuse them in its own words; its
+# dictionary.pkl beside the checkpoint is found by the vocabulary step.
+READER = Reader(FORMAT, "the Pop Music Transformer's TensorFlow checkpoint folder (YatingMusic/remi)",
+                lambda s: is_remi_checkpoint(s.path), lambda s: load_remi(s.path, config=s.config, preset=s.preset),
+                location=lambda s: s.path, vocab_folder=lambda s: s.path if s.path.is_dir() else s.path.parent,
+                takes=frozenset({"config", "preset"}))
