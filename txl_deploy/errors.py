@@ -44,6 +44,7 @@ EXTRA_OF_PACKAGE = {
     "cuda": "tensorrt", "executorch": "executorch", "torchao": "executorch", "sacremoses": "text",
     "huggingface_hub": "hub", "fastapi": "serve", "uvicorn": "serve", "sse_starlette": "serve",
     "prometheus_client": "serve", "tritonclient": "triton", "matplotlib": "bench", "threadpoolctl": "bench",
+    "mido": "music",
 }
 
 

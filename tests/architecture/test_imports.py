@@ -17,8 +17,8 @@ LIBRARY = ("txl_deploy", "exporters", "runtimes")
 # Imported where they are used, because a base install (numpy, onnx, click, tqdm) does not have them.
 # openvino: a peer the benchmarks compare with (benchmarks/peer_openvino.py), from the test extra.
 # sacremoses: the `text` extra (word vocabularies read with the Moses tokenizers); huggingface_hub: the `hub` extra.
-# executorch, torchao: the `executorch` extra (ExecuTorch programs and their quantization).
-OPTIONAL = {"torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
+# executorch, torchao: the `executorch` extra (ExecuTorch programs and their quantization); mido: the `music` extra.
+OPTIONAL = {"mido", "torch", "tensorrt", "cuda", "onnxruntime", "transformers", "tritonclient", "safetensors", "onnxscript",
             "matplotlib", "threadpoolctl", "openvino", "sacremoses", "huggingface_hub", "executorch", "torchao"}
 TORCH_MODULES = "txl_deploy.model"
 # The HTTP server imports its extra (FastAPI, uvicorn, sse-starlette, prometheus-client) at the top of its modules;

@@ -26,11 +26,13 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import mido
 import numpy as np
 from crafted_files import mask_crc, npy_header, parse_npy, table_bytes, varint, write_bundle
 from hypothesis import strategies as st
 
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint, _fields, _varint, crc32c
+from txl_deploy.music.events_to_midi import write_midi
 
 HERE = Path(__file__).resolve().parent
 HUGE = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
@@ -126,6 +128,26 @@ def _tokenizer_vocabularies(folder: Path) -> list[dict]:
     return seeds
 
 
+def _midi_songs(folder: Path) -> list[dict]:
+    """Two MIDI songs: one as the REMI writer lays it out (chord markers, tempo changes), one of two instruments at
+    96 ticks a beat with running status, note-ons of velocity 0 and a note-off with no note."""
+    bar = ["Bar_None", "Position_1/16", "Chord_C:maj", "Position_1/16", "Tempo Class_mid", "Tempo Value_20"]
+    notes = [[f"Position_{k}/16", f"Note Velocity_{10 + k}", f"Note On_{48 + 3 * k}", f"Note Duration_{k}"]
+             for k in range(1, 17, 3)]
+    write_midi((bar + sum(notes, [])) * 3 + ["Bar_None"], "remi", folder / "remi.mid", force=True)
+    midi = mido.MidiFile(type=1, ticks_per_beat=96)
+    for channel, program in ((0, 0), (1, 33)):
+        track = mido.MidiTrack([mido.MetaMessage("set_tempo", tempo=400_000),
+                                mido.Message("program_change", channel=channel, program=program)])
+        for k in range(12):
+            track += [mido.Message("note_on", channel=channel, note=40 + k, velocity=70, time=24),
+                      mido.Message("note_on", channel=channel, note=40 + k, velocity=0, time=48)]
+        track.append(mido.Message("note_off", channel=channel, note=20, time=5))
+        midi.tracks.append(track)
+    midi.save(filename=str(folder / "two.mid"))
+    return [{"song.mid": (folder / name).read_bytes()} for name in ("remi.mid", "two.mid")]
+
+
 def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
     """{format: [seed, ...]}; a seed is {file name: bytes} (or, for states, the state's arrays too)."""
     import torch  # the torch.save seeds
@@ -159,6 +181,7 @@ def make_seeds(tiny_ckpt: Path, tiny_onnx: Path, folder: Path) -> dict:
         buf = io.BytesIO()
         torch.save(state_dict, buf, _use_new_zipfile_serialization=not legacy)
         seeds["torch"].append({"model.pt": buf.getvalue()})
+    seeds["midi"] = _midi_songs(folder)
     seeds["cache"] = [{"cache.pkl": p} for p in _corpus_pickles()]
     seeds["tokenizer-vocab"] = _tokenizer_vocabularies(folder)
     prefix = folder / "tf" / "model.ckpt-0"

@@ -26,6 +26,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+import mido  # noqa: F401  (imported before the limit: the MIDI reader needs it)
 import numpy as np
 import onnx  # noqa: F401  (imported before the limit, as every reader below needs it)
 import torch  # noqa: F401  (imported before the limit: the pickle readers need it)
@@ -37,6 +38,7 @@ from txl_deploy.checkpoints.vocab_files import read_vocab_file
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data, weight_file_bytes
 from txl_deploy.errors import TxlError
+from txl_deploy.music.midi_to_events import midi_to_events
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.vocab import Vocab
 
@@ -90,6 +92,9 @@ class Targets:
         load_model(folder)
         if (folder / "vocab.json").is_file():
             Vocab.read(folder / "vocab.json")
+
+    def midi_file(self, folder, case):  # MIDI to REMI events, chords included
+        midi_to_events(folder / "song.mid", chords=True)
 
     def torch_file(self, folder, case):
         path = folder / "model.pt"

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from txl_deploy.serving.triton.repository import write_repository
 
 FORMATS = ["tf-bundle", "cache-pkl", "tokenizer-vocab", "safetensors", "config-json", "vocab-json", "torch-pickle",
-           "onnx-metadata", "ort-file", "saved-state", "triton-requests"]
+           "onnx-metadata", "ort-file", "saved-state", "triton-requests", "midi-file"]
 BATCH = 10  # Hypothesis examples per round; rounds run until the format's share of the budget is spent
 
 
@@ -125,6 +125,16 @@ def test_fuzz_tokenizer_vocabularies(fuzz):
         return "tokenizer_vocab", {name: data.draw(damaged(seed))}
 
     fuzz_case(fuzz, "tokenizer-vocab", build)
+
+
+def test_fuzz_midi_files(fuzz):
+    seeds = fuzz["seeds"]["midi"]
+
+    def build(data):
+        seed = data.draw(st.sampled_from(seeds))["song.mid"]
+        return "midi_file", {"song.mid": data.draw(damaged(seed))}
+
+    fuzz_case(fuzz, "midi-file", build)
 
 
 def test_fuzz_safetensors_header(fuzz):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
 import zipfile
 
 import numpy as np
@@ -156,3 +159,24 @@ def test_an_ort_file_whose_input_name_is_not_utf8(tiny_onnx, tmp_path):
     (tmp_path / "model.ort").write_bytes(blob[:at] + b"\x06\x00\x00\x00\x80okens" + blob[at + len(name):])
     with pytest.raises(CheckpointError, match="model.ort"):
         TxlRuntime.load(tmp_path / "model.ort")
+
+
+def test_a_midi_header_claiming_gigabytes_is_refused_without_allocating_them(tmp_path):
+    """mido reads each chunk with the size its header claims; from a file object that read allocated the claimed
+    4 GB whole (MemoryError in the fuzz worker, whose address space has 512 MB to spare)."""
+    path = tmp_path / "song.mid"
+    path.write_bytes(b"MThd\xff\x00\x00\x06\x00\x01\x00\x02\x01\xe0MTrk\x00\x00\x00\x04\x00\xff\x2f\x00")
+    code = textwrap.dedent("""
+        import resource, sys
+        from txl_deploy.errors import InputError
+        from txl_deploy.music.midi_to_events import midi_to_events
+        import mido  # noqa: F401  (before the limit, as the fuzz worker does)
+        vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), vm + (512 << 20)))
+        try:
+            midi_to_events(sys.argv[1])
+        except InputError as e:
+            print("refused:", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("refused:") and "not a readable MIDI file" in r.stdout, r.stderr
