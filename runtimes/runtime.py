@@ -22,6 +22,7 @@ from txl_deploy.contract.clusters import Clusters
 from txl_deploy.contract.io_spec import MEM_COUNT
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
+from txl_deploy.music.grammar import constraint
 from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
@@ -372,7 +373,7 @@ class TxlRuntime:
 
     def generate(self, prompt=None, max_new_tokens: int = 100, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None, *,
-                 params: SamplingParams | None = None, **controls) -> Iterator[int]:
+                 params: SamplingParams | None = None, grammar=None, **controls) -> Iterator[int]:
         """Yield new token ids one at a time (batch of one stream), continuing the current memory.
 
         prompt: text (needs the vocabulary) or token ids; None continues from the last call.
@@ -381,8 +382,9 @@ class TxlRuntime:
         controls: the other token-level sampling parameters by name (min_p, repetition_penalty, presence_penalty,
         frequency_penalty, no_repeat_ngram_size, logit_bias, min_tokens, ban_unk=True to keep `<unk>` out of the
         text; see runtimes/sampling/), or all of them as one `params=SamplingParams(...)` (whose max_tokens and
-        stop_token_ids then apply). Stop strings and
-        log-probs belong to text responses: asking for them here is an error.
+        stop_token_ids then apply). Stop strings and log-probs belong to text responses: asking for them is an error.
+        grammar: only tokens a music grammar allows next ("remi", "remi-xl"; a name starts after the prompt, a
+        `GrammarState` goes on with a piece across calls), so the MIDI writer places every event (docs/music.md).
 
         Every argument, the prompt and the stream are checked here, when generate() is called, before anything
         touches the memory: a rejected call raises InputError at once and leaves the memory as it was. The prompt
@@ -410,8 +412,9 @@ class TxlRuntime:
                 self._check_can_continue()
         # An adaptive softmax's decisions are the cluster-factored ones on every backend (runtimes/sampling/), so the
         # lazy path (head first, tails as asked) and the full path run one algorithm (docs/sampling.md).
-        sampler = Sampler(params, self.n_token, context=() if ids is None else ids[0], vocab=self.vocab,
-                          clusters=Clusters.of(self.config))
+        context = () if ids is None else ids[0]
+        sampler = Sampler(params, self.n_token, context=context, vocab=self.vocab, clusters=Clusters.of(self.config),
+                          constraint=None if grammar is None else constraint(grammar, self.vocab, context))
         if self.lazy and self.backend.clusters is not None:
             return self._generate_lazy(ids, sampler)
         return self._generate(ids, sampler)

@@ -22,6 +22,7 @@ import onnx
 
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.clusters import Clusters
+from txl_deploy.music.grammar import detected
 from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
@@ -97,6 +98,8 @@ def graph_spec(model_path) -> dict:
             "precision": info.precision, "float_dtype": float_dtype,
             # an adaptive softmax's layout (None for a plain softmax): the page samples it cluster by cluster
             "clusters": layout.to_dict() if (layout := Clusters.of(c)) is not None else None,
+            # a music model's grammar (valid music by construction), which the page's sampler applies
+            "grammar": music.to_dict() if (music := detected(info.vocab)) is not None else None,
             # an incremental graph whose slot axis is dynamic takes a 1-slot memory for an empty stream
             "fresh_prefill": info.state == "incremental" and mem_k.shape.dim[3].HasField("dim_param")}
 

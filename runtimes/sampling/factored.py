@@ -66,6 +66,12 @@ class FactoredDecision:
             self.touched_bounds.append(fb)
             self.bound[i - 1] = max(self.head_log_prob[i - 1], float(fb.max())) if fb.size else \
                 self.head_log_prob[i - 1]
+        # a constraint's mask only lowers scores to -inf, so the bounds above still hold; a cluster it closes whole
+        # holds no candidate: bound -inf, so no rule reveals it and its mass bound is 0
+        self.closed = set() if processors.allowed is None else \
+            {i for i, (lo, hi) in enumerate(clusters.bounds, start=1) if not processors.allowed[lo:hi].any()}
+        for i in self.closed:
+            self.bound[i - 1] = -np.inf
 
     # -- the known set and what is hidden -------------------------------------------------------------------------
     def hidden(self) -> list[int]:
@@ -158,7 +164,7 @@ class FactoredDecision:
         self.m = max(float(np.max(self.x[0])) if self.x[0].size else -np.inf, float(np.max(self.xb)))
         if not self.m > -np.inf:
             raise InputError(NO_TOKEN_LEFT)
-        self.excluded = set()
+        self.excluded = set(self.closed)
         self.kth, self.top_p_cut, self.floor = -np.inf, {}, 0.0
         if p.top_k is not None and p.top_k < c.n_token:
             yield from self._top_k()
@@ -168,6 +174,7 @@ class FactoredDecision:
                                                    * power_sum_bound(hi - lo, T)
                                                    + float(np.sum(np.exp(self.touched_bounds[i] / T - self.m))))
                               for i, (lo, hi) in enumerate(c.bounds)])
+        self.mass[[i - 1 for i in self.closed]] = 0.0
         if p.top_p < 1:
             yield from self._top_p()
         if p.min_p > 0:
@@ -180,7 +187,7 @@ class FactoredDecision:
         while True:
             kx = self._known_x()
             self.kth = -np.inf if kx.size < k else float(np.partition(kx, kx.size - k)[kx.size - k])
-            can = [i for i in self.hidden() if xb[i - 1] >= self.kth]
+            can = [i for i in self.hidden() if xb[i - 1] >= self.kth and i not in self.closed]
             if not can:
                 break
             yield from self._reveal_scaled([max(can, key=lambda i: (xb[i - 1], -i))])

@@ -1,5 +1,5 @@
 """The score processors (steps 1-5 of docs/sampling.md): logit bias, repetition penalty, OpenAI's presence and
-frequency penalties, n-gram bans, min_tokens and ban_unk, on a whole row or token by token.
+frequency penalties, n-gram bans, min_tokens and ban_unk, and a constraint's mask, on a whole row or token by token.
 
 Each step is a pure function the tests hold against its HuggingFace or OpenAI definition; `Processors` applies them
 for one decision, given the stream's history, either to a full row (`full`) or to some tokens only (`on`, what the
@@ -55,13 +55,15 @@ def positions(ids: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndar
 class Processors:
     """Steps 1-5 for one decision of a stream: `context` the token ids it was given and `generated` those it
     generated (the repetition penalty and n-gram bans see both), `counts[j]` how often it generated token j, `unk`
-    the banned `<unk>` id (None: none). `plain`: no step changes anything."""
+    the banned `<unk>` id (None: none), `allowed` a constraint's mask [V] (None: every token; the others get -inf
+    last). `plain`: no step changes anything."""
 
     def __init__(self, params: SamplingParams, context: list[int], generated: list[int], counts: np.ndarray,
-                 unk: int | None):
+                 unk: int | None, allowed: np.ndarray | None = None):
         self.params, self.context, self.generated, self.counts, self.unk = params, context, generated, counts, unk
+        self.allowed = allowed
         self.n_generated = len(generated)
-        self.plain = changes_nothing(params, unk)
+        self.plain = changes_nothing(params, unk) and allowed is None
         self._touched = None
 
     @property
@@ -87,6 +89,8 @@ class Processors:
             s[list(p.stop_token_ids)] = -np.inf
         if self.unk is not None:
             s[self.unk] = -np.inf
+        if self.allowed is not None:
+            s[~self.allowed] = -np.inf
         return s
 
     def _by_token(self):
@@ -135,6 +139,8 @@ class Processors:
             s = openai_penalties(s, self.counts[ids], p.presence_penalty, p.frequency_penalty)
         at, _ = positions(ids, banned)
         s[at] = -np.inf
+        if self.allowed is not None:
+            s[~self.allowed[ids]] = -np.inf
         return s
 
 

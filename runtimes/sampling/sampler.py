@@ -68,9 +68,15 @@ class Sampler:
     softmax's layout (`Clusters.of(config)`); with it every decision is the cluster-factored one, which `start`
     runs on the head alone, asking for a tail only when the decision can depend on it, and `choose` and
     `choose_parts` run with every tail at hand. `tail_counts[i - 1]` counts the decisions that needed tail
-    cluster i, out of `decisions`."""
+    cluster i, out of `decisions`.
 
-    def __init__(self, params: SamplingParams, n_token: int, context=(), vocab=None, clusters: Clusters | None = None):
+    `constraint`: the tokens each decision may choose (the mask hook; a music grammar's `GrammarState` is one),
+    an object with `allowed()` (a boolean mask [V], or None for every token) and `advance(token)` (called with
+    each token chosen). The tokens it leaves out get -inf after steps 1-5, before temperature and the filters, on
+    the full row and in the cluster-factored decision alike (docs/sampling.md). Without one, nothing changes."""
+
+    def __init__(self, params: SamplingParams, n_token: int, context=(), vocab=None, clusters: Clusters | None = None,
+                 constraint=None):
         params.check_vocabulary(n_token)
         if clusters is not None and clusters.n_token != n_token:
             raise InputError(f"the clusters cover {clusters.n_token} tokens, the vocabulary {n_token}")
@@ -80,13 +86,28 @@ class Sampler:
         self.context = [int(t) for t in np.asarray(context, dtype=np.int64).reshape(-1)]
         self.generated: list[int] = []
         self.counts = np.zeros(n_token, dtype=np.int64)
-        self._plain = changes_nothing(params, self.unk)
+        self.constraint = constraint
+        self._plain = changes_nothing(params, self.unk) and constraint is None
         self.decisions = 0
         self.tail_counts = np.zeros(0 if clusters is None else clusters.n_clusters, dtype=np.int64)
 
     def _processors(self) -> Processors:
-        """Steps 1-5 as this decision's history makes them."""
-        return Processors(self.params, self.context, self.generated, self.counts, self.unk)
+        """Steps 1-5 as this decision's history makes them, with the constraint's mask."""
+        return Processors(self.params, self.context, self.generated, self.counts, self.unk, self._allowed())
+
+    def _allowed(self) -> np.ndarray | None:
+        if self.constraint is None:
+            return None
+        mask = self.constraint.allowed()
+        if mask is None:
+            return None
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ or mask.shape != (self.n_token,):
+            raise InputError(f"a constraint's mask must be booleans [{self.n_token}], got {mask.dtype} "
+                             f"{list(mask.shape)}")
+        if not mask.any():
+            raise InputError(f"{NO_TOKEN_LEFT} (the constraint allows none)")
+        return mask
 
     def scores(self, log_probs: np.ndarray) -> np.ndarray:
         """Steps 1-5 on one distribution [V]: the scores that temperature and the filters act on (float64)."""
@@ -143,6 +164,8 @@ class Sampler:
         return tok
 
     def _commit(self, tok: int, revealed: tuple[int, ...]):
+        if self.constraint is not None:
+            self.constraint.advance(tok)
         self.generated.append(tok)
         self.counts[tok] += 1
         self.decisions += 1

@@ -1,6 +1,6 @@
 // The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
 // The model-specific part is txl.js; this file is only the page around it.
-import { Clusters, Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
+import { Clusters, Grammar, Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
 
 const $ = (id) => document.getElementById(id);
 const site = JSON.parse($("site-config").textContent);
@@ -55,7 +55,8 @@ async function start() {
     `${Math.round(performance.now() - t0)} ms`;
   $("status").textContent = info;
   // an adaptive softmax's layout: its tokens are then sampled cluster by cluster, as Python samples them
-  return { stream, spec, vocab: new Vocab(vocab), clusters: Clusters.of(spec), provider: providers[0] };
+  return { stream, spec, vocab: new Vocab(vocab), clusters: Clusters.of(spec), grammar: Grammar.of(spec),
+           provider: providers[0] };
 }
 
 const ready = start();
@@ -66,11 +67,12 @@ let stopRequested = false;
 // the text that may be shown now (decoded incrementally; a possible stop string is held back, the match itself is
 // never shown), and once more with id null for what is left when the page's Stop ended it early.
 async function generate(prompt, params, stops, onToken) {
-  const { stream, spec, vocab, clusters } = await ready;
+  const { stream, spec, vocab, clusters, grammar } = await ready;
   stream.reset();
   const ids = vocab.encode(prompt);
   if (ids.length === 0) throw new Error("the prompt is empty");
-  const sampler = new Sampler(params, spec.n_token, ids, null, vocab, clusters);
+  // a music model samples only the events its grammar allows next, so its MIDI writer places every one
+  const sampler = new Sampler(params, spec.n_token, ids, null, vocab, clusters, grammar ? grammar.start(ids) : null);
   const stopText = new StopText(stops);
   const decoder = vocab.streamDecoder(prompt); // a character over several byte tokens shows once complete
   const finish = () => { // the decoder's rest (an incomplete last character) and what the stop check held back

@@ -499,11 +499,68 @@ function sortedKeys(map) {
   return [...map.keys()].sort((a, b) => a - b);
 }
 
+// Valid music by construction (txl_deploy/music/grammar.py): the grammar model.json carries (`grammar`: its event
+// names, which follow which, each token's event and bar position), compiled here to one mask per (last event name,
+// position in the bar), as Python compiles it. Grammar.of(spec) is null for a model without one.
+export class Grammar {
+  constructor({ name, names, follows, kind, position, position_kind, bar, repeat_position, n_positions }) {
+    const V = kind.length, P = n_positions + 1;
+    Object.assign(this, { name, names, kind, position, positionKind: position_kind, bar, P });
+    this.masks = [];
+    for (let n = 0; n < names.length; n++) {
+      for (let p = 0; p < P; p++) {
+        const mask = new Uint8Array(V);
+        for (const f of follows[n]) {
+          for (let v = 0; v < V; v++) {
+            if (kind[v] !== f) continue;
+            if (f !== position_kind || (repeat_position ? position[v] >= Math.max(p, 1) : position[v] > p)) {
+              mask[v] = 1;
+            }
+          }
+        }
+        this.masks.push(mask);
+      }
+    }
+  }
+
+  static of(spec) {
+    return spec.grammar ? new Grammar(spec.grammar) : null;
+  }
+
+  // A stream's state after `context` (token ids): the constraint a Sampler applies.
+  start(context = []) {
+    const state = new GrammarState(this);
+    for (const t of context) state.advance(t);
+    return state;
+  }
+}
+
+export class GrammarState {
+  constructor(grammar) {
+    this.grammar = grammar;
+    this.last = 0;
+    this.at = 0;
+  }
+
+  allowed() {
+    return this.grammar.masks[this.last * this.grammar.P + this.at];
+  }
+
+  advance(token) {
+    const g = this.grammar, k = g.kind[token];
+    if (k === undefined || k < 0) return; // not an event (a prompt's special symbol): the state stays
+    this.at = k === g.positionKind ? g.position[token] : k === g.bar ? 0 : this.at;
+    this.last = k;
+  }
+}
+
 // One stream's sampling: choose(logProbs) -> token id. `random` (uniform in [0, 1)) defaults to Pcg64(seed), or
 // Math.random without a seed. `vocab`: the model's Vocab, which banUnk needs (to find <unk>). `clusters`: the
-// adaptive softmax's layout (Clusters.of(spec)); with it every decision is the cluster-factored one.
+// adaptive softmax's layout (Clusters.of(spec)); with it every decision is the cluster-factored one. `constraint`:
+// the mask hook (allowed() -> a 0/1 mask [V] or null, advance(token)), e.g. a GrammarState; the tokens it leaves
+// out get -inf after steps 1-5.
 export class Sampler {
-  constructor(params, nToken, context = [], random = null, vocab = null, clusters = null) {
+  constructor(params, nToken, context = [], random = null, vocab = null, clusters = null, constraint = null) {
     if (params.banUnk && vocab === null) {
       throw new RangeError("ban_unk needs the model's vocabulary, to know which token is <unk>");
     }
@@ -518,6 +575,8 @@ export class Sampler {
     this.params = params;
     this.nToken = nToken;
     this.clusters = clusters;
+    this.constraint = constraint;
+    this.allowedNow = null; // the constraint's mask for the decision in progress
     this.context = Array.from(context);
     this.generated = [];
     this.counts = new Float64Array(nToken);
@@ -546,11 +605,20 @@ export class Sampler {
     }
     if (p.minTokens && this.generated.length < p.minTokens) for (const id of p.stopTokenIds) s[id] = -Infinity;
     if (this.unk !== undefined) s[this.unk] = -Infinity;
+    const allowed = this.allowedNow;
+    if (allowed) for (let j = 0; j < s.length; j++) if (!allowed[j]) s[j] = -Infinity;
     return s;
   }
 
   choose(logProbs) {
     let id;
+    this.allowedNow = this.constraint ? this.constraint.allowed() : null;
+    if (this.allowedNow) {
+      if (this.allowedNow.length !== this.nToken) {
+        throw new RangeError(`a constraint's mask must have ${this.nToken} entries, got ${this.allowedNow.length}`);
+      }
+      if (!this.allowedNow.some((a) => a)) throw new RangeError(`${NOTHING_LEFT} (the constraint allows none)`);
+    }
     if (this.clusters !== null) {
       id = this.chooseFactored(logProbs);
     } else {
@@ -563,6 +631,7 @@ export class Sampler {
     }
     this.generated.push(id);
     this.counts[id] += 1;
+    if (this.constraint) this.constraint.advance(id);
     return id;
   }
 
@@ -615,6 +684,10 @@ export class Sampler {
       if (j >= 0) s[j] = s[j] - c * p.frequencyPenalty - p.presencePenalty;
     }
     for (const id of adj.banned) { const j = at(id); if (j >= 0) s[j] = -Infinity; }
+    const allowed = this.allowedNow;
+    if (allowed) {
+      for (let j = 0; j < s.length; j++) if (!allowed[ids.lo !== undefined ? ids.lo + j : ids[j]]) s[j] = -Infinity;
+    }
     return s;
   }
 
@@ -638,6 +711,15 @@ export class Sampler {
       for (const v of fb) if (v > top) top = v;
       bound[k] = fb.length && top > hcol[k] ? top : hcol[k];
     });
+    // a cluster the constraint closes whole holds no candidate: bound -inf, mass 0, never revealed
+    const closed = new Set();
+    if (this.allowedNow) {
+      c.bounds.forEach(([lo, hi], k) => {
+        let open = false;
+        for (let v = lo; v < hi && !open; v++) open = !!this.allowedNow[v];
+        if (!open) { closed.add(k + 1); bound[k] = -Infinity; }
+      });
+    }
     const self = this;
     function* reveal(needed) {
       const given = yield needed;
@@ -653,7 +735,7 @@ export class Sampler {
     const hidden = () => c.bounds.map((_, k) => k + 1).filter((i) => !ids.has(i));
     return this.params.temperature === 0
       ? yield* this.greedy(proc, ids, bound, hidden, reveal)
-      : yield* this.sample(proc, ids, bound, hcol, adjBounds, hidden, reveal);
+      : yield* this.sample(proc, ids, bound, hcol, adjBounds, hidden, reveal, closed);
   }
 
   // The first maximum: a hidden cluster can hold it only if its bound beats the best known score, or equals it
@@ -681,7 +763,7 @@ export class Sampler {
 
   // Temperature, top-k, top-p, min-p and the draw, by rejection over blocks (shortlist tokens, then clusters in id
   // order), a hidden cluster's block an upper bound of its mass.
-  *sample(proc, ids, bound, hcol, adjBounds, hidden, reveal) {
+  *sample(proc, ids, bound, hcol, adjBounds, hidden, reveal, closed) {
     const p = this.params, c = this.clusters, T = p.temperature;
     const x = new Map(); // processed score / T of the known tokens
     const scaled = () => { for (const [k, v] of proc) if (!x.has(k)) x.set(k, v.map((s) => s / T)); };
@@ -698,14 +780,14 @@ export class Sampler {
     const x0 = x.get(0).length ? maxOf(x.get(0)) : -Infinity, xbMax = maxOf(xb);
     const m = xbMax > x0 ? xbMax : x0;
     if (!(m > -Infinity)) throw new RangeError(NOTHING_LEFT);
-    const dead = new Set(); // hidden clusters whose every token is filtered out
+    const dead = new Set(closed); // hidden clusters whose every token is filtered out
     let kth = -Infinity;
     if (p.topK !== null && p.topK < this.nToken) {
       // the k-th largest known score is <= the true k-th; a hidden cluster below it holds none of the top k
       for (;;) {
         const kx = knownX().sort();
         kth = kx.length < p.topK ? -Infinity : kx[kx.length - p.topK];
-        const can = hidden().filter((i) => xb[i - 1] >= kth);
+        const can = hidden().filter((i) => xb[i - 1] >= kth && !closed.has(i));
         if (can.length === 0) break;
         yield* reveal([largest(can, xb)]);
         scaled();
@@ -718,6 +800,7 @@ export class Sampler {
     const mass = c.bounds.map(([lo, hi], k) => (1 + MASS_MARGIN) *
       (Math.exp(hcol[k] / T - m) * powerSumBound(hi - lo, T) +
        pairwiseSum(adjBounds[k].map((f) => Math.exp(f / T - m)))));
+    for (const i of closed) mass[i - 1] = 0;
     const cut = new Uint8Array(this.nToken); // 1: a token top-p cuts
     if (p.topP < 1) {
       // the known tokens ranked most likely first (ties in id order), each part merged in once as it is revealed

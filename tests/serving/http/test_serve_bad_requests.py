@@ -34,6 +34,7 @@ CORPUS = [
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "stream": "yes"}), 400, "stream"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "return_token_ids": 1}), 400, "return_token_ids"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "ban_unk": "yes"}), 400, "ban_unk"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "grammar": "remi"}), 400, "needs a vocabulary of remi"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "user": 5}), 400, "user"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "repetition_penalty": 0}), 400, "repetition_penalty"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "logprobs": 21}), 400, "logprobs"),

@@ -35,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from txl_deploy.errors import InputError, TxlError
+from txl_deploy.music.grammar import compiled
 from txl_deploy.runtimes.sampling import SamplingParams
 from txl_deploy.serving.http import protocol
 from txl_deploy.serving.http.engine import Job
@@ -241,8 +242,9 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
             raise ApiError(400, f"max_tokens {kwargs['max_tokens']} is more than this server generates per "
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
         params = SamplingParams(**kwargs)
+        grammar = None if body.grammar is None else _grammar(body.grammar, eng.vocab)
         events = _Events(mailbox(asyncio.get_running_loop()), metrics.tally())
-        job = Job(ids, params, events.emit, session_id=body.session_id)
+        job = Job(ids, params, events.emit, session_id=body.session_id, grammar=grammar)
         eng.submit(job)
         metrics.prompt_tokens.inc(int(ids.size))
         run = _Run(eng, job, events, body, settings.model_name, metrics, arrived)
@@ -310,6 +312,14 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
 def _check_id(session_id: str):
     if not re.fullmatch(protocol.SESSION_ID_PATTERN.strip("^$"), session_id):
         raise ApiError(400, "a session id is 1-128 letters, digits, '.', '_' or '-'", param="session_id")
+
+
+def _grammar(name: str, vocab):
+    """The request's music grammar compiled for the served vocabulary (kept for reuse); 400 naming `grammar`."""
+    try:
+        return compiled(name, vocab)
+    except InputError as e:
+        raise ApiError(400, str(e), param="grammar") from None
 
 
 def _prompt_ids(engine, prompt, settings: ServeSettings) -> np.ndarray:

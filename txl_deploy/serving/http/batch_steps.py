@@ -56,7 +56,7 @@ class BatchSteps:
                 else:
                     job.handle = self.rows.start()
                 job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                            clusters=self.clusters)
+                                            clusters=self.clusters, grammar=job.grammar)
             except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
                 self._fail(job, e)
                 self._check()

@@ -103,11 +103,13 @@ class Completion:
     and tails (lazy decoding): `sampler.start(head)` gives a Choice, driven to its token by
     `runtimes.lazy_decode.decide` with the other rows', then `decided(choice)` -> TokenOut."""
 
-    def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=(), clusters=None):
+    def __init__(self, params: SamplingParams, vocab: Vocab, n_token: int, context=(), clusters=None, grammar=None):
         self.params, self.vocab = params, vocab
         # clusters: the model's adaptive softmax (Clusters.of(config)), so its decisions are the cluster-factored
-        # ones TxlRuntime.generate makes: the same tokens as generate, with the same seed
-        self.sampler = Sampler(params, n_token, context, vocab=vocab, clusters=clusters)
+        # ones TxlRuntime.generate makes: the same tokens as generate, with the same seed. grammar: a compiled music
+        # grammar, started after this request's prompt
+        self.sampler = Sampler(params, n_token, context, vocab=vocab, clusters=clusters,
+                               constraint=None if grammar is None else grammar.start(context))
         self.stops = StopText(params.stop)
         # The completion continues the prompt's text (or, with none, a session's earlier text it was not shown): a
         # word gets its leading space unless the prompt ends a line, and a character that a byte-level model spells

@@ -169,7 +169,7 @@ class FleetEngine(EngineCore):
                 return
             conv = self._conversation(job.session)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                    clusters=self.client.clusters)
+                                    clusters=self.client.clusters, grammar=job.grammar)
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
             # the full log-probs
             feed = conv.feed_head if self.lazy else conv.feed

@@ -6,8 +6,9 @@ the `openai` client parses.
 
 Extensions, all optional (vLLM's names where vLLM has the parameter): `session_id` (continue a session's memory),
 `top_k`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`, `ban_unk` (true:
-never sample the vocabulary's `<unk>`), and `return_token_ids` (each choice then carries `token_ids`, the generated
-token ids).
+never sample the vocabulary's `<unk>`), `grammar` (a music model's representation, "remi" or "remi-xl": only the
+events its grammar allows next are sampled, so its MIDI writer places every one), and `return_token_ids` (each
+choice then carries `token_ids`, the generated token ids).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = False
     ban_unk: bool | None = None
+    grammar: str | None = None
 
     def unsupported(self) -> ApiError | None:
         """OpenAI fields this server cannot honour, set to anything but their no-op values."""

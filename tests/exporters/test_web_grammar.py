@@ -1,0 +1,97 @@
+"""The browser page's valid music by construction (exporters/web/static/txl.js `Grammar`, `Sampler(...,
+constraint)`), run in Node.js as the other txl.js sampler tests are: from the grammar `model.json` carries
+(`CompiledGrammar.to_dict`, what the exporter writes for a music vocabulary) it compiles Python's masks, and a
+seeded page sampler under it chooses the tokens the Python sampler chooses, on the full row and cluster-factored."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from helpers.browser import need
+from helpers.event_models import SYMBOLS
+
+from txl_deploy.contract.clusters import Clusters
+from txl_deploy.exporters.web.site import _template_dir
+from txl_deploy.music.grammar import compiled, detected
+from txl_deploy.runtimes.sampling import Sampler, SamplingParams
+from txl_deploy.vocab import Vocab
+
+NODE = shutil.which("node") or shutil.which("nodejs")
+CASES = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_k=6, seed=4),
+         dict(temperature=1.3, top_p=0.85, seed=5), dict(temperature=1.0, min_p=0.05, repetition_penalty=1.3, seed=6)]
+
+RUNNER = """
+import { Clusters, Grammar, Sampler, SamplingParams } from "./txl.mjs";
+import { readFileSync } from "node:fs";
+const { grammars, rows, cases } = JSON.parse(readFileSync(process.argv[2], "utf8"));
+const masks = grammars.map((g) => new Grammar(g).masks.map((m) => Array.from(m)));
+const tokens = cases.map(({ which, fields, context, clusters }) => {
+  const g = new Grammar(grammars[which]);
+  const r = rows[which].map((row) => Float32Array.from(row));
+  const n = r[0].length;
+  const sampler = new Sampler(new SamplingParams(fields), n, context, null, null,
+                              clusters ? Clusters.of({ clusters, n_token: n }) : null, g.start(context));
+  return r.map((row) => sampler.choose(row));
+});
+let refused;
+try {
+  new Sampler(new SamplingParams({}), 4, [], null, null, null, { allowed: () => new Uint8Array(4), advance() {} })
+    .choose(Float32Array.of(-1, -2, -3, -4));
+} catch (e) { refused = e.message; }
+console.log(JSON.stringify({ masks, tokens, refused }));
+"""
+
+
+def _camel(fields: dict) -> dict:
+    return {"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v for k, v in fields.items()}
+
+
+def _rows(n_rows, n_token, seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n_rows, n_token)) * rng.uniform(0.5, 4.0, size=(n_rows, 1))
+    return (logits - np.log(np.exp(logits).sum(-1, keepdims=True))).astype(np.float32)
+
+
+def test_the_exporter_writes_the_detected_grammar():
+    assert detected(Vocab(SYMBOLS["remi"])).to_dict()["name"] == "remi"
+    assert detected(SYMBOLS["remi-xl"]).to_dict()["name"] == "remi-xl"
+    assert detected(Vocab([f"w{i}" for i in range(9)])) is None
+
+
+def test_txl_js_compiles_the_masks_and_samples_as_python_does(tmp_path):
+    need(NODE is not None, "no Node.js (apt-get install nodejs)")
+    names = ["remi", "remi-xl"]
+    grammars = [compiled(name, SYMBOLS[name]) for name in names]
+    rows = [_rows(150, len(SYMBOLS[name]), seed) for seed, name in enumerate(names)]
+    layouts = [Clusters.from_cutoffs([12, 40], len(SYMBOLS[name])) for name in names]
+    context = [0]  # Bar_None
+    cases = [dict(which=w, fields=_camel(f), context=context, clusters=c.to_dict() if c else None, python=f)
+             for w in range(2) for f in CASES for c in (None, layouts[w])]
+    shutil.copyfile(_template_dir() / "txl.js", tmp_path / "txl.mjs")
+    (tmp_path / "run.mjs").write_text(RUNNER)
+    (tmp_path / "cases.json").write_text(json.dumps({"grammars": [g.to_dict() for g in grammars],
+                                                     "rows": [r.tolist() for r in rows], "cases": cases}))
+    r = subprocess.run([NODE, "run.mjs", "cases.json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for g, masks in zip(grammars, out["masks"]):
+        assert np.array_equal(np.array(masks, dtype=bool), g.masks.reshape(-1, g.masks.shape[-1]))
+    for case, got in zip(cases, out["tokens"]):
+        w, fields = case["which"], case["python"]
+        clusters = layouts[w] if case["clusters"] else None
+        sampler = Sampler(SamplingParams(max_tokens=200, **fields), rows[w].shape[1], context, clusters=clusters,
+                          constraint=grammars[w].start(context))
+        want = [sampler.choose(row) for row in rows[w]]
+        assert got == want, (names[w], fields, clusters is not None)
+        assert grammars[w].first_error(context + got) is None
+    assert out["refused"].endswith("(the constraint allows none)")
+
+
+@pytest.mark.parametrize("name", ["remi", "remi-xl"])
+def test_the_grammar_dict_is_plain_json(name):
+    d = compiled(name, SYMBOLS[name]).to_dict()
+    assert json.loads(json.dumps(d)) == d
