@@ -127,6 +127,8 @@ def _song(rt, model: Path, max_new_tokens, sampling, grammar, midi_out, events_o
         raise InputError(f"{model}: {e}") from None
     if grammar is not None and grammar != rep.name:
         raise InputError(f"--grammar {grammar} does not match the model's {rep.name} events")
+    if midi_out is not None:
+        import mido  # noqa: F401  the music extra: when it is missing, its install hint comes before the song
     if chords is None:
         chords = "chord" in model.name.lower()  # as the Pop Music Transformer decides, by the folder's name
     prompt = None if prompt_midi is None else midi_to_events(prompt_midi, rep, chords=chords)

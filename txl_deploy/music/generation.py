@@ -9,12 +9,16 @@ up to a token limit (7680); here it stops at `EOS_None`, after which its writer 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from txl_deploy.errors import InputError
 from txl_deploy.music.events_to_midi import as_representation
 from txl_deploy.music.representation import REMI, Representation, detect
 from txl_deploy.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 UPSTREAM_BARS = 16  # REMI's main.py: n_target_bar=16
 UPSTREAM_TOKEN_LIMIT = 7680  # remi-xl's inference.py: token_lim=7680
@@ -99,6 +103,9 @@ def generate_music(rt, representation=None, *, bars: int | None = None, prompt=N
                 if generated == bars:
                     break
     tokens.close()  # the memory gets the last event, as a stream left between calls does
+    if bars is not None and generated < bars and events[-1] != rep.end:
+        logger.warning("the song stopped at the limit of %d events after %d of %d bars; its last events may be an "
+                       "incomplete group the MIDI writer drops", max_events, generated, bars)
     return events
 
 
