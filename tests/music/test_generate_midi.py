@@ -11,12 +11,14 @@ import pytest
 from helpers.cli import assert_one_line_error, cli
 from helpers.event_models import SYMBOLS, save_event_model
 
+from txl_deploy.errors import InputError
 from txl_deploy.music import generate_music
 from txl_deploy.music.events_to_midi import events_to_score, write_midi
 from txl_deploy.music.generation import priming
 from txl_deploy.music.grammar import compiled
+from txl_deploy.music.midi_file import Note
 from txl_deploy.music.midi_to_events import midi_to_events
-from txl_deploy.music.piano_roll import piano_roll_size
+from txl_deploy.music.piano_roll import piano_roll, piano_roll_size
 from txl_deploy.runtimes import TxlRuntime
 
 pytest.importorskip("torch")
@@ -161,3 +163,15 @@ def test_song_options_without_a_song_are_usage_errors(models, tmp_path):
     assert r.exit_code == 2 and "--midi" in r.output
     r = cli("generate", models["remi"], "--midi", tmp_path / "s.mid", "--prompt", "Bar_None")
     assert r.exit_code == 2 and "--prompt-midi" in r.output
+
+
+def test_a_song_cut_short_by_the_limit_says_so(models, caplog):
+    with TxlRuntime.load(models["remi"]) as rt, caplog.at_level("WARNING", logger="txl_deploy"):
+        events = generate_music(rt, bars=50, max_events=6, seed=1)
+    assert len(events) == 4 + 6
+    assert "stopped at the limit of 6 events" in caplog.text and "of 50 bars" in caplog.text
+
+
+def test_a_piano_roll_too_large_is_refused_before_it_is_drawn():
+    with pytest.raises(InputError, match="too large"):
+        piano_roll([Note(0, 1 << 40, 0, 80), Note(0, 120, 127, 80)])
