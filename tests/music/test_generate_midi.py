@@ -175,3 +175,13 @@ def test_a_song_cut_short_by_the_limit_says_so(models, caplog):
 def test_a_piano_roll_too_large_is_refused_before_it_is_drawn():
     with pytest.raises(InputError, match="too large"):
         piano_roll([Note(0, 1 << 40, 0, 80), Note(0, 120, 127, 80)])
+
+
+def test_a_grammar_or_prompt_the_representation_lacks_is_one_line(models, tmp_path):
+    r = cli("generate", models["remi-xl"], "--midi", tmp_path / "s.mid", "--grammar", "remi")
+    assert_one_line_error(r, "--grammar remi", "remi-xl")
+    write_midi(["Bar_None", "Beat_0", "Note_Pitch_60", "Note_Velocity_64", "Note_Duration_480", "Bar_None"],
+               "remi-xl", tmp_path / "prompt.mid")
+    r = cli("generate", models["remi-xl"], "--midi", tmp_path / "s.mid", "--prompt-midi", tmp_path / "prompt.mid")
+    assert_one_line_error(r, "remi only")
+    assert not (tmp_path / "s.mid").exists()
