@@ -1,8 +1,10 @@
-"""`txl-deploy generate`: stream text from an exported graph, an engine or a checkpoint."""
+"""`txl-deploy generate`: stream text from an exported graph, an engine or a checkpoint, or write a music model's
+song as a MIDI file."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -15,27 +17,59 @@ from txl_deploy.cli.options import (
     use_tokenizer,
 )
 from txl_deploy.errors import InputError
+from txl_deploy.files import atomic_path, check_writable
+from txl_deploy.music.events_to_midi import events_to_score, write_midi
+from txl_deploy.music.generation import UPSTREAM_TOKEN_LIMIT, generate_music, music_representation
 from txl_deploy.music.grammar import GRAMMARS
+from txl_deploy.music.midi_to_events import midi_to_events
+from txl_deploy.music.piano_roll import write_piano_roll
+from txl_deploy.music.representation import REPRESENTATIONS
 from txl_deploy.runtimes import TxlRuntime
+
+TEXT_MAX_NEW_TOKENS = 200
+OUTPUT = click.Path(dir_okay=False, path_type=Path)
 
 
 @click.command("generate")
 @click.argument("model", type=ModelReference(click.Path(exists=True)))
-@click.option("--prompt", required=True, help="Text to start from. For a byte-level (enwik8) model it is read as "
+@click.option("--prompt", help="Text to start from (needed for text). For a byte-level (enwik8) model it is read as "
               "UTF-8 with newlines dropped, as the model was trained; for text8, lowercase a-z and spaces.")
-@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=None,
+              help=f"At most this many new tokens. [default: {TEXT_MAX_NEW_TOKENS}; a song: "
+                   f"{UPSTREAM_TOKEN_LIMIT}, remi-xl's limit]")
 @sampling_options(temperature=1.0)
 @click.option("--grammar", type=click.Choice(sorted(GRAMMARS)), default=None,
               help="A music model: sample only the events this representation's grammar allows next, so its MIDI "
-                   "writer places every one (valid music by construction).")
+                   "writer places every one (valid music by construction). A song uses its own unless --no-grammar.")
+@click.option("--midi", "midi_out", type=OUTPUT,
+              help="A music model: generate a song and write it to this MIDI file (needs the music extra).")
+@click.option("--events", "events_out", type=OUTPUT,
+              help="A song: also write its events here, one a line (what `txl-deploy midi` reads).")
+@click.option("--piano-roll", "roll_out", type=OUTPUT,
+              help="A song: also draw its notes as a piano roll, a PNG picture (pitch up, time right, bars marked).")
+@click.option("--bars", type=click.IntRange(min=1), default=None,
+              help="A song: stop once this many bars are generated (Bar events counted, as REMI does). "
+                   "[default: remi-xl at EOS_None; REMI 16]")
+@click.option("--prompt-midi", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A song: continue this MIDI file (its REMI events, then a new bar) instead of the upstream "
+                   "start (REMI: a bar, a random tempo class and value; remi-xl: a bar).")
+@click.option("--chords/--no-chords", default=None,
+              help="A song: start with a random chord, and read --prompt-midi's chords, as REMI's chord model "
+                   "does. [default: on when MODEL's name says chord]")
+@click.option("--representation", "representation_name", type=click.Choice(list(REPRESENTATIONS)), default=None,
+              help="A song: the events' representation. [default: the one MODEL's vocabulary is]")
+@click.option("--no-grammar", is_flag=True, help="A song: sample freely (the writer drops what it cannot place).")
+@click.option("--force", is_flag=True, help="Overwrite the song's output files if they exist.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
               help="[default: by file type: .onnx -> onnxruntime, .engine -> tensorrt, .pte -> executorch, "
                    "checkpoint -> torch]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @tokenizer_option("For this run only.")
 @threads_option
-def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, backend, providers, tokenizer, threads):
-    """Stream text generated from MODEL (an .onnx, an .engine, an ExecuTorch .pte or a checkpoint) after PROMPT.
+def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, midi_out, events_out, roll_out, bars, prompt_midi,
+                 chords, representation_name, no_grammar, force, backend, providers, tokenizer, threads):
+    """Stream text generated from MODEL (an .onnx, an .engine, an ExecuTorch .pte or a checkpoint) after PROMPT,
+    or, with --midi (--events, --piano-roll), write a music model's song.
 
     The text is printed as it is generated, decoded incrementally: a character that a byte-level model spells over
     several tokens appears once complete, and bytes that are not UTF-8 print as U+FFFD. --no-unk keeps `<unk>` out
@@ -43,20 +77,79 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, backend, prov
     `TxlRuntime.generate`.
 
     MODEL may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION], run as a checkpoint by PyTorch after it
-    is fetched into the hub cache (or found there offline); exporting it first runs faster."""
+    is fetched into the hub cache (or found there offline); exporting it first runs faster.
+
+    A song (a REMI or remi-xl model, told by its vocabulary's events) starts as its project starts one, or from
+    --prompt-midi, and stops after --bars bars or at remi-xl's EOS_None, sampled under the representation's grammar
+    so the MIDI writer places every event. The same --seed gives the same song.
+
+    \b
+    Example:
+      txl-deploy generate REMI-tempo-checkpoint --midi song.mid --bars 16 --temperature 1.2 --top-k 5
+      txl-deploy generate remi.onnx --midi more.mid --prompt-midi song.mid --events more.txt --piano-roll more.png
+    """
     model = local_model(model)
+    song = midi_out or events_out or roll_out
+    if not song and (bars or prompt_midi or chords is not None or representation_name or no_grammar):
+        raise click.UsageError("--bars, --prompt-midi, --chords, --representation and --no-grammar make a song: "
+                               "pass --midi (or --events, --piano-roll)")
+    if song and prompt is not None:
+        raise click.UsageError("a song starts from --prompt-midi (or as its project starts one), not --prompt")
+    if not song and prompt is None:
+        raise click.UsageError("pass --prompt (text to continue), or --midi to write a music model's song")
+    for out in (midi_out, events_out, roll_out):
+        if out is not None:
+            check_writable(out, force)  # before the song is generated, not after
     with TxlRuntime.load(model, backend=backend, providers=providers.split(",") if providers else None,
                          threads=threads) as rt:
         use_tokenizer(rt, tokenizer)
+        if song:
+            _song(rt, Path(model), max_new_tokens, sampling, grammar, midi_out, events_out, roll_out, bars,
+                  prompt_midi, chords, representation_name, no_grammar, force)
+            return
         if rt.vocab is None:
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
         # checked here, before the prompt is echoed
+        max_new_tokens = TEXT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         pieces = rt.generate_text(prompt, max_new_tokens, grammar=grammar, **sampling)
         click.echo(prompt, nl=False)
         for piece in pieces:  # decoded incrementally: a character over several byte tokens prints once whole
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
+
+
+def _song(rt, model: Path, max_new_tokens, sampling, grammar, midi_out, events_out, roll_out, bars, prompt_midi,
+          chords, representation_name, no_grammar, force):
+    try:
+        rep = music_representation(rt.vocab, representation_name)
+    except InputError as e:
+        raise InputError(f"{model}: {e}") from None
+    if grammar is not None and grammar != rep.name:
+        raise InputError(f"--grammar {grammar} does not match the model's {rep.name} events")
+    if midi_out is not None:
+        import mido  # noqa: F401  the music extra: when it is missing, its install hint comes before the song
+    if chords is None:
+        chords = "chord" in model.name.lower()  # as the Pop Music Transformer decides, by the folder's name
+    prompt = None if prompt_midi is None else midi_to_events(prompt_midi, rep, chords=chords)
+    events = generate_music(rt, rep, bars=bars, prompt=prompt, chords=chords, grammar=not no_grammar,
+                            max_events=UPSTREAM_TOKEN_LIMIT if max_new_tokens is None else max_new_tokens,
+                            **sampling)
+    if events_out is not None:
+        with atomic_path(events_out, force=force) as tmp:
+            tmp.write_text("".join(f"{event}\n" for event in events), encoding="utf-8")
+    notes = None
+    if midi_out is not None:
+        notes = write_midi(events, rep, midi_out, force=force).notes
+        click.echo(f"wrote {midi_out}: {len(notes)} notes, {events.count(rep.bar)} bar events, "
+                   f"{len(events)} {rep.name} events")
+    if events_out is not None:
+        click.echo(f"wrote {events_out}: {len(events)} events")
+    if roll_out is not None:
+        if notes is None:
+            notes = events_to_score(events, rep).notes
+        width, height = write_piano_roll(notes, roll_out, force=force)
+        click.echo(f"wrote {roll_out}: a piano roll of {width} x {height} pixels")
 
 
 COMMANDS = [generate_cmd]
