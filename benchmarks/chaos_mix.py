@@ -47,8 +47,7 @@ MIX = {
 
 @dataclass
 class Target:
-    """The server under test: where it listens, its process, the limits it was started with; `engine` is the
-    in-process Scheduler when the server runs in this process (its rows are then counted exactly)."""
+    """The server under test: where it listens, its process, the limits it was started with."""
     url: str
     pid: int
     max_batch: int
@@ -57,7 +56,6 @@ class Target:
     max_tokens: int = 4096
     max_prompt_tokens: int = 8192
     api_key: str | None = None
-    engine: object | None = None
 
 
 @dataclass
@@ -138,8 +136,8 @@ class ChaosClient:
 
     async def request(self, op, method, path, expected, *, json_body=None, content=None, headers=None,
                       lenient=False, client=None):
-        """One request: (status, parsed JSON or None), or None when no answer came (a transport error, a failure
-        unless `lenient`: a server may close on a body it refuses)."""
+        """One request: (status, parsed JSON or None, body), or None when no answer came (a transport error, a
+        failure unless `lenient`: a server may close on a body it refuses)."""
         client = client or self.client
         what = f"{method} {path}"
         try:
@@ -151,7 +149,7 @@ class ChaosClient:
             if not lenient:
                 self.fail("answers", f"{op}: {what}: no answer ({type(e).__name__}: {e})")
             return None
-        return r.status_code, self.answer(op, what, r.status_code, r.content, expected)
+        return r.status_code, self.answer(op, what, r.status_code, r.content, expected), r.content
 
     async def stream(self, op, body, *, events=None, tick=0.0, hold=None, expect_done=True, expected=ANSWERED):
         """A streamed completion: read `events` events (then disconnect), or every one (with `tick` seconds
@@ -224,15 +222,6 @@ class ChaosClient:
                 await writer.wait_closed()
             except (ConnectionError, OSError):
                 pass
-
-    async def park(self, op: str, sid: str) -> httpx.Response:
-        """POST /v1/sessions/SID/park, its answer recorded; the response's body is the parked state."""
-        try:
-            r = await self.client.post(f"/v1/sessions/{sid}/park", headers=self.headers())
-        except httpx.TimeoutException:
-            raise Hang(f"{op}: POST /v1/sessions/{sid}/park: no answer within {self.s.timeout_s:g} s") from None
-        self.answer(op, "POST /v1/sessions/ID/park", r.status_code, b"" if r.status_code == OK else r.content, {200})
-        return r
 
     def sid(self, kind: str) -> str:
         return f"{kind}-{next(self.ids)}"
@@ -399,10 +388,10 @@ class ChaosClient:
                                  json_body={"prompt": self.prompt(rng), "max_tokens": 3, "session_id": sid})
         if not got or got[0] != OK:
             return await self.gone("churn", sid)
-        r = await self.park("churn", sid)
-        if r.status_code != OK:
+        got = await self.request("churn", "POST", f"/v1/sessions/{sid}/park", {200})
+        if not got or got[0] != OK:
             return await self.gone("churn", sid)
-        blob = r.content
+        blob = got[2]
         await self.request("churn", "GET", f"/v1/sessions/{sid}", SESSION_GONE)  # parked: gone, says so
         await self.request("churn", "POST", f"/v1/sessions/{again}/restore", {201, BUSY}, content=blob)
         await self.request("churn", "POST", f"/v1/sessions/{again}/restore", {409, BUSY}, content=blob)
