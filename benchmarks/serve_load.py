@@ -138,7 +138,7 @@ def session_logged(name: str, r: int, url: str, long_text, context: int) -> dict
 def markdown(result: dict) -> str:
     m = result["model"]
     lines = [
-        (f"Model: {load.model_sentence(m)}, max_segment {m['max_segment']}), {result['threads']} ONNX "
+        (f"Model: {load.model_sentence(m)}, {result['threads']} ONNX "
          f"Runtime thread(s) on every side. {result['concurrency']} concurrent streams, each a "
          f"{result['prompt_len']}-token prompt ({result['prompt_kind']}) and {result['tokens']} greedy tokens; "
          f"{result['repeat']} interleaved rounds per path (tokens/s: the median round, slowest and fastest in "
@@ -178,9 +178,7 @@ def section(result: dict) -> list[str]:
 
 
 def results_file(results: list[dict], command: str) -> str:
-    return load.results_file("HTTP serving: txl-deploy serve vs in-process, sessions", results, command, section,
-                             "Absolute speeds are noisy on a shared machine; the ratios compare paths measured in "
-                             "alternating rounds of the same run with the same threads.")
+    return load.results_file("HTTP serving: txl-deploy serve vs in-process, sessions", results, command, section)
 
 
 def measure(args, command):

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,13 +242,9 @@ def spread(values, pct: bool = False) -> str:
 
 # -- where it ran, and the results file -----------------------------------------------------------------------------
 def versions(server_version: str | None = None) -> dict:
-    out = {"python": platform.python_version(), "tritonserver": server_version}
-    for dist in ("txl-deploy", "tritonclient", "onnxruntime", "numpy", "grpcio"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
+    dists = ("txl-deploy", "tritonclient", "onnxruntime", "numpy", "grpcio")
+    return {"python": platform.python_version(), "tritonserver": server_version,
+            **{d: harness.package_version(d) for d in dists}}
 
 
 def machine() -> dict:
@@ -274,15 +269,15 @@ def model_fields(label: str, model_file: Path, rt) -> dict:
 
 
 def model_sentence(m: dict) -> str:
-    return (f"{m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
-            f"{m['n_token']} tokens, ONNX Runtime CPU fp32")
+    return (f"{m['label']} (`{m['file']}`: {m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
+            f"{m['n_token']} tokens, max_segment {m['max_segment']}, ONNX Runtime CPU fp32)")
 
 
-def results_file(title: str, results: list[dict], command: str, section, about: str) -> str:
-    """The whole results file: the machine and `about` (how to read it), then each model's `section(result)`."""
-    mach = results[0]["machine"]
-    lines = [(f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load average "
-             f"{mach['load_average_start'][0]:.1f} at the start (the machine's other work). {about}"), ""]
+def results_file(title: str, results: list[dict], command: str, section, about: str = "") -> str:
+    """The whole results file: how to read it, then each model's `section(result)`."""
+    lines = [("Absolute speeds move with the machine's other load (each section gives it); the ratios compare paths "
+              f"measured in alternating rounds of the same run, with the same ONNX Runtime threads on every side.{about}"),
+             ""]
     for result in results:
         lines += [f"## {result['model']['label']}", "", *section(result)]
     return harness.results_markdown(title, "\n".join(lines), command)
