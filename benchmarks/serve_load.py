@@ -60,7 +60,7 @@ def http_round(url: str, prompts, n_tokens: int):
     return asyncio.run(run())
 
 
-def session_round(url: str, context, follow_up) -> dict:
+def session_round(name: str, r: int, url: str, context, follow_up) -> dict:
     """TTFT of a follow-up continuing a session that holds `context`, and of re-sending context + follow-up."""
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=load.TIMEOUT) as client:
@@ -76,7 +76,10 @@ def session_round(url: str, context, follow_up) -> dict:
             t1, stamps1, resent = await _one_stream(client, _greedy([*context, *follow_up], 1))
             await client.delete(f"/v1/sessions/{sid}")
             return {"session_ttft_s": stamps[0] - t0, "resend_ttft_s": stamps1[0] - t1, "same_token": continued == resent}
-    return asyncio.run(run())
+    s = asyncio.run(run())
+    logger.info(f"  round {r + 1}  {name:>20}  session TTFT {1e3 * s['session_ttft_s']:8.1f} ms, "
+                f"re-sent {1e3 * s['resend_ttft_s']:8.1f} ms")
+    return s
 
 
 # -- the whole benchmark --------------------------------------------------------------------------------------------
@@ -106,7 +109,8 @@ def run_benchmark(model=None, concurrency: int = 16, tokens: int = 64, prompt_le
             log = [ln.strip() for ln in srv.log_path.read_text().splitlines() if "memory per session" in ln]
             ctx.result.update({"memory_per_session_log": log[-1]} if log else {})
             sides[name] = load.timed(name, lambda url=srv.url: http_round(url, ctx.prompts, tokens), tokens)
-            sides["session " + name] = lambda r, url=srv.url, name=name: session_logged(name, r, url, text, context)
+            sides["session " + name] = lambda r, url=srv.url, name=name: session_round(name, r, url, text[:context],
+                                                                                       text[context:])
         return {**sides, BATCHED: load.timed(BATCHED, lambda: load.batched_round(ctx.rt, ctx.prompts, tokens), tokens)}
 
     result, raw = load.run(model, start, prompts=concurrency, prompt_len=prompt_len, repeat=repeat, threads=threads,
@@ -125,13 +129,6 @@ def run_benchmark(model=None, concurrency: int = 16, tokens: int = 64, prompt_le
                                     "speedup": float(np.median(full) / np.median(cont)),
                                     "same_token": all(s["same_token"] for s in rounds)}
     return result
-
-
-def session_logged(name: str, r: int, url: str, long_text, context: int) -> dict:
-    s = session_round(url, long_text[:context], long_text[context:])
-    logger.info(f"  round {r + 1}  {name:>20}  session TTFT {1e3 * s['session_ttft_s']:8.1f} ms, "
-                f"re-sent {1e3 * s['resend_ttft_s']:8.1f} ms")
-    return s
 
 
 # -- the report -------------------------------------------------------------------------------------------------

@@ -147,10 +147,13 @@ def run(model, start, *, prompts: int, prompt_len: int, repeat: int, threads, me
 
 
 def timed(what: str, fn, n_tokens: int):
-    """A side that logs each round's progress line; `fn()` returns the streams, or (streams, more)."""
+    """A side that logs each round's tokens/s and median and mean gap; `fn()` returns the streams, or (streams, more)."""
     def side(r):
         out = fn()
-        logger.info(round_line(what, r, out[0] if isinstance(out, tuple) else out, n_tokens))
+        runs = out[0] if isinstance(out, tuple) else out
+        gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
+        logger.info(f"  round {r + 1}  {what:>20}  C={len(runs):>3}  {rate(runs, n_tokens):8.1f} tok/s  "
+                    f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
         return out
     return side
 
@@ -225,13 +228,6 @@ def rate_cells(r: dict) -> list[str]:
     spread = f" ({min(rates):.0f}-{max(rates):.0f})" if len(rates) > 1 else ""
     ratio = f"{100 * r['ratio_to_batched']:.0f}%" if "ratio_to_batched" in r else "-"
     return [f"{r['tokens_per_s']:.0f}{spread}", ratio]
-
-
-def round_line(what: str, r: int, runs, n_tokens: int) -> str:
-    """A round's progress line: tokens/s, and the median and mean gap between tokens."""
-    gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
-    return (f"  round {r + 1}  {what:>20}  C={len(runs):>3}  {rate(runs, n_tokens):8.1f} tok/s  "
-            f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
 
 
 def spread(values, pct: bool = False) -> str:

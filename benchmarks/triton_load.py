@@ -142,14 +142,13 @@ def run_benchmark(model=None, concurrency=(1, 16), tokens: int = 64, instances=(
                 ctx.rt, prompts[:c], tokens), tokens)
         return sides
 
-    def server_side(count, c):  # a server side's rounds are (streams, Triton's counters)
-        return [runs for runs, _ in raw[count, c]]
-
     result, raw = load.run(model, start, prompts=max(concurrency), prompt_len=prompt_len, repeat=repeat,
                            threads=threads, mem_len=mem_len, cache_dir=cache_dir, tokens=tokens,
                            concurrency=concurrency, instances=instances, max_batch=max_batch,
                            queue_delay_us=queue_delay_us)
-    result["server"] = [{"instances": count, **load.summarise(server_side(count, c), tokens, raw["batched", c]),
+    # a server's round is (its streams, the change in Triton's counters)
+    result["server"] = [{"instances": count, **load.summarise([runs for runs, _ in raw[count, c]], tokens,
+                                                              raw["batched", c]),
                          **_server_columns([delta for _, delta in raw[count, c]])}
                         for count in instances for c in concurrency]
     result["in_process"] = [load.summarise(raw["in-process", c], tokens) for c in concurrency]
@@ -182,9 +181,7 @@ def settings_table(result: dict) -> list[str]:
                                  f"{mach['load_average_end'][0]:.1f} at the end; round by round: "
                                  + ", ".join(f"{x:.1f}" for x in result.get("load_average_rounds", []))),
         ("machine", f"{mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']})"),
-        ("versions", (f"Python {v['python']}, txl-deploy {v['txl-deploy']}, tritonserver {v['tritonserver']}, "
-                     f"tritonclient {v['tritonclient']}, onnxruntime {v['onnxruntime']}, numpy {v['numpy']}, "
-                     f"grpcio {v['grpcio']}")),
+        ("versions", ", ".join(f"{name} {v[name]}" for name in v)),
         ("date", result["date"]),
     ]
     return harness.table(["setting", "value"], rows)
