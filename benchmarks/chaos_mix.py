@@ -5,6 +5,7 @@ API documents for it. The operations are listed in docs/benchmarks.md ("Serving"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -131,9 +132,6 @@ class ChaosClient:
             self.fail("answers", f"{op}: {what} -> {status} (expected {sorted(expected)}) {message}")
         return parsed
 
-    def headers(self, extra=None) -> dict:
-        return {**self.auth, **(extra or {})}
-
     async def request(self, op, method, path, expected, *, json_body=None, content=None, headers=None,
                       lenient=False, client=None):
         """One request: (status, parsed JSON or None, body), or None when no answer came (a transport error, a
@@ -141,7 +139,7 @@ class ChaosClient:
         client = client or self.client
         what = f"{method} {path}"
         try:
-            r = await client.request(method, path, json=json_body, content=content, headers=self.headers(headers))
+            r = await client.request(method, path, json=json_body, content=content, headers={**self.auth, **(headers or {})})
         except httpx.TimeoutException:
             raise Hang(f"{op}: {what}: no answer within {self.s.timeout_s:g} s") from None
         except httpx.TransportError as e:
@@ -156,12 +154,12 @@ class ChaosClient:
         between reads, for at most `hold` seconds, then disconnect). Returns status, tokens, log-probs, done."""
         out, started = {"status": None, "tokens": [], "logprobs": [], "done": False, "error": None}, time.monotonic()
         try:
-            async with self.client.stream("POST", "/v1/completions", json=body, headers=self.headers()) as r:
+            async with self.client.stream("POST", "/v1/completions", json=body, headers=self.auth) as r:
                 out["status"] = r.status_code
+                self.answer(op, "POST /v1/completions (stream)", r.status_code,
+                            b"" if r.status_code == OK else await r.aread(), expected)
                 if r.status_code != OK:
-                    self.answer(op, "POST /v1/completions (stream)", r.status_code, await r.aread(), expected)
                     return out
-                self.answer(op, "POST /v1/completions (stream)", OK, b"", None)
                 n = 0
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
@@ -176,8 +174,7 @@ class ChaosClient:
                         self.fail("answers", f"{op}: a stream event that is not JSON ({e}): {data[:120]}")
                         return out
                     if "error" in event:
-                        err = event["error"]
-                        out["error"] = err
+                        err = out["error"] = event["error"]
                         if err.get("type") == "server_error":
                             self.fail("server_errors", f"{op}: the stream failed: {err.get('message', '')[:200]}")
                         continue
@@ -185,10 +182,8 @@ class ChaosClient:
                     out["tokens"] += choice.get("token_ids") or []
                     out["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
                     n += 1
-                    if events is not None and n >= events:
+                    if (events is not None and n >= events) or (hold is not None and time.monotonic() - started > hold):
                         return out  # leaving the block closes the connection: a disconnect mid-stream
-                    if hold is not None and time.monotonic() - started > hold:
-                        return out
                     if tick:
                         await asyncio.sleep(tick)
         except httpx.TimeoutException:
@@ -203,25 +198,21 @@ class ChaosClient:
     async def raw(self, payload: bytes, hold: float, trickle: bytes = b"", tick: float = 0.25):
         """A raw connection: send `payload`, then `trickle` a byte per tick, for `hold` seconds; then close."""
         _, writer = await asyncio.open_connection(self.host, self.port)
-        try:
-            writer.write(payload)
-            await writer.drain()
-            end = time.monotonic() + hold
-            for b in itertools.cycle(trickle or b"\0"):
-                if time.monotonic() >= end:
-                    break
-                if trickle:
-                    writer.write(bytes([b]))
-                    await writer.drain()
-                await asyncio.sleep(min(tick, max(0.0, end - time.monotonic())))
-        except (ConnectionError, OSError):  # the server may close first: that is allowed
-            pass
-        finally:
-            writer.close()
+        with contextlib.suppress(ConnectionError, OSError):  # the server may close first: that is allowed
             try:
+                writer.write(payload)
+                await writer.drain()
+                end = time.monotonic() + hold
+                for b in itertools.cycle(trickle or b"\0"):
+                    if time.monotonic() >= end:
+                        break
+                    if trickle:
+                        writer.write(bytes([b]))
+                        await writer.drain()
+                    await asyncio.sleep(min(tick, max(0.0, end - time.monotonic())))
+            finally:
+                writer.close()
                 await writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
 
     def sid(self, kind: str) -> str:
         return f"{kind}-{next(self.ids)}"
@@ -254,10 +245,8 @@ class ChaosClient:
         if rng.random() < 0.2:
             body["stop"] = [" "]
         got = await self.request("complete", "POST", "/v1/completions", ANSWERED, json_body=body)
-        if got and got[0] == OK and len(self.texts) < 64:
-            text = got[1]["choices"][0]["text"].strip()
-            if text:
-                self.texts.append(text)
+        if got and got[0] == OK and len(self.texts) < 64 and got[1]["choices"][0]["text"].strip():
+            self.texts.append(got[1]["choices"][0]["text"].strip())
 
     async def op_stream(self, rng):
         body = {"prompt": self.prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": 0, "stream": True,
@@ -285,24 +274,20 @@ class ChaosClient:
 
     async def op_disconnect_stream(self, rng):
         body = {"prompt": self.prompt(rng), "max_tokens": 200, "temperature": 0.8, "stream": True}
-        if rng.random() < 0.5:  # a session's request cut off: the session keeps what was fed
-            sid = await self.new_session("disconnect_stream", "cut")
-            if sid is not None:
-                await self.stream("disconnect_stream", {**body, "session_id": sid}, events=rng.randint(1, 5))
-                await self.gone("disconnect_stream", sid)
-                return
-        await self.stream("disconnect_stream", body, events=rng.randint(1, 5))
+        # half of them a session's request: cut off, the session keeps what was fed
+        sid = await self.new_session("disconnect_stream", "cut") if rng.random() < 0.5 else None
+        await self.stream("disconnect_stream", {**body, "session_id": sid} if sid else body, events=rng.randint(1, 5))
+        if sid:
+            await self.gone("disconnect_stream", sid)
 
     async def op_disconnect_prompt(self, rng):
         """A long prompt, abandoned while it is probably still being fed (or just after)."""
         n = min(self.t.max_prompt_tokens, 256)
         body = {"prompt": [rng.randrange(self.n_token) for _ in range(n)], "max_tokens": 4,
                 "stream": rng.random() < 0.5}
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):  # the client goes away: the connection closes under it
             await asyncio.wait_for(self.request("disconnect_prompt", "POST", "/v1/completions", ANSWERED,
                                                 json_body=body), rng.uniform(0.0, 0.05))
-        except asyncio.TimeoutError:
-            pass  # the client went away: the connection is closed under the request
 
     async def op_disconnect_upload(self, rng):
         """Headers and half the body, then the connection closes."""
@@ -319,11 +304,9 @@ class ChaosClient:
         await self.stream("slow_reader", body, tick=rng.uniform(0.05, 0.2), hold=self.s.hold_s, expect_done=False)
 
     async def op_idle_socket(self, rng):
-        if rng.random() < 0.5:
-            await self.raw(b"", hold=self.s.hold_s)  # connects, says nothing
-        else:  # one request, then the connection stays open and says nothing more
-            req = f"GET /health HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode()
-            await self.raw(req, hold=self.s.hold_s)
+        # connects and says nothing, or sends one request and then nothing more
+        req = b"" if rng.random() < 0.5 else f"GET /health HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode()
+        await self.raw(req, hold=self.s.hold_s)
 
     async def op_slowloris(self, rng):
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n".encode()

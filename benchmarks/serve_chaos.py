@@ -63,11 +63,6 @@ def metric_value(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def endpoint_labels(text: str) -> set[str]:
-    """The endpoint label values of the request counter in a /metrics page."""
-    return set(re.findall(r'^txl_requests_total\{[^}\n]*endpoint="((?:[^"\\]|\\.)*)"', text, re.MULTILINE))
-
-
 # -- the run -----------------------------------------------------------------------------------------------------
 class _Broken(Exception):
     """A golden conversation could not go on: its error."""
@@ -269,7 +264,8 @@ class _Chaos(ChaosClient):
                 g = out["gauges"] = {"running": metric_value(text, "txl_running_streams"),
                                      "queued": metric_value(text, "txl_queue_depth"),
                                      "sessions": metric_value(text, "txl_sessions"), "listed_sessions": len(listed)}
-                out["labels"] = sorted(endpoint_labels(text))
+                out["labels"] = sorted(set(re.findall(  # the request counter's endpoint labels
+                    r'^txl_requests_total\{[^}\n]*endpoint="((?:[^"\\]|\\.)*)"', text, re.MULTILINE)))
                 out["health"] = (await client.get("/health")).status_code
                 if g["sessions"] != g["listed_sessions"]:
                     self.fail("rows", f"{when}: txl_sessions says {g['sessions']}, GET /v1/sessions lists "
@@ -394,36 +390,31 @@ def markdown(report: dict, about: dict) -> str:
     return "\n".join([*lines, "", measured_line(about["date"], about["machine"], about["versions"])]) + "\n"
 
 
-def serve_and_run(args, tmp: Path) -> tuple[dict, dict]:
-    """The server up, the chaos against it, the server stopped; (report, what the results file says about it)."""
-    model_file, label = prepare_model(args.model, tmp, cache_dir=args.cache_dir)
-    key = secrets.token_hex(12)
-    settings = ChaosSettings(duration_s=args.duration, warmup_s=args.warmup, workers=args.workers, seed=args.seed,
-                             golden=args.golden, timeout_s=args.timeout, hold_s=3.0)
-    reference = runtime_reference(lambda: TxlRuntime.load(model_file, providers=["cpu"], threads=args.threads))
-    about = {"label": label, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "machine": machine(), "versions": versions()}
-    srv = ServeProcess([str(model_file), f"--threads={args.threads}", f"--max-batch={args.max_batch}",
-                        f"--max-sessions={args.max_sessions}", f"--max-queue={4 * args.max_batch}",
-                        f"--max-prompt-tokens={MAX_PROMPT}", "--api-key", key], tmp / "serve.log")
-    try:
-        target = Target(srv.wait_ready().url, srv.proc.pid, args.max_batch, args.max_sessions,
-                        max_prompt_tokens=MAX_PROMPT, api_key=key)
-        report = run_chaos(target, settings, reference)
-    finally:
-        about["exit"] = srv.close()
-    log = srv.log_path.read_text(errors="replace").splitlines()
-    about["log_errors"] = sum(("ERROR" in ln or "Traceback" in ln) for ln in log)
-    about["server"] = f"`txl-deploy serve` in its own process ({args.threads} ONNX Runtime thread(s))"
-    return report, about
-
-
 def measure(args, command):
+    """The server up, the chaos against it, the server stopped; the results file and its JSON."""
     if args.max_sessions < 2 * (args.workers + args.golden):
         raise InputError("--max-sessions must be at least 2 x (--workers + --golden): the golden sessions must never "
                          "be the least recently used one evicted")
+    key = secrets.token_hex(12)
+    settings = ChaosSettings(duration_s=args.duration, warmup_s=args.warmup, workers=args.workers, seed=args.seed,
+                             golden=args.golden, timeout_s=args.timeout, hold_s=3.0)
     with tempfile.TemporaryDirectory(prefix="txl-serve-chaos-") as tmp:
-        report, about = serve_and_run(args, Path(tmp))
+        model_file, label = prepare_model(args.model, Path(tmp), cache_dir=args.cache_dir)
+        reference = runtime_reference(lambda: TxlRuntime.load(model_file, providers=["cpu"], threads=args.threads))
+        about = {"label": label, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine(), "versions": versions(),
+                 "server": f"`txl-deploy serve` in its own process ({args.threads} ONNX Runtime thread(s))"}
+        srv = ServeProcess([str(model_file), f"--threads={args.threads}", f"--max-batch={args.max_batch}",
+                            f"--max-sessions={args.max_sessions}", f"--max-queue={4 * args.max_batch}",
+                            f"--max-prompt-tokens={MAX_PROMPT}", "--api-key", key], Path(tmp) / "serve.log")
+        try:
+            target = Target(srv.wait_ready().url, srv.proc.pid, args.max_batch, args.max_sessions,
+                            max_prompt_tokens=MAX_PROMPT, api_key=key)
+            report = run_chaos(target, settings, reference)
+        finally:
+            about["exit"] = srv.close()
+        about["log_errors"] = sum(("ERROR" in ln or "Traceback" in ln)
+                                  for ln in srv.log_path.read_text(errors="replace").splitlines())
     text = harness.results_markdown("HTTP serving under chaos: faults from the clients, what holds after",
                                     markdown(report, about), command)
     return text, {"report": report, "about": about, "command": command}, 1 if any(report["failures"].values()) else 0
