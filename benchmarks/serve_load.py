@@ -133,13 +133,12 @@ def run_benchmark(model=None, concurrency: int = 16, tokens: int = 64, prompt_le
 
 # -- the report -------------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
-    m = result["model"]
     lines = [
-        (f"Model: {load.model_sentence(m)}, {result['threads']} ONNX "
-         f"Runtime thread(s) on every side. {result['concurrency']} concurrent streams, each a "
-         f"{result['prompt_len']}-token prompt ({result['prompt_kind']}) and {result['tokens']} greedy tokens; "
-         f"{result['repeat']} interleaved rounds per path (tokens/s: the median round, slowest and fastest in "
-         "brackets; latencies pool every stream of every round)."), "",
+        (f"Model: {load.model_sentence(result['model'])}, {result['threads']} ONNX Runtime thread(s) on every side. "
+         f"{result['concurrency']} concurrent streams, each a {result['prompt_len']}-token prompt "
+         f"({result['prompt_kind']}) and {result['tokens']} greedy tokens; {result['repeat']} interleaved rounds per "
+         "path (tokens/s: the median round, slowest and fastest in brackets; latencies pool every stream of every "
+         "round)."), "",
         *harness.table(["path", "tokens/s", "of in-process batched", "TTFT p50 ms", "TTFT p99 ms",
                         "inter-token p50 ms", "p99 ms"],
                        [[name, *load.rate_cells(p), f"{p['first_token_p50_ms']:.1f}", f"{p['first_token_p99_ms']:.1f}",
