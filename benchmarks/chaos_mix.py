@@ -5,6 +5,7 @@ API documents for it. The operations are listed in docs/benchmarks.md ("Serving"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -47,8 +48,7 @@ MIX = {
 
 @dataclass
 class Target:
-    """The server under test: where it listens, its process, the limits it was started with; `engine` is the
-    in-process Scheduler when the server runs in this process (its rows are then counted exactly)."""
+    """The server under test: where it listens, its process, the limits it was started with."""
     url: str
     pid: int
     max_batch: int
@@ -57,7 +57,6 @@ class Target:
     max_tokens: int = 4096
     max_prompt_tokens: int = 8192
     api_key: str | None = None
-    engine: object | None = None
 
 
 @dataclass
@@ -133,17 +132,14 @@ class ChaosClient:
             self.fail("answers", f"{op}: {what} -> {status} (expected {sorted(expected)}) {message}")
         return parsed
 
-    def headers(self, extra=None) -> dict:
-        return {**self.auth, **(extra or {})}
-
     async def request(self, op, method, path, expected, *, json_body=None, content=None, headers=None,
                       lenient=False, client=None):
-        """One request: (status, parsed JSON or None), or None when no answer came (a transport error, a failure
-        unless `lenient`: a server may close on a body it refuses)."""
+        """One request: (status, parsed JSON or None, body), or None when no answer came (a transport error, a
+        failure unless `lenient`: a server may close on a body it refuses)."""
         client = client or self.client
         what = f"{method} {path}"
         try:
-            r = await client.request(method, path, json=json_body, content=content, headers=self.headers(headers))
+            r = await client.request(method, path, json=json_body, content=content, headers={**self.auth, **(headers or {})})
         except httpx.TimeoutException:
             raise Hang(f"{op}: {what}: no answer within {self.s.timeout_s:g} s") from None
         except httpx.TransportError as e:
@@ -151,19 +147,19 @@ class ChaosClient:
             if not lenient:
                 self.fail("answers", f"{op}: {what}: no answer ({type(e).__name__}: {e})")
             return None
-        return r.status_code, self.answer(op, what, r.status_code, r.content, expected)
+        return r.status_code, self.answer(op, what, r.status_code, r.content, expected), r.content
 
     async def stream(self, op, body, *, events=None, tick=0.0, hold=None, expect_done=True, expected=ANSWERED):
         """A streamed completion: read `events` events (then disconnect), or every one (with `tick` seconds
         between reads, for at most `hold` seconds, then disconnect). Returns status, tokens, log-probs, done."""
         out, started = {"status": None, "tokens": [], "logprobs": [], "done": False, "error": None}, time.monotonic()
         try:
-            async with self.client.stream("POST", "/v1/completions", json=body, headers=self.headers()) as r:
+            async with self.client.stream("POST", "/v1/completions", json=body, headers=self.auth) as r:
                 out["status"] = r.status_code
+                self.answer(op, "POST /v1/completions (stream)", r.status_code,
+                            b"" if r.status_code == OK else await r.aread(), expected)
                 if r.status_code != OK:
-                    self.answer(op, "POST /v1/completions (stream)", r.status_code, await r.aread(), expected)
                     return out
-                self.answer(op, "POST /v1/completions (stream)", OK, b"", None)
                 n = 0
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
@@ -178,8 +174,7 @@ class ChaosClient:
                         self.fail("answers", f"{op}: a stream event that is not JSON ({e}): {data[:120]}")
                         return out
                     if "error" in event:
-                        err = event["error"]
-                        out["error"] = err
+                        err = out["error"] = event["error"]
                         if err.get("type") == "server_error":
                             self.fail("server_errors", f"{op}: the stream failed: {err.get('message', '')[:200]}")
                         continue
@@ -187,10 +182,8 @@ class ChaosClient:
                     out["tokens"] += choice.get("token_ids") or []
                     out["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
                     n += 1
-                    if events is not None and n >= events:
+                    if (events is not None and n >= events) or (hold is not None and time.monotonic() - started > hold):
                         return out  # leaving the block closes the connection: a disconnect mid-stream
-                    if hold is not None and time.monotonic() - started > hold:
-                        return out
                     if tick:
                         await asyncio.sleep(tick)
         except httpx.TimeoutException:
@@ -205,34 +198,21 @@ class ChaosClient:
     async def raw(self, payload: bytes, hold: float, trickle: bytes = b"", tick: float = 0.25):
         """A raw connection: send `payload`, then `trickle` a byte per tick, for `hold` seconds; then close."""
         _, writer = await asyncio.open_connection(self.host, self.port)
-        try:
-            writer.write(payload)
-            await writer.drain()
-            end = time.monotonic() + hold
-            for b in itertools.cycle(trickle or b"\0"):
-                if time.monotonic() >= end:
-                    break
-                if trickle:
-                    writer.write(bytes([b]))
-                    await writer.drain()
-                await asyncio.sleep(min(tick, max(0.0, end - time.monotonic())))
-        except (ConnectionError, OSError):  # the server may close first: that is allowed
-            pass
-        finally:
-            writer.close()
+        with contextlib.suppress(ConnectionError, OSError):  # the server may close first: that is allowed
             try:
+                writer.write(payload)
+                await writer.drain()
+                end = time.monotonic() + hold
+                for b in itertools.cycle(trickle or b"\0"):
+                    if time.monotonic() >= end:
+                        break
+                    if trickle:
+                        writer.write(bytes([b]))
+                        await writer.drain()
+                    await asyncio.sleep(min(tick, max(0.0, end - time.monotonic())))
+            finally:
+                writer.close()
                 await writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
-
-    async def park(self, op: str, sid: str) -> httpx.Response:
-        """POST /v1/sessions/SID/park, its answer recorded; the response's body is the parked state."""
-        try:
-            r = await self.client.post(f"/v1/sessions/{sid}/park", headers=self.headers())
-        except httpx.TimeoutException:
-            raise Hang(f"{op}: POST /v1/sessions/{sid}/park: no answer within {self.s.timeout_s:g} s") from None
-        self.answer(op, "POST /v1/sessions/ID/park", r.status_code, b"" if r.status_code == OK else r.content, {200})
-        return r
 
     def sid(self, kind: str) -> str:
         return f"{kind}-{next(self.ids)}"
@@ -265,10 +245,8 @@ class ChaosClient:
         if rng.random() < 0.2:
             body["stop"] = [" "]
         got = await self.request("complete", "POST", "/v1/completions", ANSWERED, json_body=body)
-        if got and got[0] == OK and len(self.texts) < 64:
-            text = got[1]["choices"][0]["text"].strip()
-            if text:
-                self.texts.append(text)
+        if got and got[0] == OK and len(self.texts) < 64 and got[1]["choices"][0]["text"].strip():
+            self.texts.append(got[1]["choices"][0]["text"].strip())
 
     async def op_stream(self, rng):
         body = {"prompt": self.prompt(rng), "max_tokens": rng.randint(1, 24), "temperature": 0, "stream": True,
@@ -296,24 +274,20 @@ class ChaosClient:
 
     async def op_disconnect_stream(self, rng):
         body = {"prompt": self.prompt(rng), "max_tokens": 200, "temperature": 0.8, "stream": True}
-        if rng.random() < 0.5:  # a session's request cut off: the session keeps what was fed
-            sid = await self.new_session("disconnect_stream", "cut")
-            if sid is not None:
-                await self.stream("disconnect_stream", {**body, "session_id": sid}, events=rng.randint(1, 5))
-                await self.gone("disconnect_stream", sid)
-                return
-        await self.stream("disconnect_stream", body, events=rng.randint(1, 5))
+        # half of them a session's request: cut off, the session keeps what was fed
+        sid = await self.new_session("disconnect_stream", "cut") if rng.random() < 0.5 else None
+        await self.stream("disconnect_stream", {**body, "session_id": sid} if sid else body, events=rng.randint(1, 5))
+        if sid:
+            await self.gone("disconnect_stream", sid)
 
     async def op_disconnect_prompt(self, rng):
         """A long prompt, abandoned while it is probably still being fed (or just after)."""
         n = min(self.t.max_prompt_tokens, 256)
         body = {"prompt": [rng.randrange(self.n_token) for _ in range(n)], "max_tokens": 4,
                 "stream": rng.random() < 0.5}
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):  # the client goes away: the connection closes under it
             await asyncio.wait_for(self.request("disconnect_prompt", "POST", "/v1/completions", ANSWERED,
                                                 json_body=body), rng.uniform(0.0, 0.05))
-        except asyncio.TimeoutError:
-            pass  # the client went away: the connection is closed under the request
 
     async def op_disconnect_upload(self, rng):
         """Headers and half the body, then the connection closes."""
@@ -330,11 +304,9 @@ class ChaosClient:
         await self.stream("slow_reader", body, tick=rng.uniform(0.05, 0.2), hold=self.s.hold_s, expect_done=False)
 
     async def op_idle_socket(self, rng):
-        if rng.random() < 0.5:
-            await self.raw(b"", hold=self.s.hold_s)  # connects, says nothing
-        else:  # one request, then the connection stays open and says nothing more
-            req = f"GET /health HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode()
-            await self.raw(req, hold=self.s.hold_s)
+        # connects and says nothing, or sends one request and then nothing more
+        req = b"" if rng.random() < 0.5 else f"GET /health HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode()
+        await self.raw(req, hold=self.s.hold_s)
 
     async def op_slowloris(self, rng):
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n".encode()
@@ -399,10 +371,10 @@ class ChaosClient:
                                  json_body={"prompt": self.prompt(rng), "max_tokens": 3, "session_id": sid})
         if not got or got[0] != OK:
             return await self.gone("churn", sid)
-        r = await self.park("churn", sid)
-        if r.status_code != OK:
+        got = await self.request("churn", "POST", f"/v1/sessions/{sid}/park", {200})
+        if not got or got[0] != OK:
             return await self.gone("churn", sid)
-        blob = r.content
+        blob = got[2]
         await self.request("churn", "GET", f"/v1/sessions/{sid}", SESSION_GONE)  # parked: gone, says so
         await self.request("churn", "POST", f"/v1/sessions/{again}/restore", {201, BUSY}, content=blob)
         await self.request("churn", "POST", f"/v1/sessions/{again}/restore", {409, BUSY}, content=blob)

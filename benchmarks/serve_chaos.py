@@ -29,7 +29,6 @@ from benchmarks.chaos_mix import ANSWERED, BUSY, CRITERIA, JUNK, MIX, OK, ChaosC
 from benchmarks.serving_load import ServeProcess, machine, measured_line, prepare_model, runtime_reference, versions
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
-from txl_deploy.serving.http.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -59,49 +58,16 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def engine_rows(engine, timeout: float = 30.0) -> dict | None:
-    """The in-process engine's rows, counted in its own thread between two steps: the pool's size, its free rows
-    (and how many distinct), the live sessions and the rows they hold; None when rows are not one pool."""
-    def count():
-        if not hasattr(engine.rows, "free"):
-            return None
-        free, held, ids = [int(r) for r in engine.rows.free], [], engine.sessions.all_ids()
-        for id_ in ids:
-            try:
-                handle = engine.sessions.get(id_).handle
-            except ApiError:  # gone in between
-                continue
-            held += [] if handle is None else [int(handle)]
-        return {"size": engine.max_batch + engine.sessions.max_sessions, "free": len(free),
-                "free_distinct": len(set(free)), "sessions": len(ids), "session_rows": len(held),
-                "session_rows_distinct": len(set(held)), "free_and_held": len(set(free) & set(held)),
-                "running": engine.running, "queued": engine.queue_depth}
-    return engine.call(count).result(timeout)
-
-
-def row_problems(r: dict) -> list[str]:
-    lost = r["size"] - r["free_distinct"] - r["session_rows_distinct"]
-    return [msg for bad, msg in [
-        (r["running"] or r["queued"], f"{r['running']} requests running and {r['queued']} queued on an idle server"),
-        (r["free_distinct"] != r["free"], f"{r['free'] - r['free_distinct']} rows are free twice"),
-        (r["session_rows_distinct"] != r["session_rows"] or r["free_and_held"],
-         (f"rows shared: {r['session_rows'] - r['session_rows_distinct']} between sessions, {r['free_and_held']} "
-         "both free and a session's")),
-        (lost, (f"{lost} of {r['size']} rows are neither free nor held by a live session (free {r['free_distinct']}, "
-               f"held by the {r['sessions']} live sessions {r['session_rows_distinct']})"))] if bad]
-
-
 def metric_value(text: str, name: str) -> float | None:
     m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 
-def endpoint_labels(text: str) -> set[str]:
-    """The endpoint label values of the request counter in a /metrics page."""
-    return set(re.findall(r'^txl_requests_total\{[^}\n]*endpoint="((?:[^"\\]|\\.)*)"', text, re.MULTILINE))
-
-
 # -- the run -----------------------------------------------------------------------------------------------------
+class _Broken(Exception):
+    """A golden conversation could not go on: its error."""
+
+
 class _Chaos(ChaosClient):
     """The run: the warm-up and the chaos (workers and golden conversations), the capacity probe, the checks."""
 
@@ -126,14 +92,21 @@ class _Chaos(ChaosClient):
                 return
             log = {"id": f"golden-{k}-{j}", "segments": [], "got": [], "restored": 0, "error": None}
             self.golden_log.append(log)
-            await self.golden_conversation(random.Random(f"golden-{self.s.seed}-{k}-{j}"), log)
+            try:
+                await self.golden_conversation(random.Random(f"golden-{self.s.seed}-{k}-{j}"), log)
+            except _Broken as e:
+                log["error"] = str(e)
+
+    async def must(self, status: int, what: str, method: str, path: str, **kw):
+        """A golden request that must be answered `status`, else the conversation ends with `what` as its error."""
+        got = await self.request("golden", method, path, {status}, **kw)
+        if not got or got[0] != status:
+            raise _Broken(f"{what}: {got and got[0]}")
+        return got
 
     async def golden_conversation(self, rng: random.Random, log: dict):
         sid = f"{log['id']}-0"
-        got = await self.request("golden", "POST", "/v1/sessions", {201}, json_body={"id": sid})
-        if not got or got[0] != 201:
-            log["error"] = f"could not create {sid}: {got and got[0]}"
-            return
+        await self.must(201, f"could not create {sid}", "POST", "/v1/sessions", json_body={"id": sid})
         for turn in range(self.s.golden_turns):
             prompt = [] if turn and rng.random() < 0.25 else [rng.randrange(self.n_token)
                                                              for _ in range(rng.randint(1, 40))]
@@ -145,20 +118,14 @@ class _Chaos(ChaosClient):
             except asyncio.TimeoutError:
                 raise Hang(f"golden: turn {turn} on {sid}: not done within {self.s.timeout_s + 5:g} s") from None
             if isinstance(answer, str):
-                log["error"] = f"turn {turn} on {sid}: {answer}"
-                return
+                raise _Broken(f"turn {turn} on {sid}: {answer}")
             log["segments"].append((prompt, n))
             log["got"].append(answer)
             if rng.random() < 0.4:
-                r = await self.park("golden", sid)
-                if r.status_code != OK:
-                    log["error"] = f"park of {sid} after turn {turn}: {r.status_code}"
-                    return
+                got = await self.must(OK, f"park of {sid} after turn {turn}", "POST", f"/v1/sessions/{sid}/park")
                 sid = f"{log['id']}-{turn + 1}"
-                got = await self.request("golden", "POST", f"/v1/sessions/{sid}/restore", {201}, content=r.content)
-                if not got or got[0] != 201:
-                    log["error"] = f"restore as {sid} after turn {turn}: {got and got[0]}"
-                    return
+                await self.must(201, f"restore as {sid} after turn {turn}", "POST", f"/v1/sessions/{sid}/restore",
+                                content=got[2])
                 log["restored"] += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5))
         await self.request("golden", "DELETE", f"/v1/sessions/{sid}", {200})
@@ -173,11 +140,11 @@ class _Chaos(ChaosClient):
                         f"streamed: status {out['status']}, done {out['done']}, error {out['error']}"
             else:
                 got = await self.request("golden", "POST", "/v1/completions", ANSWERED, json_body=body)
-                if not got or got[0] != BUSY:
-                    if not got or got[0] != OK:
-                        return f"status {got and got[0]}"
+                if got and got[0] == OK:
                     choice = got[1]["choices"][0]
                     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+                if not got or got[0] != BUSY:
+                    return f"status {got and got[0]}"
             await asyncio.sleep(0.2)
         return "the queue stayed full for 10 s"
 
@@ -290,14 +257,6 @@ class _Chaos(ChaosClient):
         out = {"idle": await self.idle()}
         if not out["idle"]:
             self.fail("rows", f"{when}: the server did not become idle within {self.s.settle_s:g} s")
-        if self.t.engine is not None:
-            try:
-                out["rows"] = await asyncio.to_thread(engine_rows, self.t.engine, self.s.settle_s)
-                for p in row_problems(out["rows"]) if out["rows"] else []:
-                    self.fail("rows", f"{when}: {p}")
-            except Exception as e:  # noqa: BLE001 - an engine that cannot be asked is itself the finding
-                out["rows"], out["rows_error"] = None, f"{type(e).__name__}: {e}"
-                self.fail("rows", f"{when}: the engine could not count its rows: {out['rows_error']}")
         async with self.client_for_one() as client:
             try:
                 text = (await client.get("/metrics")).text
@@ -305,7 +264,8 @@ class _Chaos(ChaosClient):
                 g = out["gauges"] = {"running": metric_value(text, "txl_running_streams"),
                                      "queued": metric_value(text, "txl_queue_depth"),
                                      "sessions": metric_value(text, "txl_sessions"), "listed_sessions": len(listed)}
-                out["labels"] = sorted(endpoint_labels(text))
+                out["labels"] = sorted(set(re.findall(  # the request counter's endpoint labels
+                    r'^txl_requests_total\{[^}\n]*endpoint="((?:[^"\\]|\\.)*)"', text, re.MULTILINE)))
                 out["health"] = (await client.get("/health")).status_code
                 if g["sessions"] != g["listed_sessions"]:
                     self.fail("rows", f"{when}: txl_sessions says {g['sessions']}, GET /v1/sessions lists "
@@ -316,8 +276,7 @@ class _Chaos(ChaosClient):
                 out["metrics_error"] = f"{type(e).__name__}: {e}"
                 self.fail("rows", f"{when}: no metrics ({out['metrics_error']})")
         out["fds"], out["rss"] = len(open_fds(self.t.pid)), rss_bytes(self.t.pid)
-        logger.info("%s: idle %s, %d fds, RSS %.1f MiB, rows %s", when, out["idle"], out["fds"], out["rss"] / 2**20,
-                    out.get("rows"))
+        logger.info("%s: idle %s, %d fds, RSS %.1f MiB", when, out["idle"], out["fds"], out["rss"] / 2**20)
         return out
 
     async def run(self) -> dict:
@@ -373,7 +332,7 @@ class _Chaos(ChaosClient):
                                 f"{len(junk)} made from paths clients sent, e.g. {junk[:3]}")
         await asyncio.to_thread(self.check_golden)
         return {
-            "settings": asdict(self.s), "target": {k: getattr(self.t, k) for k in Target.__dataclass_fields__ if k != "engine"},
+            "settings": asdict(self.s), "target": asdict(self.t),
             "seconds": {"total": time.monotonic() - started, "chaos": chaos_s},
             "operations": self.ops, "requests": sum(sum(c.values()) for c in self.counts.values()),
             "mix": dict(sorted(self.op_counts.items())),
@@ -393,14 +352,6 @@ def run_chaos(target: Target, settings: ChaosSettings | None = None, reference: 
     golden sessions' segments, each (prompt ids, n greedy tokens); without one, no golden sessions run."""
     settings = settings or ChaosSettings()
     return asyncio.run(_Chaos(target, settings if reference else replace(settings, golden=0), reference).run())
-
-
-def summary(report: dict) -> str:
-    """A few lines for people: what ran, and every criterion that failed with its first messages."""
-    lines = [f"{report['operations']} operations, {report['requests']} answers in {report['seconds']['total']:.0f} s"]
-    for c in (c for c in CRITERIA if report["failures"][c]):
-        lines += [f"{c}: {report['failure_counts'][c]} failures, e.g.", *(f"  - {m}" for m in report["failures"][c][:5])]
-    return "\n".join(lines)
 
 
 # -- the results file (benchmarks/results_chaos.md) ---------------------------------------------------------------
@@ -427,10 +378,6 @@ def markdown(report: dict, about: dict) -> str:
          f"after the warm-up: {min(samples):.0f} to {max(samples):.0f} MiB). File descriptors {before['fds']} after "
          f"the warm-up, {end['fds']} once idle. Endpoint labels: {len(labels)} ({', '.join(labels)})."),
     ]
-    if end.get("rows"):
-        r = end["rows"]
-        lines.append(f"Rows once idle: {r['free']} of {r['size']} free, {r['session_rows']} held by {r['sessions']} "
-                     "live sessions.")
     if "exit" in about:
         lines.append(f"On SIGTERM at the end the server exited with status {about['exit']}; its log has "
                      f"{about.get('log_errors', 0)} error lines.")
@@ -443,37 +390,31 @@ def markdown(report: dict, about: dict) -> str:
     return "\n".join([*lines, "", measured_line(about["date"], about["machine"], about["versions"])]) + "\n"
 
 
-def serve_and_run(args, tmp: Path) -> tuple[dict, dict]:
-    """The server up, the chaos against it, the server stopped; (report, what the results file says about it)."""
-    model_file, label = prepare_model(args.model, tmp, cache_dir=args.cache_dir)
-    key = secrets.token_hex(12)
-    settings = ChaosSettings(duration_s=args.duration, warmup_s=args.warmup, workers=args.workers, seed=args.seed,
-                             golden=args.golden, timeout_s=args.timeout, hold_s=3.0)
-    reference = runtime_reference(lambda: TxlRuntime.load(model_file, providers=["cpu"], threads=args.threads))
-    about = {"label": label, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "machine": machine(), "versions": versions()}
-    srv = ServeProcess([str(model_file), f"--threads={args.threads}", f"--max-batch={args.max_batch}",
-                        f"--max-sessions={args.max_sessions}", f"--max-queue={4 * args.max_batch}",
-                        f"--max-prompt-tokens={MAX_PROMPT}", "--api-key", key], tmp / "serve.log")
-    try:
-        target = Target(srv.wait_ready().url, srv.proc.pid, args.max_batch, args.max_sessions,
-                        max_prompt_tokens=MAX_PROMPT, api_key=key)
-        report = run_chaos(target, settings, reference)
-    finally:
-        about["exit"] = srv.close()
-    log = srv.log_path.read_text(errors="replace").splitlines()
-    about["log_errors"] = sum(("ERROR" in ln or "Traceback" in ln) for ln in log)
-    about["server"] = f"`txl-deploy serve` in its own process ({args.threads} ONNX Runtime thread(s))"
-    return report, about
-
-
 def measure(args, command):
+    """The server up, the chaos against it, the server stopped; the results file and its JSON."""
     if args.max_sessions < 2 * (args.workers + args.golden):
         raise InputError("--max-sessions must be at least 2 x (--workers + --golden): the golden sessions must never "
                          "be the least recently used one evicted")
+    key = secrets.token_hex(12)
+    settings = ChaosSettings(duration_s=args.duration, warmup_s=args.warmup, workers=args.workers, seed=args.seed,
+                             golden=args.golden, timeout_s=args.timeout, hold_s=3.0)
     with tempfile.TemporaryDirectory(prefix="txl-serve-chaos-") as tmp:
-        report, about = serve_and_run(args, Path(tmp))
-    logger.info(summary(report))
+        model_file, label = prepare_model(args.model, Path(tmp), cache_dir=args.cache_dir)
+        reference = runtime_reference(lambda: TxlRuntime.load(model_file, providers=["cpu"], threads=args.threads))
+        about = {"label": label, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine(), "versions": versions(),
+                 "server": f"`txl-deploy serve` in its own process ({args.threads} ONNX Runtime thread(s))"}
+        srv = ServeProcess([str(model_file), f"--threads={args.threads}", f"--max-batch={args.max_batch}",
+                            f"--max-sessions={args.max_sessions}", f"--max-queue={4 * args.max_batch}",
+                            f"--max-prompt-tokens={MAX_PROMPT}", "--api-key", key], Path(tmp) / "serve.log")
+        try:
+            target = Target(srv.wait_ready().url, srv.proc.pid, args.max_batch, args.max_sessions,
+                            max_prompt_tokens=MAX_PROMPT, api_key=key)
+            report = run_chaos(target, settings, reference)
+        finally:
+            about["exit"] = srv.close()
+        about["log_errors"] = sum(("ERROR" in ln or "Traceback" in ln)
+                                  for ln in srv.log_path.read_text(errors="replace").splitlines())
     text = harness.results_markdown("HTTP serving under chaos: faults from the clients, what holds after",
                                     markdown(report, about), command)
     return text, {"report": report, "about": about, "command": command}, 1 if any(report["failures"].values()) else 0

@@ -60,7 +60,7 @@ def http_round(url: str, prompts, n_tokens: int):
     return asyncio.run(run())
 
 
-def session_round(url: str, context, follow_up) -> dict:
+def session_round(name: str, r: int, url: str, context, follow_up) -> dict:
     """TTFT of a follow-up continuing a session that holds `context`, and of re-sending context + follow-up."""
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=load.TIMEOUT) as client:
@@ -76,7 +76,10 @@ def session_round(url: str, context, follow_up) -> dict:
             t1, stamps1, resent = await _one_stream(client, _greedy([*context, *follow_up], 1))
             await client.delete(f"/v1/sessions/{sid}")
             return {"session_ttft_s": stamps[0] - t0, "resend_ttft_s": stamps1[0] - t1, "same_token": continued == resent}
-    return asyncio.run(run())
+    s = asyncio.run(run())
+    logger.info(f"  round {r + 1}  {name:>20}  session TTFT {1e3 * s['session_ttft_s']:8.1f} ms, "
+                f"re-sent {1e3 * s['resend_ttft_s']:8.1f} ms")
+    return s
 
 
 # -- the whole benchmark --------------------------------------------------------------------------------------------
@@ -106,7 +109,8 @@ def run_benchmark(model=None, concurrency: int = 16, tokens: int = 64, prompt_le
             log = [ln.strip() for ln in srv.log_path.read_text().splitlines() if "memory per session" in ln]
             ctx.result.update({"memory_per_session_log": log[-1]} if log else {})
             sides[name] = load.timed(name, lambda url=srv.url: http_round(url, ctx.prompts, tokens), tokens)
-            sides["session " + name] = lambda r, url=srv.url, name=name: session_logged(name, r, url, text, context)
+            sides["session " + name] = lambda r, url=srv.url, name=name: session_round(name, r, url, text[:context],
+                                                                                       text[context:])
         return {**sides, BATCHED: load.timed(BATCHED, lambda: load.batched_round(ctx.rt, ctx.prompts, tokens), tokens)}
 
     result, raw = load.run(model, start, prompts=concurrency, prompt_len=prompt_len, repeat=repeat, threads=threads,
@@ -127,22 +131,14 @@ def run_benchmark(model=None, concurrency: int = 16, tokens: int = 64, prompt_le
     return result
 
 
-def session_logged(name: str, r: int, url: str, long_text, context: int) -> dict:
-    s = session_round(url, long_text[:context], long_text[context:])
-    logger.info(f"  round {r + 1}  {name:>20}  session TTFT {1e3 * s['session_ttft_s']:8.1f} ms, "
-                f"re-sent {1e3 * s['resend_ttft_s']:8.1f} ms")
-    return s
-
-
 # -- the report -------------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
-    m = result["model"]
     lines = [
-        (f"Model: {load.model_sentence(m)}, max_segment {m['max_segment']}), {result['threads']} ONNX "
-         f"Runtime thread(s) on every side. {result['concurrency']} concurrent streams, each a "
-         f"{result['prompt_len']}-token prompt ({result['prompt_kind']}) and {result['tokens']} greedy tokens; "
-         f"{result['repeat']} interleaved rounds per path (tokens/s: the median round, slowest and fastest in "
-         "brackets; latencies pool every stream of every round)."), "",
+        (f"Model: {load.model_sentence(result['model'])}, {result['threads']} ONNX Runtime thread(s) on every side. "
+         f"{result['concurrency']} concurrent streams, each a {result['prompt_len']}-token prompt "
+         f"({result['prompt_kind']}) and {result['tokens']} greedy tokens; {result['repeat']} interleaved rounds per "
+         "path (tokens/s: the median round, slowest and fastest in brackets; latencies pool every stream of every "
+         "round)."), "",
         *harness.table(["path", "tokens/s", "of in-process batched", "TTFT p50 ms", "TTFT p99 ms",
                         "inter-token p50 ms", "p99 ms"],
                        [[name, *load.rate_cells(p), f"{p['first_token_p50_ms']:.1f}", f"{p['first_token_p99_ms']:.1f}",
@@ -178,9 +174,7 @@ def section(result: dict) -> list[str]:
 
 
 def results_file(results: list[dict], command: str) -> str:
-    return load.results_file("HTTP serving: txl-deploy serve vs in-process, sessions", results, command, section,
-                             "Absolute speeds are noisy on a shared machine; the ratios compare paths measured in "
-                             "alternating rounds of the same run with the same threads.")
+    return load.results_file("HTTP serving: txl-deploy serve vs in-process, sessions", results, command, section)
 
 
 def measure(args, command):

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,10 +147,13 @@ def run(model, start, *, prompts: int, prompt_len: int, repeat: int, threads, me
 
 
 def timed(what: str, fn, n_tokens: int):
-    """A side that logs each round's progress line; `fn()` returns the streams, or (streams, more)."""
+    """A side that logs each round's tokens/s and median and mean gap; `fn()` returns the streams, or (streams, more)."""
     def side(r):
         out = fn()
-        logger.info(round_line(what, r, out[0] if isinstance(out, tuple) else out, n_tokens))
+        runs = out[0] if isinstance(out, tuple) else out
+        gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
+        logger.info(f"  round {r + 1}  {what:>20}  C={len(runs):>3}  {rate(runs, n_tokens):8.1f} tok/s  "
+                    f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
         return out
     return side
 
@@ -228,13 +230,6 @@ def rate_cells(r: dict) -> list[str]:
     return [f"{r['tokens_per_s']:.0f}{spread}", ratio]
 
 
-def round_line(what: str, r: int, runs, n_tokens: int) -> str:
-    """A round's progress line: tokens/s, and the median and mean gap between tokens."""
-    gaps = np.concatenate([np.diff(x[1]) for x in runs]) * 1e3
-    return (f"  round {r + 1}  {what:>20}  C={len(runs):>3}  {rate(runs, n_tokens):8.1f} tok/s  "
-            f"p50 {np.percentile(gaps, 50):7.2f} ms  mean {gaps.mean():7.2f} ms")
-
-
 def spread(values, pct: bool = False) -> str:
     """min / median / max of a configuration's rounds."""
     f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.0f}")
@@ -243,13 +238,9 @@ def spread(values, pct: bool = False) -> str:
 
 # -- where it ran, and the results file -----------------------------------------------------------------------------
 def versions(server_version: str | None = None) -> dict:
-    out = {"python": platform.python_version(), "tritonserver": server_version}
-    for dist in ("txl-deploy", "tritonclient", "onnxruntime", "numpy", "grpcio"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
+    dists = ("txl-deploy", "tritonclient", "onnxruntime", "numpy", "grpcio")
+    return {"python": platform.python_version(), "tritonserver": server_version,
+            **{d: harness.package_version(d) for d in dists}}
 
 
 def machine() -> dict:
@@ -274,15 +265,15 @@ def model_fields(label: str, model_file: Path, rt) -> dict:
 
 
 def model_sentence(m: dict) -> str:
-    return (f"{m['label']} ({m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
-            f"{m['n_token']} tokens, ONNX Runtime CPU fp32")
+    return (f"{m['label']} (`{m['file']}`: {m['n_layer']} layers, d_model {m['d_model']}, mem_len {m['mem_len']}, "
+            f"{m['n_token']} tokens, max_segment {m['max_segment']}, ONNX Runtime CPU fp32)")
 
 
-def results_file(title: str, results: list[dict], command: str, section, about: str) -> str:
-    """The whole results file: the machine and `about` (how to read it), then each model's `section(result)`."""
-    mach = results[0]["machine"]
-    lines = [(f"Machine: {mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']}), load average "
-             f"{mach['load_average_start'][0]:.1f} at the start (the machine's other work). {about}"), ""]
+def results_file(title: str, results: list[dict], command: str, section, about: str = "") -> str:
+    """The whole results file: how to read it, then each model's `section(result)`."""
+    lines = [("Absolute speeds move with the machine's other load (each section gives it); the ratios compare paths "
+              f"measured in alternating rounds of the same run, with the same ONNX Runtime threads on every side.{about}"),
+             ""]
     for result in results:
         lines += [f"## {result['model']['label']}", "", *section(result)]
     return harness.results_markdown(title, "\n".join(lines), command)

@@ -142,14 +142,13 @@ def run_benchmark(model=None, concurrency=(1, 16), tokens: int = 64, instances=(
                 ctx.rt, prompts[:c], tokens), tokens)
         return sides
 
-    def server_side(count, c):  # a server side's rounds are (streams, Triton's counters)
-        return [runs for runs, _ in raw[count, c]]
-
     result, raw = load.run(model, start, prompts=max(concurrency), prompt_len=prompt_len, repeat=repeat,
                            threads=threads, mem_len=mem_len, cache_dir=cache_dir, tokens=tokens,
                            concurrency=concurrency, instances=instances, max_batch=max_batch,
                            queue_delay_us=queue_delay_us)
-    result["server"] = [{"instances": count, **load.summarise(server_side(count, c), tokens, raw["batched", c]),
+    # a server's round is (its streams, the change in Triton's counters)
+    result["server"] = [{"instances": count, **load.summarise([runs for runs, _ in raw[count, c]], tokens,
+                                                              raw["batched", c]),
                          **_server_columns([delta for _, delta in raw[count, c]])}
                         for count in instances for c in concurrency]
     result["in_process"] = [load.summarise(raw["in-process", c], tokens) for c in concurrency]
@@ -167,10 +166,9 @@ def run_benchmark(model=None, concurrency=(1, 16), tokens: int = 64, instances=(
 # -- the report -------------------------------------------------------------------------------------------------------
 def settings_table(result: dict) -> list[str]:
     """Everything a run depended on, so that two runs can be compared line by line."""
-    m, v, mach = result["model"], result["versions"], result["machine"]
+    v, mach = result["versions"], result["machine"]
     rows = [
-        ("model", (f"{m['label']} (`{m['file']}`: {m['n_layer']} layers, d_model {m['d_model']}, mem_len "
-                  f"{m['mem_len']}, {m['n_token']} tokens, max_segment {m['max_segment']}, ONNX Runtime CPU fp32)")),
+        ("model", load.model_sentence(result["model"])),
         ("ONNX Runtime threads", f"{result['threads'] or 'default (one per core)'}, in-process and per server instance"),
         ("sequence batcher max_queue_delay", f"{result['queue_delay_us']} us"),
         ("max_batch", str(result["max_batch"])),
@@ -183,9 +181,7 @@ def settings_table(result: dict) -> list[str]:
                                  f"{mach['load_average_end'][0]:.1f} at the end; round by round: "
                                  + ", ".join(f"{x:.1f}" for x in result.get("load_average_rounds", []))),
         ("machine", f"{mach['cpus']} CPU cores ({mach['cpu']}, {mach['system']})"),
-        ("versions", (f"Python {v['python']}, txl-deploy {v['txl-deploy']}, tritonserver {v['tritonserver']}, "
-                     f"tritonclient {v['tritonclient']}, onnxruntime {v['onnxruntime']}, numpy {v['numpy']}, "
-                     f"grpcio {v['grpcio']}")),
+        ("versions", ", ".join(f"{name} {v[name]}" for name in v)),
         ("date", result["date"]),
     ]
     return harness.table(["setting", "value"], rows)
@@ -214,11 +210,10 @@ def markdown(result: dict) -> str:
     """The tables (and how it was measured) as Markdown."""
     lines = [
         ("Server: tritonserver's python backend (one batched runtime call per batch), gRPC on 127.0.0.1, client "
-         "threads in the benchmark's process. In-process: one thread and one TxlRuntime per conversation over one "
-         "shared ONNX Runtime session; batched: the conversations as the rows of one TxlRuntime, one run per token. "
-         "The ratio: server over batched tokens/s, per round (neighbours in time), median. Tokens/s: the median round "
-         "(slowest and fastest in brackets); latencies pool every token gap of every round, the first token (which "
-         "includes the prompt) apart. The settings are at the end of the section."), "",
+         "threads here. In-process: a thread and a TxlRuntime per conversation over one ONNX Runtime session; batched: "
+         "the conversations as the rows of one TxlRuntime. Ratio: server over batched tokens/s per round, median. "
+         "Tokens/s: the median round (slowest, fastest); latencies pool every token gap of every round, the first "
+         "token (with the prompt) apart."), "",
         *harness.table(["path", "instances", "conversations", "tokens/s", "of batched in-process", "p50 ms/token",
                         "p99 ms/token", "mean ms/token", "p50 first token ms", "Triton queue ms/request",
                         "execute() ms a request sat in", "requests per execute()"],
@@ -251,9 +246,7 @@ def section(result: dict) -> list[str]:
 
 def results_file(results: list[dict], command: str) -> str:
     return load.results_file("Serving load: Triton Inference Server vs in-process", results, command, section,
-                             "Absolute speeds move with that load (every round is listed); the ratios compare paths "
-                             "measured in alternating rounds of the same run, with the same ONNX Runtime threads on "
-                             "both sides. Each model's section ends with everything its run depended on.")
+                             " Every round is listed; each section ends with everything its run depended on.")
 
 
 def measure(args, command):
