@@ -1,6 +1,5 @@
 """Timing one configuration (memory length, batch) of several runtimes side by side on one token stream, the sides
-alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass
-(a sampler thread would otherwise wake inside the timed loops)."""
+alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass."""
 
 from __future__ import annotations
 
