@@ -97,8 +97,7 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
 
 
 def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
-    """Each side's decode step against the plain read and the copy floor of the bytes its graph's step reads
-    (`interleaved_efficiency`)."""
+    """Each side's decode step against the read and copy of its graph's bytes (`interleaved_efficiency`)."""
     rng = np.random.default_rng(seed)
     runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
     out = interleaved_efficiency({name: harness.decode_step(rt, rng) for name, rt in runtimes.items()},
@@ -110,9 +109,8 @@ def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_roun
 
 
 def generate_speed(sides: dict, threads: int, tokens: int, rounds: int, seed: int = 0) -> dict:
-    """Tokens per second of `TxlRuntime.generate` (batch 1, greedy) on each side ({name: (graph, prepack, lazy)}),
-    from the same full memory and prompt token every round, the sides taking turns: lazily (the head graph per
-    token, a tail only when the decision needs it) where `lazy`, else the full graph per token."""
+    """Tokens per second of `TxlRuntime.generate` (batch 1, greedy) per side ({name: (graph, prepack, lazy)}), from
+    the same full memory and prompt every round, the sides taking turns."""
     runtimes = {name: open_runtime(path, threads, prepack, lazy=lazy) for name, (path, prepack, lazy) in sides.items()}
     for name, rt in runtimes.items():
         if sides[name][2] and rt.backend.clusters is None:
@@ -197,8 +195,6 @@ def measure(args, command):
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
         "fp16; memory state fp32",
-        "- sides: `fp32` and `int4, prepacked` as `TxlRuntime.load` runs each graph, `int4` with "
-        "`OrtBackend(prepack=False)` (see docs/benchmarks.md, \"int4\")",
         f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on every side, batch 1, memory full, median of "
         f"{args.steps} decode steps per side, the sides taking turns token by token",
         "", "## Targets", "", *harness.targets_table(targets), "",
@@ -214,8 +210,7 @@ def measure(args, command):
                         *[_accuracy_row(f"int4, block {b}, prepacked", o, None, mb[f"int4, block {b}, prepacked"])
                           for b, o in acc_other_packed.items()]]),
         "",
-        f"{a['tokens']} held-out characters, streaming evaluation (segments of the training length, memory "
-        "threaded); the stream comparison is the export-time check (random tokens, prefill and decode, ring wrap), "
+        f"{a['tokens']} held-out characters, streaming evaluation; the stream comparison is the export-time check, "
         "run as the runtime runs the graph.",
         "", "## Decode speed and size", "",
         *harness.table(["shape", "side", "ms / token (p50)", "p90", "speed-up", "file MB", "resident MB"],
@@ -226,35 +221,28 @@ def measure(args, command):
                                           ("demo model (mem_len 128)", speed_demo)) for g in sp["median_ms"]]),
     ]
     wr = wt["report"]["stream"]
-    lines += ["", "Resident after load: what the sessions and one decode step add to a fresh process.", "",
-              f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
-              f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
-              "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
-              "that matters is the trained demo model's above).",
-              "", "Where a WikiText-103 base decode step goes, as the runtime runs each graph (ONNX Runtime profiler, "
-              "one thread, median of 5 steps; MatMulNBits are the 4-bit weight products, MatMul in the int4 graph "
-              "the fp32 attention over the fp32 memory and the positional tables):", ""]
+    lines += ["", f"WikiText-103 base stand-in int4 vs fp32 on the export-time stream: KL {wr['kl_divergence']:.3g} "
+              f"nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random weights: top-1 is fragile).",
+              "", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
+              "MatMulNBits: the 4-bit weight products):", ""]
     for g, prof in speed_wt["profiles"].items():
         lines += [f"{g}:", "", "```", profile_table(prof, 8), "```", ""]
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
     reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
     measured = {g: g if g == "fp32" else f"{g}, prepacked" for g in graphs}
-    lines += ["What a WikiText-103 base decode step reads, counted from each graph, and the speed-up those bytes "
-              "bound (fp32's over the graph's) beside the one measured, prepacked:", "",
+    lines += ["What a WikiText-103 base decode step reads, and the speed-up those bytes bound:", "",
               *harness.table(["graph", "weight products MB", "positional tables MB", "memory MB", "total MB",
                               "bound on the speed-up", "measured speed-up (prepacked)"],
                              [[g, *(f"{r[k] / 1e6:.1f}" for k in ("weights", "positional_tables", "memory", "total")),
                                f"{reads['fp32']['total'] / r['total']:.2f}x",
                                f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x"] for g, r in reads.items()]),
-              "", f"Each WikiText-103 base step against the plain read and the copy of its own bytes, {args.rounds} "
-              f"rounds of {args.steps_per_round} steps of each side, then the probes (as decode_efficiency measures "
-              "them):", "",
+              "", f"Each WikiText-103 base step against the read and copy of its own bytes, {args.rounds} rounds of "
+              f"{args.steps_per_round} steps (as decode_efficiency measures them):", "",
               *harness.table(["side", *EFFICIENCY_HEAD], [[g, *efficiency_cells(r)] for g, r in own.items()]), ""]
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens "
-                  f"from a full memory, {args.generate_rounds} rounds, lazy (the softmax parts) and full (the main "
-                  "graph); random weights need tails far more often than a trained model (see lazy_decode):", "",
+                  f"from a full memory, {args.generate_rounds} rounds, lazy and full:", "",
                   *harness.table(["side", "tokens / s", "against fp32 full"],
                                  [[g, f"{r:.2f}", f"{r / full:.2f}x"] for g, r in gen["tokens_per_s"].items()]), ""]
     raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,

@@ -1,27 +1,9 @@
-"""Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
+"""Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins),
+each in a fresh process (this file with --child). Method and targets: docs/benchmarks.md ("Memory").
 
     python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
     python -m benchmarks.peak_ram --shape enwik8-large --formats ours
     python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
-
-Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
-`peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
-`base` its resident set after the imports and before the model is read. Ratios are peak over the checkpoint's bytes
-(export) or over weight bytes + recurrent state bytes (runtime), the process included. Each row also shows the
-estimate `txl-deploy info --memory` prints for it. Writes benchmarks/results_peak_ram.md (and .json).
-
-Targets: export with its verification <= 4x the checkpoint's size, without <= 2.5x, verified export <= 90 s on the
-2-core reference machine; runtime (fp32, mem_len 1600, prefill then decode) <= 2x (weights + state) with decode
-within 10% of ONNX Runtime's defaults (the CPU arena on).
-
---runtime-only exports the shape once (not measured) and measures the runtime alone, with the sessions an
-adaptive-softmax model loads (the model, its head graph and every tail graph): the backend as it is (each weight
-held once in a pool the sessions share, no prepacking), each session reading its own file with ONNX Runtime's
-prepacking (how the backend loaded them before), and ONNX Runtime's defaults (the CPU arena on); then the backend
-again after a prompt through `generate` and through `step`. The targets there: the runtime's resident set after
-loading within 1.1x the weight bytes, and after a prompt of mem_len tokens through any of prefill, generate and step
-within 1.15x, everything the process keeps counted (the recurrent state, the vocabulary, libraries' pages).
-Writes benchmarks/results_peak_ram_runtime.md (and .json).
 """
 
 from __future__ import annotations
