@@ -234,11 +234,8 @@ def render_runtime(raw: dict) -> str:
     if "prompts" in raw:
         lines += ["", "## What the runtime keeps after a prompt", "",
                   f"Resident set over the base, as a multiple of the weights ({fb(weights)}), after a prompt of "
-                  f"{raw['mem_len']} tokens through each call (`step` returns every position's log-probs, which "
-                  f"are the caller's and dropped here), then after {raw['decode_steps']} decode steps. Parts: the "
-                  "weight pool, the recurrent memory state, the vocabulary's tables, and pages of files (ONNX "
-                  "Runtime's code as the sessions touched it); the rest is heap in use: ONNX Runtime's sessions "
-                  "(graphs, kernels), the last log-probs, Python objects.", "",
+                  f"{raw['mem_len']} tokens through each call, then after {raw['decode_steps']} decode steps; the "
+                  "parts: docs/benchmarks.md (\"Memory\").", "",
                   "| prompt through | after it | after decoding | weights | state | vocabulary | files' pages | "
                   "the rest | prompt time |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -250,9 +247,6 @@ def render_runtime(raw: dict) -> str:
                          + " | ".join(f"{x / weights:.3f}x ({fb(x)})" for x in
                                       (pool, r["state_bytes"], r["vocab_bytes"], files, rest))
                          + f" | {r['prefill_s']:.1f} s |")
-        lines += ["", "Decoding keeps a step's working memory too (the heap holds what a step freed for the next "
-                  "one): handing it back after every step, as after a prompt, measured about 4% slower decode steps "
-                  "(interleaved, one thread), so it is left in place."]
     lines += [
         "",
         "## Runtime (ONNX Runtime, fp32, CPU)",
@@ -267,14 +261,8 @@ def render_runtime(raw: dict) -> str:
                      f"{peak / weights:.2f}x | {r['decode_ms']:.1f} ms | {r['prefill_s']:.2f} s |")
     lines += [
         "",
-        "The head graph repeats the body and the tied embedding (every output weight, which the embedding gathers "
-        "columns of) and each tail graph its cluster's rows, so sessions reading their own files hold the output "
-        "layer three times over, and prepacking adds a packed copy of each MatMul's weight. The pool reads every "
-        "file tensor by tensor, keeps one array per distinct tensor (a tail's [rows, d] Gemm weight is the main "
-        "graph's [d, rows] output weight, given with transB flipped), and gives the arrays to every session. The "
-        "peak over the loaded level is the load's transients (the graph optimisers' copies, freed) and the "
-        "prefill's temporaries. Decode and prefill times are single runs on a shared machine: see "
-        "results_efficiency.md for interleaved step times.",
+        "How the pool holds each weight once, and what the peak over the loaded level is: docs/benchmarks.md "
+        "(\"Memory\"). Decode and prefill times are single runs: see results_efficiency.md for interleaved ones.",
     ]
     return "\n".join(lines)
 
@@ -306,12 +294,7 @@ def render(raw: dict) -> str:
             ("runtime <= 2x (weights + state)", f"{ours_rt['peak'] / budget:.2f}x", ours_rt["peak"] <= 2 * budget),
             ("runtime decode within 10% of ONNX Runtime's defaults", f"{speed:.2f}x their speed", speed >= 0.9)]),
         "",
-        "Why the time target is missed: the verification feeds the same stream as before (2,062 tokens, batch 2, four "
-        "512-token segments, the ring wrapping) to the paper's formulation, which re-projects the whole memory in "
-        "every segment (about 1.1 TFLOP per 512-token segment once the memory is full), and to the exported graph, "
-        "whose 512-token segments are asked for their positions in three blocks to bound the log-probs in memory "
-        "(two more passes of the body per segment). On 2 cores that is about two and a half minutes of arithmetic; "
-        "the export itself (tracing, writing, checks) takes about 30 s.",
+        *(["Why the time target is missed: docs/benchmarks.md (\"Memory\")."] if slowest > 90 else []),
         "",
         "## Export",
         "",
