@@ -95,9 +95,7 @@ def option_sides(path, rt) -> dict:
 
 
 def options_table(label: str, sides: dict, results: dict) -> list[str]:
-    lines = [f"### {label}: session options and ways of calling it", "",
-             "Sessions of the same graph, one intra-op thread each, taking turns round by round with the other sides "
-             "and the bandwidth probe; medians over rounds of each round's median step.", ""]
+    lines = [f"### {label}: session options and ways of calling it", ""]
     rows = [[name, what, *(f"{results[name][k]:.2f}" for k in ("step_ms", "step_cpu_ms")),
              *(f"{results[name][k]:.2f}x" for k in ("over_read_cpu", "over_copy_cpu"))]
             for name, (what, _) in sides.items()]
@@ -108,16 +106,14 @@ def options_table(label: str, sides: dict, results: dict) -> list[str]:
 def op_tables(label: str, prof: dict) -> list[str]:
     lines = [f"### {label}: where a decode step goes", "",
              f"One step: {prof['step_ms']:.2f} ms in the session, {prof['step_cpu_ms']:.2f} ms of CPU time on its thread, "
-             f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node). "
-             "The session's time beyond its CPU time is time its thread waited for a core. Bytes: every input a "
-             "kernel reads (its weights and its activations, the memory included) per step.", "",
+             f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node; "
+             "bytes: every input a kernel reads per step).", "",
              *harness.table(["op kind", "nodes", "ms / step", "MB read / step", "GB/s"],
                             [[o["op_type"], o["nodes"], f"{o['ms_per_step']:.3f}", f"{o['bytes'] / 1e6:.2f}",
                               f"{o['gb_per_s']:.1f}"] for o in prof["ops"] if o["ms_per_step"] >= 0.005])]
     return lines + [
         "", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a one-node "
-        "model with the same weight, as the graph stores it, one token's activation, same thread count; each run "
-        f"alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory as in a step):", "",
+        f"model, each run after a read of {EVICT_BYTES // 2**20} MB):", "",
         *harness.table(["product", "MB read", "in graph ms", "GB/s", "alone ms", "GB/s", "graph / alone"],
                        [[f"`{n['name']}`", f"{n['bytes'] / 1e6:.2f}", f"{n['ms_per_step']:.3f}",
                          f"{n['bytes'] / max(n['ms_per_step'], 1e-9) / 1e6:.1f}",
