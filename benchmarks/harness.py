@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from txl_deploy.bench.benchmark import machine_info, versions, versions_text
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint
+from txl_deploy.bench.runners import resolve
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
@@ -109,14 +109,12 @@ def package_version(dist: str) -> str | None:
 
 
 def checkpoint_of(model: str, cache_dir) -> tuple[Path, str]:
-    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model: a published shape's random-weight stand-in
-    (built once in `cache_dir`) or a checkpoint."""
+    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model, read as `txl-deploy bench` reads MODEL."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    if is_shape_name(model) and not Path(model).exists():
-        return standin_checkpoint(model, cache_dir), "shape"
-    if Path(model).exists():
-        return Path(model), "checkpoint"
-    raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    source = resolve(model, cache_dir=cache_dir)
+    if source.kind not in ("shape", "checkpoint"):
+        raise InputError(f"{model}: expected a checkpoint or a published shape name")
+    return source.checkpoint, source.kind
 
 
 def load_average() -> float:
