@@ -282,18 +282,16 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
         *harness.machine_lines(load_start, load_end),
         f"- model: a WikiText-103 base stand-in (tail clusters of {', '.join(f'{s:,}' for s in sizes)} words), "
         "ONNX fp32 with the softmax's parts, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len 640",
-        f"- {args.rounds} rounds, lazy and full taking turns from the same saved memory, prompt token and seed; a "
-        f"round generates {args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; medians, "
-        "speed-ups the median of the rounds' full/lazy ratios (range in brackets). What each side runs: "
-        "docs/benchmarks.md (\"Lazy adaptive-softmax generation against full\")",
+        f"- {args.rounds} rounds, lazy and full taking turns from the same memory, prompt and seed; a round: "
+        f"{args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; speed-ups the median of "
+        "the rounds' full/lazy ratios (range in brackets); method: docs/benchmarks.md",
         "",
         "## Tail rates: the trained model's, and the stand-in's while timed",
         "",
-        f"The trained model is the KJV word model (tests/data/kjv-words: 16,579 words, cutoffs 500/2000/6000), "
-        f"{args.trained_tokens} tokens per mode generated lazily from \"{TRAINED_PROMPT}\" with seed "
-        f"{args.seed} in this run. The stand-in's head was fitted to its greedy and T=1 rates on "
-        f"{CALIBRATION_TOKENS} hidden states of the stand-in (the fit's own rates: greedy "
-        f"{fractions_cells(fit['greedy'])}, T=1 {fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
+        f"Trained model: tests/data/kjv-words (16,579 words, cutoffs 500/2000/6000), {args.trained_tokens} tokens per "
+        f"mode from \"{TRAINED_PROMPT}\", seed {args.seed}. The stand-in's head was fitted on {CALIBRATION_TOKENS} "
+        f"hidden states (the fit's rates: greedy {fractions_cells(fit['greedy'])}, T=1 "
+        f"{fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
         "",
         *harness.table(["mode", "trained model: tail 1 / 2 / 3", "stand-in, batch 1", "stand-in, batch 8"],
                        [[mode, fractions_cells(trained[mode]["fractions"]),
@@ -311,8 +309,7 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
     tails = " / ".join(f"{t:.1f}" for t in parts["tail_ms"])
     bound = next(iter(results.values()))["1"]["byte_bound"]
     tail_mb, full_mb = " / ".join(f"{t:.1f}" for t in bound["tail_mb"]), bound["full_mb"]
-    lines += ["", "tokens identical: whether in every round the lazy side generated exactly the full side's tokens "
-              "(same seed, same memory)."]
+    lines += ["", "tokens identical: the lazy side wrote exactly the full side's tokens in every round."]
     differ = [(mode, batch, d) for mode in MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
     if differ:
         pairs = {(m, b) for m, b, _ in differ}
