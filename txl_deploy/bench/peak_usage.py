@@ -15,17 +15,12 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
-def reset_rss_peak() -> None:
-    """Set the kernel's resident high-water mark (VmHWM) to the current resident set (proc(5), clear_refs "5")."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 class RssPeak:
     """The resident set's largest rise over a block, as the kernel counted it: no thread wakes inside a timed call."""
 
     def __enter__(self):
-        reset_rss_peak()
+        with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM back to the current resident set (proc(5))
+            f.write("5")
         self.start = rss_bytes()
         return self
 
