@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.step_bytes import EFFICIENCY_HEAD, efficiency_cells, graph_step_bytes, interleaved_efficiency
+from benchmarks.step_bytes import graph_step_bytes
 from txl_deploy.assets import DEMO_DIR
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.op_profile import profile_decode, profile_table
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.metadata import read_onnx_info
@@ -30,7 +29,7 @@ from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 logger = logging.getLogger(__name__)
 
 
-def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
+def int4_graph(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
     out = fp32.with_name(fp32.stem + f"-int4-b{block}-{harness.code_key(precision, folding, int4)}.onnx")
     if not out.exists():
@@ -44,14 +43,14 @@ def accuracy(block: int, work: Path) -> dict:
     fp32 = work / "kjv-char.onnx"
     if not fp32.exists():
         export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=128, force=True)
-    int4, report = _int4(fp32, block, eval_data=DEMO_DIR / "heldout.txt")
+    int4, report = int4_graph(fp32, block, eval_data=DEMO_DIR / "heldout.txt")
     return {"fp32_path": fp32, "int4_path": int4, "report": report}
 
 
 def wt103_paths(block: int, work: Path) -> dict:
     fp32 = standin_onnx(standin_checkpoint("wt103-base", work), work, 640, max_segment=64)
     # random weights: the stream comparison is recorded, not enforced (the gate is for trained models)
-    int4, report = _int4(fp32, block, verify=False)
+    int4, report = int4_graph(fp32, block, verify=False)
     return {"fp32": fp32, "int4": int4, "report": report}
 
 
@@ -94,18 +93,6 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
             "loaded_rss_mb": {k: v / 1e6 for k, v in loaded.items()},
             "file_mb": {k: Path(p).stat().st_size / 1e6 for k, (p, _) in sides.items()},
             "prepack": {k: bool(pp) for k, (_, pp) in sides.items()}}
-
-
-def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
-    """Each side's decode step against the read and copy of its graph's bytes (`interleaved_efficiency`)."""
-    rng = np.random.default_rng(seed)
-    runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
-    out = interleaved_efficiency({name: harness.decode_step(rt, rng) for name, rt in runtimes.items()},
-                                 {name: graph_step_bytes(p)["total"] for name, (p, _) in sides.items()},
-                                 BandwidthProbe(), rounds, steps_per_round)
-    for rt in runtimes.values():
-        rt.close()
-    return out
 
 
 def generate_speed(sides: dict, threads: int, tokens: int, rounds: int, seed: int = 0) -> dict:
@@ -167,7 +154,6 @@ def measure(args, command):
                             args.threads, args.steps, profile=True)
     speed_demo = decode_speed(sides_of(acc["fp32_path"], acc["int4_path"],
                                        {b: o["int4_path"] for b, o in acc_other.items()}), args.threads, args.steps)
-    own = against_own_bytes(sides_of(wt["fp32"], wt["int4"], {}), args.threads, args.rounds, args.steps_per_round)
     gen = None
     if args.generate_tokens > 0:
         gen = generate_speed({f"{g}, {'lazy' if lazy else 'full'}": (path, prepack, lazy)
@@ -236,16 +222,14 @@ def measure(args, command):
                              [[g, *(f"{r[k] / 1e6:.1f}" for k in ("weights", "positional_tables", "memory", "total")),
                                f"{reads['fp32']['total'] / r['total']:.2f}x",
                                f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x"] for g, r in reads.items()]),
-              "", f"Each WikiText-103 base step against the read and copy of its own bytes, {args.rounds} rounds of "
-              f"{args.steps_per_round} steps (as decode_efficiency measures them):", "",
-              *harness.table(["side", *EFFICIENCY_HEAD], [[g, *efficiency_cells(r)] for g, r in own.items()]), ""]
+              "", "Each int4 step against the read and copy of its own bytes: results_efficiency.md.", ""]
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens "
                   f"from a full memory, {args.generate_rounds} rounds, lazy and full:", "",
                   *harness.table(["side", "tokens / s", "against fp32 full"],
                                  [[g, f"{r:.2f}", f"{r / full:.2f}x"] for g, r in gen["tokens_per_s"].items()]), ""]
-    raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
+    raw = {"accuracy": acc["report"], "accuracy_prepacked": acc_packed,
            "accuracy_other_blocks": {b: o["report"] for b, o in acc_other.items()},
            "accuracy_other_blocks_prepacked": acc_other_packed,
            "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
@@ -262,8 +246,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
     p.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK, help="int4 block size (the export default)")
     p.add_argument("--other-blocks", default=others, help=f"further block sizes, prepacked (default {others})")
-    p.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
-    p.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
     p.add_argument("--generate-tokens", type=int, default=16, help="tokens per side per round of generation (0: skip)")
     p.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed")
     return harness.main("int4", p, measure, argv)
