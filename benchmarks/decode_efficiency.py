@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.int4 import int4_graph, open_runtime
 from benchmarks.step_bytes import (
     EFFICIENCY_HEAD,
     EVICT_BYTES,
@@ -22,6 +23,7 @@ from benchmarks.step_bytes import (
 from txl_deploy.bench.bandwidth_floor import BandwidthProbe, decode_bytes
 from txl_deploy.bench.random_weights import shape_config, standin_checkpoint, standin_onnx
 from txl_deploy.contract import io_spec
+from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 
@@ -95,9 +97,7 @@ def option_sides(path, rt) -> dict:
 
 
 def options_table(label: str, sides: dict, results: dict) -> list[str]:
-    lines = [f"### {label}: session options and ways of calling it", "",
-             "Sessions of the same graph, one intra-op thread each, taking turns round by round with the other sides "
-             "and the bandwidth probe; medians over rounds of each round's median step.", ""]
+    lines = [f"### {label}: session options and ways of calling it", ""]
     rows = [[name, what, *(f"{results[name][k]:.2f}" for k in ("step_ms", "step_cpu_ms")),
              *(f"{results[name][k]:.2f}x" for k in ("over_read_cpu", "over_copy_cpu"))]
             for name, (what, _) in sides.items()]
@@ -108,16 +108,14 @@ def options_table(label: str, sides: dict, results: dict) -> list[str]:
 def op_tables(label: str, prof: dict) -> list[str]:
     lines = [f"### {label}: where a decode step goes", "",
              f"One step: {prof['step_ms']:.2f} ms in the session, {prof['step_cpu_ms']:.2f} ms of CPU time on its thread, "
-             f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node). "
-             "The session's time beyond its CPU time is time its thread waited for a core. Bytes: every input a "
-             "kernel reads (its weights and its activations, the memory included) per step.", "",
+             f"{prof['kernel_ms']:.2f} ms in kernels (ONNX Runtime profiler, one thread, median of 5 steps per node; "
+             "bytes: every input a kernel reads per step).", "",
              *harness.table(["op kind", "nodes", "ms / step", "MB read / step", "GB/s"],
                             [[o["op_type"], o["nodes"], f"{o['ms_per_step']:.3f}", f"{o['bytes'] / 1e6:.2f}",
                               f"{o['gb_per_s']:.1f}"] for o in prof["ops"] if o["ms_per_step"] >= 0.005])]
     return lines + [
         "", f"Each weight product reading over {BIG_MATMUL_BYTES / 1e6:.0f} MB, in the graph and alone (a one-node "
-        "model with the same weight, as the graph stores it, one token's activation, same thread count; each run "
-        f"alone after a read of {EVICT_BYTES // 2**20} MB, so that the weight comes from memory as in a step):", "",
+        f"model, each run after a read of {EVICT_BYTES // 2**20} MB):", "",
         *harness.table(["product", "MB read", "in graph ms", "GB/s", "alone ms", "GB/s", "graph / alone"],
                        [[f"`{n['name']}`", f"{n['bytes'] / 1e6:.2f}", f"{n['ms_per_step']:.3f}",
                          f"{n['bytes'] / max(n['ms_per_step'], 1e-9) / 1e6:.1f}",
@@ -129,7 +127,8 @@ def op_tables(label: str, prof: dict) -> list[str]:
 def efficiency_rows(shapes: list, results: dict, skipped: dict) -> list[str]:
     rows = []
     for name in shapes:
-        label, mem_len = SHAPES.get(name, name), shape_config(name).mem_len
+        shape, _, graph = name.partition(" ")  # "wt103-base int4, prepacked": a shape's int4 graph
+        label, mem_len = f"{SHAPES.get(shape, shape)} {graph}".strip(), shape_config(shape).mem_len
         if name in skipped:
             rows.append([label, mem_len, *[""] * len(EFFICIENCY_HEAD), f"not measured: {skipped[name]}"])
         else:
@@ -152,6 +151,11 @@ def measure(args, command):
                              "machine")
             continue
         opened[name] = open_shape(name, work, args.threads)
+    for name in [s for s in args.int4.split(",") if s in opened]:  # its int4 graph, as int4.py opens it
+        path = int4_graph(opened[name][0], INT4_DEFAULT_BLOCK, verify=False)[0]
+        for label, prepack in ((f"{name} int4", False), (f"{name} int4, prepacked", True)):
+            rt = open_runtime(path, args.threads, prepack)
+            opened[label] = (path, rt, harness.decode_step(rt, np.random.default_rng(0)))
     probe = BandwidthProbe()
     n_bytes = {name: graph_step_bytes(path)["total"] for name, (path, _, _) in opened.items()}
     results = interleaved_efficiency({name: step for name, (_, _, step) in opened.items()}, n_bytes, probe,
@@ -165,7 +169,7 @@ def measure(args, command):
                                                 args.rounds, args.steps_per_round)
         options = {name: (what, None) for name, (what, _) in options.items()}  # the sessions go
     profiles = {name: profile(path, rt, args.threads) for name, (path, rt, _) in opened.items()
-                if name == ALWAYS_PROFILED or results[name]["over_read"] > TARGET}
+                if name == ALWAYS_PROFILED or (name in shapes and results[name]["over_read"] > TARGET)}
     for _, rt, _ in opened.values():
         rt.close()
     load_end = harness.load_average()
@@ -179,7 +183,7 @@ def measure(args, command):
         "",
         f"## Every shape (target: step within {TARGET}x the plain read of its bytes)",
         "",
-        *efficiency_rows(shapes, results, skipped),
+        *efficiency_rows([*shapes, *(n for n in opened if n not in shapes)], results, skipped),
         "",
     ]
     if options:
@@ -203,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-weights-gb", type=float, default=2.0, help="shapes with more fp32 weights are not run")
     p.add_argument("--no-options", action="store_true",
                    help=f"skip the session options compared on {SHAPES[ALWAYS_PROFILED]}")
+    p.add_argument("--int4", default=ALWAYS_PROFILED, help="shapes whose int4 graph is measured too, unpacked and "
+                   f"prepacked, comma-separated (default {ALWAYS_PROFILED}; '' for none)")
     return harness.main("decode_efficiency", p, measure, argv)
 
 

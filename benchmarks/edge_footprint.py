@@ -20,11 +20,6 @@ PRECISIONS = {  # name: (bytes per matrix weight (int4's: by block size), per ot
 }
 
 
-def int4_bytes_per_weight(block_size: int) -> float:
-    """A 4-bit weight plus its share of an fp32 scale and a 4-bit zero point per block (as loaded)."""
-    return 0.5 + 4 / block_size + 0.5 / block_size
-
-
 def parameter_counts(cfg, mem_len: int, max_segment: int) -> dict:
     """Element counts of the exported graph's constants: body and output-layer matrices, embedding, the rest."""
     D, H, Dh, Di, L = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner, cfg.n_layer
@@ -52,7 +47,7 @@ def weight_bytes(counts: dict, precision: str, block_size: int) -> float:
     elif precision in ("int8", "int8-dynamic"):  # the output layer is quantized, the embedding lookup stays fp32
         matrices = (counts["body"] + counts["output"]) * per_weight + counts["embedding"] * 4
     else:  # int4: a tied lookup reads the output layer's 4-bit blocks
-        per_weight = int4_bytes_per_weight(block_size)
+        per_weight = 0.5 + 4 / block_size + 0.5 / block_size  # its share of a block's fp32 scale and 4-bit zero
         matrices = (counts["body"] + counts["output"] + (0 if counts["tied"] else counts["embedding"])) * per_weight
     return matrices + counts["other"] * per_other
 

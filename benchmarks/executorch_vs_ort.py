@@ -17,7 +17,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.harness import CACHE
 from txl_deploy.assets import DEMO_DIR
-from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.benchmark import machine_info, versions, versions_text
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
@@ -203,18 +203,12 @@ def render(raw: dict) -> str:
     lines = [
         f"- machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average {raw['load']}), "
         f"{m['platform']}",
-        f"- versions: python {v['python']}, onnxruntime {v['onnxruntime']}, executorch {raw['executorch']}, "
-        f"torch {raw['torch']}, txl-deploy {v['txl_deploy']}",
-        f"- every runtime on {raw['threads']} intra-op thread(s) (ExecuTorch's XNNPACK thread pool, ONNX Runtime's "
-        "intra-op pool), batch 1, in one process, taking turns token by token; ExecuTorch through its Python "
-        "bindings (`TxlRuntime.load(\"x.pte\")`), ONNX Runtime's CPU provider (`TxlRuntime.load(\"x.onnx\")`)",
+        f"- versions: {versions_text({**v, **raw}, ('python', 'onnxruntime', 'executorch', 'torch', 'txl_deploy'))}",
+        f"- every runtime on {raw['threads']} intra-op thread(s), batch 1, in one process, taking turns token by "
+        "token, each through `TxlRuntime.load`; method: docs/benchmarks.md (\"ExecuTorch beside ONNX Runtime\")",
         f"- decode: the memory full, median of {raw['steps']} steps per file; prefill: {raw['prefill']} tokens into "
         f"the full memory, median of {raw['repeat']} rounds; peak RAM: a fresh process per file (load, fill the "
-        f"memory, decode {RSS_DECODE_STEPS} tokens), VmHWM, what it added after the runtime's imports, and how much "
-        "of that loading the file added (an ExecuTorch program allocates its planned activation memory, sized for "
-        "the largest batch and segment it was exported for, when it loads)",
-        "- int4: ExecuTorch 8da4w (torchao: int8 dynamic activations per token, int4 symmetric weights in groups of "
-        "32); ONNX Runtime MatMulNBits (int4 weights in blocks, int8 compute, see the int4 section)",
+        f"memory, decode {RSS_DECODE_STEPS} tokens), VmHWM, what it added after the imports, and of that by the load",
         "",
     ]
     ratio_lines = []

@@ -1,6 +1,5 @@
-"""What every benchmark script shares: its options, the sides' interleaved rounds, medians, the machine and its
-load, and the results files (a Markdown file naming the command that wrote it, its JSON beside it). How each
-benchmark measures and how to run it: docs/benchmarks.md."""
+"""What every benchmark script shares: options, interleaved rounds, medians, the machine's load, results files
+(Markdown naming the command that wrote it, JSON beside). Method: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from txl_deploy.bench.benchmark import machine_info, versions
-from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint
+from txl_deploy.bench.benchmark import machine_info, versions, versions_text
+from txl_deploy.bench.runners import resolve
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
@@ -70,8 +69,8 @@ def table(head, rows, numeric_from: int | None = None) -> list[str]:
 
 
 def fill_memories(runtimes: dict, steps: int, rng) -> tuple[np.ndarray, dict]:
-    """Every runtime's memory filled with the same random context (each timed step attends to mem_len positions),
-    then two untimed steps (first-run allocations): (`steps` tokens to time, each runtime's state once filled)."""
+    """Every runtime's memory filled with one random context, then two untimed steps (first-run allocations):
+    (`steps` tokens to time, each runtime's full state)."""
     rt0 = next(iter(runtimes.values()))
     context = rng.integers(0, rt0.n_token, size=(1, rt0.mem_len))
     tokens = rng.integers(0, rt0.n_token, size=steps + 2)
@@ -110,14 +109,12 @@ def package_version(dist: str) -> str | None:
 
 
 def checkpoint_of(model: str, cache_dir) -> tuple[Path, str]:
-    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model: a published shape's random-weight stand-in
-    (built once in `cache_dir`) or a checkpoint."""
+    """(checkpoint, "shape" or "checkpoint") of a benchmark's --model, read as `txl-deploy bench` reads MODEL."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    if is_shape_name(model) and not Path(model).exists():
-        return standin_checkpoint(model, cache_dir), "shape"
-    if Path(model).exists():
-        return Path(model), "checkpoint"
-    raise InputError(f"{model}: no such checkpoint, and not a published shape name")
+    source = resolve(model, cache_dir=cache_dir)
+    if source.kind not in ("shape", "checkpoint"):
+        raise InputError(f"{model}: expected a checkpoint or a published shape name")
+    return source.checkpoint, source.kind
 
 
 def load_average() -> float:
@@ -129,8 +126,7 @@ def machine_lines(load_start: float, load_end: float) -> list[str]:
     m, v = machine_info(), versions()
     return [f"- machine: {m['cpu']}, {m['cores']} cores, shared with other jobs (load average over 1 minute "
             f"{load_start:.2f} at the start, {load_end:.2f} at the end); {m['platform']}",
-            f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
-            f"txl-deploy {v['txl_deploy']}"]
+            f"- versions: {versions_text(v)}"]
 
 
 def command(name: str, argv) -> str:

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.step_bytes import EFFICIENCY_HEAD, efficiency_cells, graph_step_bytes, interleaved_efficiency
+from benchmarks.step_bytes import graph_step_bytes
 from txl_deploy.assets import DEMO_DIR
-from txl_deploy.bench.bandwidth_floor import BandwidthProbe
 from txl_deploy.bench.op_profile import profile_decode, profile_table
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.metadata import read_onnx_info
@@ -30,7 +29,7 @@ from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 logger = logging.getLogger(__name__)
 
 
-def _int4(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
+def int4_graph(fp32: Path, block: int, **kw) -> tuple[Path, dict]:
     """The int4 conversion of `fp32` by txl-deploy's converter, cached under a name keyed by the converter's code."""
     out = fp32.with_name(fp32.stem + f"-int4-b{block}-{harness.code_key(precision, folding, int4)}.onnx")
     if not out.exists():
@@ -44,14 +43,14 @@ def accuracy(block: int, work: Path) -> dict:
     fp32 = work / "kjv-char.onnx"
     if not fp32.exists():
         export_onnx(DEMO_DIR / "kjv-char", fp32, max_segment=128, force=True)
-    int4, report = _int4(fp32, block, eval_data=DEMO_DIR / "heldout.txt")
+    int4, report = int4_graph(fp32, block, eval_data=DEMO_DIR / "heldout.txt")
     return {"fp32_path": fp32, "int4_path": int4, "report": report}
 
 
 def wt103_paths(block: int, work: Path) -> dict:
     fp32 = standin_onnx(standin_checkpoint("wt103-base", work), work, 640, max_segment=64)
     # random weights: the stream comparison is recorded, not enforced (the gate is for trained models)
-    int4, report = _int4(fp32, block, verify=False)
+    int4, report = int4_graph(fp32, block, verify=False)
     return {"fp32": fp32, "int4": int4, "report": report}
 
 
@@ -96,23 +95,9 @@ def decode_speed(sides: dict, threads: int, steps: int, seed: int = 0, profile: 
             "prepack": {k: bool(pp) for k, (_, pp) in sides.items()}}
 
 
-def against_own_bytes(sides: dict, threads: int, rounds: int = 9, steps_per_round: int = 6, seed: int = 0) -> dict:
-    """Each side's decode step against the plain read and the copy floor of the bytes its graph's step reads
-    (`interleaved_efficiency`)."""
-    rng = np.random.default_rng(seed)
-    runtimes = {name: open_runtime(path, threads, prepack) for name, (path, prepack) in sides.items()}
-    out = interleaved_efficiency({name: harness.decode_step(rt, rng) for name, rt in runtimes.items()},
-                                 {name: graph_step_bytes(p)["total"] for name, (p, _) in sides.items()},
-                                 BandwidthProbe(), rounds, steps_per_round)
-    for rt in runtimes.values():
-        rt.close()
-    return out
-
-
 def generate_speed(sides: dict, threads: int, tokens: int, rounds: int, seed: int = 0) -> dict:
-    """Tokens per second of `TxlRuntime.generate` (batch 1, greedy) on each side ({name: (graph, prepack, lazy)}),
-    from the same full memory and prompt token every round, the sides taking turns: lazily (the head graph per
-    token, a tail only when the decision needs it) where `lazy`, else the full graph per token."""
+    """Tokens per second of `TxlRuntime.generate` (batch 1, greedy) per side ({name: (graph, prepack, lazy)}), from
+    the same full memory and prompt every round, the sides taking turns."""
     runtimes = {name: open_runtime(path, threads, prepack, lazy=lazy) for name, (path, prepack, lazy) in sides.items()}
     for name, rt in runtimes.items():
         if sides[name][2] and rt.backend.clusters is None:
@@ -169,7 +154,6 @@ def measure(args, command):
                             args.threads, args.steps, profile=True)
     speed_demo = decode_speed(sides_of(acc["fp32_path"], acc["int4_path"],
                                        {b: o["int4_path"] for b, o in acc_other.items()}), args.threads, args.steps)
-    own = against_own_bytes(sides_of(wt["fp32"], wt["int4"], {}), args.threads, args.rounds, args.steps_per_round)
     gen = None
     if args.generate_tokens > 0:
         gen = generate_speed({f"{g}, {'lazy' if lazy else 'full'}": (path, prepack, lazy)
@@ -197,8 +181,6 @@ def measure(args, command):
         f"{'symmetric' if method['symmetric'] else 'asymmetric (4-bit zero points)'}, the adaptive-softmax "
         "output layer included, the tied embedding reading its blocks, scales and positional tables stored in "
         "fp16; memory state fp32",
-        "- sides: `fp32` and `int4, prepacked` as `TxlRuntime.load` runs each graph, `int4` with "
-        "`OrtBackend(prepack=False)` (see docs/benchmarks.md, \"int4\")",
         f"- speed: ONNX Runtime CPU, {args.threads} intra-op thread(s) on every side, batch 1, memory full, median of "
         f"{args.steps} decode steps per side, the sides taking turns token by token",
         "", "## Targets", "", *harness.targets_table(targets), "",
@@ -214,8 +196,7 @@ def measure(args, command):
                         *[_accuracy_row(f"int4, block {b}, prepacked", o, None, mb[f"int4, block {b}, prepacked"])
                           for b, o in acc_other_packed.items()]]),
         "",
-        f"{a['tokens']} held-out characters, streaming evaluation (segments of the training length, memory "
-        "threaded); the stream comparison is the export-time check (random tokens, prefill and decode, ring wrap), "
+        f"{a['tokens']} held-out characters, streaming evaluation; the stream comparison is the export-time check, "
         "run as the runtime runs the graph.",
         "", "## Decode speed and size", "",
         *harness.table(["shape", "side", "ms / token (p50)", "p90", "speed-up", "file MB", "resident MB"],
@@ -226,38 +207,29 @@ def measure(args, command):
                                           ("demo model (mem_len 128)", speed_demo)) for g in sp["median_ms"]]),
     ]
     wr = wt["report"]["stream"]
-    lines += ["", "Resident after load: what the sessions and one decode step add to a fresh process.", "",
-              f"WikiText-103 base stand-in (random weights) int4 vs fp32 on the export-time stream: KL "
-              f"{wr['kl_divergence']:.3g} nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random "
-              "weights give near-uniform distributions over 267,735 words, where top-1 is fragile; the accuracy "
-              "that matters is the trained demo model's above).",
-              "", "Where a WikiText-103 base decode step goes, as the runtime runs each graph (ONNX Runtime profiler, "
-              "one thread, median of 5 steps; MatMulNBits are the 4-bit weight products, MatMul in the int4 graph "
-              "the fp32 attention over the fp32 memory and the positional tables):", ""]
+    lines += ["", f"WikiText-103 base stand-in int4 vs fp32 on the export-time stream: KL {wr['kl_divergence']:.3g} "
+              f"nats per position, top-1 agreement {wr['top1_agreement']:.3f} (random weights: top-1 is fragile).",
+              "", "Where a WikiText-103 base decode step goes (ONNX Runtime profiler, one thread, median of 5 steps; "
+              "MatMulNBits: the 4-bit weight products):", ""]
     for g, prof in speed_wt["profiles"].items():
         lines += [f"{g}:", "", "```", profile_table(prof, 8), "```", ""]
     graphs = {"fp32": wt["fp32"], "int4": wt["int4"], **{f"int4, block {b}": wt_other[b]["int4"] for b in others}}
     reads = {g: graph_step_bytes(path) for g, path in graphs.items()}
     measured = {g: g if g == "fp32" else f"{g}, prepacked" for g in graphs}
-    lines += ["What a WikiText-103 base decode step reads, counted from each graph, and the speed-up those bytes "
-              "bound (fp32's over the graph's) beside the one measured, prepacked:", "",
+    lines += ["What a WikiText-103 base decode step reads, and the speed-up those bytes bound:", "",
               *harness.table(["graph", "weight products MB", "positional tables MB", "memory MB", "total MB",
                               "bound on the speed-up", "measured speed-up (prepacked)"],
                              [[g, *(f"{r[k] / 1e6:.1f}" for k in ("weights", "positional_tables", "memory", "total")),
                                f"{reads['fp32']['total'] / r['total']:.2f}x",
                                f"{fp32_ms / speed_wt['median_ms'][measured[g]]:.2f}x"] for g, r in reads.items()]),
-              "", f"Each WikiText-103 base step against the plain read and the copy of its own bytes, {args.rounds} "
-              f"rounds of {args.steps_per_round} steps of each side, then the probes (as decode_efficiency measures "
-              "them):", "",
-              *harness.table(["side", *EFFICIENCY_HEAD], [[g, *efficiency_cells(r)] for g, r in own.items()]), ""]
+              "", "Each int4 step against the read and copy of its own bytes: results_efficiency.md.", ""]
     if gen is not None:
         full = gen["tokens_per_s"]["fp32, full"]
         lines += [f"WikiText-103 base generation, batch 1, greedy: `TxlRuntime.generate` of {gen['tokens']} tokens "
-                  f"from a full memory, {args.generate_rounds} rounds, lazy (the softmax parts) and full (the main "
-                  "graph); random weights need tails far more often than a trained model (see lazy_decode):", "",
+                  f"from a full memory, {args.generate_rounds} rounds, lazy and full:", "",
                   *harness.table(["side", "tokens / s", "against fp32 full"],
                                  [[g, f"{r:.2f}", f"{r / full:.2f}x"] for g, r in gen["tokens_per_s"].items()]), ""]
-    raw = {"against_own_bytes": own, "accuracy": acc["report"], "accuracy_prepacked": acc_packed,
+    raw = {"accuracy": acc["report"], "accuracy_prepacked": acc_packed,
            "accuracy_other_blocks": {b: o["report"] for b, o in acc_other.items()},
            "accuracy_other_blocks_prepacked": acc_other_packed,
            "speed_wt103": speed_wt, "speed_demo": speed_demo, "step_bytes": reads,
@@ -274,8 +246,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per side")
     p.add_argument("--block-size", type=int, default=INT4_DEFAULT_BLOCK, help="int4 block size (the export default)")
     p.add_argument("--other-blocks", default=others, help=f"further block sizes, prepacked (default {others})")
-    p.add_argument("--rounds", type=int, default=9, help="rounds of the steps-against-their-bytes comparison")
-    p.add_argument("--steps-per-round", type=int, default=6, help="decode steps per side per round")
     p.add_argument("--generate-tokens", type=int, default=16, help="tokens per side per round of generation (0: skip)")
     p.add_argument("--generate-rounds", type=int, default=3, help="rounds of the generation speed")
     return harness.main("int4", p, measure, argv)

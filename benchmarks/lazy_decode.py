@@ -61,8 +61,7 @@ def trained_fractions(rt, prompt_ids, modes: dict, n_tokens: int, seed: int) -> 
 
 # -- the stand-in's head -------------------------------------------------------------------------------------------
 class HeadFit:
-    """What the head's fit sees: per calibration step the shortlist's best logit and log-sum-exp, and each
-    cluster's unscaled logit `w_i . h` (column i - 1 for cluster i)."""
+    """Per calibration step: the shortlist's best logit and log-sum-exp, each cluster's unscaled logit `w_i . h`."""
 
     def __init__(self, hidden: np.ndarray, shortlist_weight: np.ndarray, shortlist_bias: np.ndarray,
                  cluster_logits: np.ndarray):
@@ -88,8 +87,7 @@ class HeadFit:
 
 
 def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], sweeps: int = 6) -> dict:
-    """Per cluster the (scale, bias) whose rates are the targets: the bias from the greedy target, the scale by
-    bisection in log space on the T=1 one, swept until the clusters (coupled by the normaliser) settle."""
+    """Per cluster the (scale, bias) giving the target rates: bias from greedy, scale bisected on T=1, swept."""
     n = fit.u.shape[1]
     scale = np.ones(n)
     bias = np.array([fit.bias_for(i, 1.0, greedy[i - 1]) for i in range(1, n + 1)])
@@ -113,8 +111,7 @@ def calibrate_head(fit: HeadFit, greedy: list[float], sampled: list[float], swee
 
 def calibrated_standin(name: str, cache_dir, greedy: list[float], sampled: list[float], seed: int = 0,
                        threads: int = 1) -> tuple[Path, dict]:
-    """(checkpoint folder, fit): shape `name` with random weights, the last feed-forward output decorrelated and
-    the head fitted to the target rates; built once per cache_dir and targets."""
+    """(checkpoint folder, fit): shape `name`'s stand-in with its head fitted to the target rates; built once."""
     import torch  # optional (the torch extra): the stand-in is built and its hidden states computed in PyTorch
 
     config = shape_config(name)
@@ -169,9 +166,8 @@ def time_generate(rt, state: dict, prompt: int, n_tokens: int, seed: int, contro
 
 def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed: int, controls: dict,
                  lazy: bool) -> dict:
-    """A batch of streams (row r sampled with seed + r) decoded from the saved `arrays` as a batched decoder does.
-    Lazy: the head graph, then `lazy_decode.decide` runs each tail once for the rows that ask for it; full: the
-    main graph, `Sampler.choose` per row. {"seconds", "tokens" [B, n], "tail_rows" per cluster}."""
+    """A batch of streams (row r with seed + r) from `arrays`: lazy through `decide`, full through the main graph
+    and `Sampler.choose` per row. {"seconds", "tokens" [B, n], "tail_rows" per cluster}."""
     clusters = Clusters.of(backend.config)
     batch = len(prompts)
     samplers = [Sampler(SamplingParams(seed=seed + r, max_tokens=n_tokens, **controls), backend.config.n_token,
@@ -198,8 +194,7 @@ def time_batched(backend, arrays: dict, prompts: np.ndarray, n_tokens: int, seed
 
 
 def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
-    """Median ms at batch 1 of a step through the head graph, each tail graph on its hidden state and the main
-    graph, taking turns: {"head_ms", "tail_ms": [...], "full_ms"}."""
+    """Median ms at batch 1 of the head graph, each tail graph and the main graph: {"head_ms", "tail_ms", "full_ms"}."""
     clusters = backend.clusters
     tok, last = np.array([[prompt]], dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
     head_ms, full_ms, tail_ms = [], [], [[] for _ in range(clusters.n_clusters)]
@@ -223,8 +218,7 @@ def time_parts(backend, arrays: dict, prompt: int, reps: int) -> dict:
 
 
 def at_rates(summary: dict, parts: dict, fractions) -> dict:
-    """Batch 1's lazy time moved to the tail rates `fractions`: each round's seconds per token plus, per tail,
-    (its rate there - the rate measured) x its time alone. {"lazy_tokens_per_s", "speedup"}, medians."""
+    """Batch 1's lazy time moved to the tail rates `fractions` (per tail: rate difference x its time alone)."""
     extra = sum((f - g) * t / 1e3 for f, g, t in zip(fractions, summary["tail_fractions"], parts["tail_ms"]))
     n = summary["tokens_per_round"]
     lazy = np.array(summary["lazy_seconds"]) / n + extra
@@ -233,9 +227,8 @@ def at_rates(summary: dict, parts: dict, fractions) -> dict:
 
 
 def byte_bound(main_path, fractions) -> dict:
-    """The most a batch-1 lazy token can gain by reading fewer bytes: a full step's bytes (`graph_step_bytes`)
-    over a lazy one's (the same less the tails' weights, plus each tail's weights times its rate).
-    {"full_mb", "lazy_mb", "tail_mb": [...], "bound"}."""
+    """The most a batch-1 lazy token gains by reading fewer bytes: a full step's over a lazy one's (less the tails'
+    weights, plus each tail's times its rate). {"full_mb", "lazy_mb", "tail_mb", "bound"}."""
     full = graph_step_bytes(main_path)["total"]
     info = read_onnx_info(main_path)
     parts = parts_contract.Parts.from_export(info.export, info.config, main_path)
@@ -252,8 +245,7 @@ def _weight_bytes(path) -> int:
 
 
 def summarize(lazy: list[dict], full: list[dict], n_tokens: int, batch: int) -> dict:
-    """Medians over rounds of each side's tokens/s and of the full/lazy time ratios, each stream whose tokens
-    differ (at its first differing token), and the lazy side's tail fractions."""
+    """Medians over rounds (tokens/s, full/lazy), the streams that differ (first differing token), tail fractions."""
     lazy_s = np.array([x["seconds"] for x in lazy])
     full_s = np.array([x["seconds"] for x in full])
     differ = []  # per stream that differs: where its first differing token is, and the two tokens there
@@ -290,18 +282,16 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
         *harness.machine_lines(load_start, load_end),
         f"- model: a WikiText-103 base stand-in (tail clusters of {', '.join(f'{s:,}' for s in sizes)} words), "
         "ONNX fp32 with the softmax's parts, ONNX Runtime CPU, 1 intra-op thread, the memory full at mem_len 640",
-        f"- {args.rounds} rounds, lazy and full taking turns from the same saved memory, prompt token and seed; a "
-        f"round generates {args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; medians, "
-        "speed-ups the median of the rounds' full/lazy ratios (range in brackets). What each side runs: "
-        "docs/benchmarks.md (\"Lazy adaptive-softmax generation against full\")",
+        f"- {args.rounds} rounds, lazy and full taking turns from the same memory, prompt and seed; a round: "
+        f"{args.tokens} tokens at batch 1, {args.batch_tokens} steps x 8 rows at batch 8; speed-ups the median of "
+        "the rounds' full/lazy ratios (range in brackets); method: docs/benchmarks.md",
         "",
         "## Tail rates: the trained model's, and the stand-in's while timed",
         "",
-        f"The trained model is the KJV word model (tests/data/kjv-words: 16,579 words, cutoffs 500/2000/6000), "
-        f"{args.trained_tokens} tokens per mode generated lazily from \"{TRAINED_PROMPT}\" with seed "
-        f"{args.seed} in this run. The stand-in's head was fitted to its greedy and T=1 rates on "
-        f"{CALIBRATION_TOKENS} hidden states of the stand-in (the fit's own rates: greedy "
-        f"{fractions_cells(fit['greedy'])}, T=1 {fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
+        f"Trained model: tests/data/kjv-words (16,579 words, cutoffs 500/2000/6000), {args.trained_tokens} tokens per "
+        f"mode from \"{TRAINED_PROMPT}\", seed {args.seed}. The stand-in's head was fitted on {CALIBRATION_TOKENS} "
+        f"hidden states (the fit's rates: greedy {fractions_cells(fit['greedy'])}, T=1 "
+        f"{fractions_cells(fit['sampled'])}); top-k 40 is not fitted.",
         "",
         *harness.table(["mode", "trained model: tail 1 / 2 / 3", "stand-in, batch 1", "stand-in, batch 8"],
                        [[mode, fractions_cells(trained[mode]["fractions"]),
@@ -319,8 +309,7 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
     tails = " / ".join(f"{t:.1f}" for t in parts["tail_ms"])
     bound = next(iter(results.values()))["1"]["byte_bound"]
     tail_mb, full_mb = " / ".join(f"{t:.1f}" for t in bound["tail_mb"]), bound["full_mb"]
-    lines += ["", "tokens identical: whether in every round the lazy side generated exactly the full side's tokens "
-              "(same seed, same memory)."]
+    lines += ["", "tokens identical: the lazy side wrote exactly the full side's tokens in every round."]
     differ = [(mode, batch, d) for mode in MODES for batch in ("1", "8") for d in results[mode][batch]["differ"]]
     if differ:
         pairs = {(m, b) for m, b, _ in differ}
@@ -329,11 +318,8 @@ def report(args, command, trained, fit, results, parts, load_start, load_end, cl
                   "all), at their first differing token: " + "; ".join(
                       f"{m}, batch {b}, round {d['round']} row {d['row']} step {d['step']}: lazy {d['lazy']}, full "
                       f"{d['full']}" for m, b, d in differ) + ". "
-                  + ("Adjacent ids are a draw that fell within rounding of the boundary between two tokens' "
-                     "cumulative weights: the lazy side decides on the head graph's cluster log-probs, the full "
-                     "side on those `Clusters.head_from_full` derives from the main graph's float32 distribution, "
-                     "and the two differ in their last bits." if all(abs(d["lazy"] - d["full"]) == 1
-                                                                      for _, _, d in differ) else "")]
+                  + ("Adjacent ids: draws within float rounding of a boundary between two tokens (see "
+                     "docs/benchmarks.md)." if all(abs(d["lazy"] - d["full"]) == 1 for _, _, d in differ) else "")]
     lines += [
         "",
         f"With no tail ever computed a batch-1 step would take the head graph's time: at most full / head = "

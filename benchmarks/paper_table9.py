@@ -4,7 +4,6 @@ What each side computes: docs/benchmarks.md ("The paper's Table 9")."""
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
@@ -16,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import harness
-from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.benchmark import report_header, versions_text
 from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.bench.report import pyplot, save_figure
 from txl_deploy.checkpoints import load_model
@@ -166,8 +165,7 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
         })
     bar.close()
     return {
-        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": versions(),
+        **report_header(SCHEMA),
         "settings": {"model": label, "lengths": lengths, "segment": segment, "rounds": rounds, "warmup": warmup,
                      "decode_steps": decode_steps, "threads": threads, "seed": seed, "batch": 1},
         "config": config.to_dict(), "vanilla_check": vanilla_check, "rows": rows,
@@ -196,8 +194,7 @@ def markdown(result: dict) -> str:
         f"Model: {s['model']} ({c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads of "
         f"{c['d_head']}, d_inner {c['d_inner']}, {c['n_token']} symbols), batch 1, "
         f"{threads} ONNX Runtime thread(s) per side, fp32, measured {result['date']} on {m['cpu']} "
-        f"({m['cores']} cores, {m['platform']}); python {v['python']}, onnxruntime {v['onnxruntime']}, torch "
-        f"{v['torch']}, txl-deploy {v['txl_deploy']}.",
+        f"({m['cores']} cores, {m['platform']}); {versions_text(v, ('python', 'onnxruntime', 'torch', 'txl_deploy'))}.",
         "",
         *harness.table(["attention length L", "Transformer-XL ms/token, evaluation",
                         "Transformer-XL ms/token, one token per call", "vanilla ms/token", "vanilla slower, evaluation",
@@ -209,20 +206,15 @@ def markdown(result: dict) -> str:
                          f"{r['paper_slowdown']:,}x" if r.get("paper_slowdown") else "-"]
                         for r in rows for ev in [r["slowdown_evaluation_rounds"]]], numeric_from=0),
         "",
-        f"What each side computes, per predicted token, with {s['rounds']} measured rounds per L (after "
-        f"{s['warmup']} unmeasured), the sides alternating in every round:",
-        f"- Transformer-XL, evaluation: its memory holds the L tokens before the measured ones; a segment of "
-        f"{s['segment']} tokens goes in and comes out as the next-token distribution at each of its positions "
-        "(`TxlRuntime.step`, ONNX Runtime); the time divided by the segment length. Brackets: the slowest and the "
-        "fastest round's ratio.",
-        f"- Transformer-XL, one token per call: the same full memory, {s['decode_steps']} of the same tokens fed one "
-        "per call (`TxlRuntime.step`); the median call.",
-        "- vanilla: a Transformer of the same size with absolute sinusoidal positions and no memory, exported to "
-        "ONNX (`txl_deploy/model/vanilla.py`) and run in ONNX Runtime; for each predicted token, the window of the "
-        "L tokens ending at it, recomputed whole, gives the next-token distribution after its last position; the "
-        "median window. Window r ends at the token whose distribution Transformer-XL's segment gives at position "
-        f"r. Its export matches PyTorch within {vc['max_abs_diff']:.1e} (max abs log-prob difference, a "
-        f"{vc['window']}-token window).",
+        f"What each side computes, per predicted token ({s['rounds']} measured rounds per L after {s['warmup']} "
+        "unmeasured, the sides alternating; method: docs/benchmarks.md):",
+        f"- Transformer-XL, evaluation: L tokens in its memory, a segment of {s['segment']} tokens in, the "
+        "distribution at each position out (`TxlRuntime.step`); time / segment length. Brackets: the slowest and "
+        "the fastest round's ratio.",
+        f"- Transformer-XL, one token per call: the same memory, {s['decode_steps']} tokens one per call; the median.",
+        "- vanilla: the same size, absolute positions, no memory (`txl_deploy/model/vanilla.py`, ONNX Runtime); per "
+        "token the window of L tokens ending at it, recomputed whole; the median window. Its export matches "
+        f"PyTorch within {vc['max_abs_diff']:.1e} (max abs log-prob difference, a {vc['window']}-token window).",
         "",
         NOTE.format(segment=s["segment"]),
     ]

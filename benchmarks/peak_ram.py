@@ -1,27 +1,9 @@
-"""Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins).
+"""Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins),
+each in a fresh process (this file with --child). Method and targets: docs/benchmarks.md ("Memory").
 
     python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
     python -m benchmarks.peak_ram --shape enwik8-large --formats ours
     python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
-
-Every measurement runs in a fresh Python process (this file with --child), so each peak is that job's own:
-`peak` is the process's high-water resident set (VmHWM, file-backed pages of memory-mapped weights included),
-`base` its resident set after the imports and before the model is read. Ratios are peak over the checkpoint's bytes
-(export) or over weight bytes + recurrent state bytes (runtime), the process included. Each row also shows the
-estimate `txl-deploy info --memory` prints for it. Writes benchmarks/results_peak_ram.md (and .json).
-
-Targets: export with its verification <= 4x the checkpoint's size, without <= 2.5x, verified export <= 90 s on the
-2-core reference machine; runtime (fp32, mem_len 1600, prefill then decode) <= 2x (weights + state) with decode
-within 10% of ONNX Runtime's defaults (the CPU arena on).
-
---runtime-only exports the shape once (not measured) and measures the runtime alone, with the sessions an
-adaptive-softmax model loads (the model, its head graph and every tail graph): the backend as it is (each weight
-held once in a pool the sessions share, no prepacking), each session reading its own file with ONNX Runtime's
-prepacking (how the backend loaded them before), and ONNX Runtime's defaults (the CPU arena on); then the backend
-again after a prompt through `generate` and through `step`. The targets there: the runtime's resident set after
-loading within 1.1x the weight bytes, and after a prompt of mem_len tokens through any of prefill, generate and step
-within 1.15x, everything the process keeps counted (the recurrent state, the vocabulary, libraries' pages).
-Writes benchmarks/results_peak_ram_runtime.md (and .json).
 """
 
 from __future__ import annotations
@@ -252,11 +234,8 @@ def render_runtime(raw: dict) -> str:
     if "prompts" in raw:
         lines += ["", "## What the runtime keeps after a prompt", "",
                   f"Resident set over the base, as a multiple of the weights ({fb(weights)}), after a prompt of "
-                  f"{raw['mem_len']} tokens through each call (`step` returns every position's log-probs, which "
-                  f"are the caller's and dropped here), then after {raw['decode_steps']} decode steps. Parts: the "
-                  "weight pool, the recurrent memory state, the vocabulary's tables, and pages of files (ONNX "
-                  "Runtime's code as the sessions touched it); the rest is heap in use: ONNX Runtime's sessions "
-                  "(graphs, kernels), the last log-probs, Python objects.", "",
+                  f"{raw['mem_len']} tokens through each call, then after {raw['decode_steps']} decode steps; the "
+                  "parts: docs/benchmarks.md (\"Memory\").", "",
                   "| prompt through | after it | after decoding | weights | state | vocabulary | files' pages | "
                   "the rest | prompt time |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -268,9 +247,6 @@ def render_runtime(raw: dict) -> str:
                          + " | ".join(f"{x / weights:.3f}x ({fb(x)})" for x in
                                       (pool, r["state_bytes"], r["vocab_bytes"], files, rest))
                          + f" | {r['prefill_s']:.1f} s |")
-        lines += ["", "Decoding keeps a step's working memory too (the heap holds what a step freed for the next "
-                  "one): handing it back after every step, as after a prompt, measured about 4% slower decode steps "
-                  "(interleaved, one thread), so it is left in place."]
     lines += [
         "",
         "## Runtime (ONNX Runtime, fp32, CPU)",
@@ -285,14 +261,8 @@ def render_runtime(raw: dict) -> str:
                      f"{peak / weights:.2f}x | {r['decode_ms']:.1f} ms | {r['prefill_s']:.2f} s |")
     lines += [
         "",
-        "The head graph repeats the body and the tied embedding (every output weight, which the embedding gathers "
-        "columns of) and each tail graph its cluster's rows, so sessions reading their own files hold the output "
-        "layer three times over, and prepacking adds a packed copy of each MatMul's weight. The pool reads every "
-        "file tensor by tensor, keeps one array per distinct tensor (a tail's [rows, d] Gemm weight is the main "
-        "graph's [d, rows] output weight, given with transB flipped), and gives the arrays to every session. The "
-        "peak over the loaded level is the load's transients (the graph optimisers' copies, freed) and the "
-        "prefill's temporaries. Decode and prefill times are single runs on a shared machine: see "
-        "results_efficiency.md for interleaved step times.",
+        "How the pool holds each weight once, and what the peak over the loaded level is: docs/benchmarks.md "
+        "(\"Memory\"). Decode and prefill times are single runs: see results_efficiency.md for interleaved ones.",
     ]
     return "\n".join(lines)
 
@@ -324,12 +294,7 @@ def render(raw: dict) -> str:
             ("runtime <= 2x (weights + state)", f"{ours_rt['peak'] / budget:.2f}x", ours_rt["peak"] <= 2 * budget),
             ("runtime decode within 10% of ONNX Runtime's defaults", f"{speed:.2f}x their speed", speed >= 0.9)]),
         "",
-        "Why the time target is missed: the verification feeds the same stream as before (2,062 tokens, batch 2, four "
-        "512-token segments, the ring wrapping) to the paper's formulation, which re-projects the whole memory in "
-        "every segment (about 1.1 TFLOP per 512-token segment once the memory is full), and to the exported graph, "
-        "whose 512-token segments are asked for their positions in three blocks to bound the log-probs in memory "
-        "(two more passes of the body per segment). On 2 cores that is about two and a half minutes of arithmetic; "
-        "the export itself (tracing, writing, checks) takes about 30 s.",
+        *(["Why the time target is missed: docs/benchmarks.md (\"Memory\")."] if slowest > 90 else []),
         "",
         "## Export",
         "",

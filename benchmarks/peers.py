@@ -4,7 +4,6 @@ eager's. What each side runs: docs/benchmarks.md ("Peers")."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from benchmarks.peer_compile import TorchCompileBackend
 from benchmarks.peer_huggingface import HuggingFaceBackend
 from benchmarks.peer_openvino import OpenVinoBackend, cpu_default_precision
 from txl_deploy.bench import timing
-from txl_deploy.bench.benchmark import machine_info, versions
+from txl_deploy.bench.benchmark import report_header, versions_text
 from txl_deploy.bench.eager_baseline import EagerAtPositions
 from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.bench.runners import torch_threads
@@ -117,10 +116,9 @@ def run_peers(model: str, mem_len: int | None = None, batches=(1, 8), gen_len: i
         })
     bar.close()
     return {
-        "schema": SCHEMA, "name": name or (model if source == "shape" else Path(model).name), "model": str(model),
-        "source": source, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": {**versions(), "openvino": harness.package_version("openvino"),
-                                                 "transformers": harness.package_version("transformers")},
+        **report_header(SCHEMA, openvino=harness.package_version("openvino"),
+                        transformers=harness.package_version("transformers")),
+        "name": name or (model if source == "shape" else Path(model).name), "model": str(model), "source": source,
         "settings": {"mem_len": mem_len, "batches": list(batches), "gen_len": gen_len, "repeat": repeat,
                      "warmup": warmup, "threads": threads, "seed": seed, "peers": chosen},
         "openvino": {"cpu_default_precision": default_precision}, "notes": notes,
@@ -184,9 +182,9 @@ def results_file(reports: list[dict], command: str) -> str:
     else:
         verdict = ["No peer's median step beat ONNX Runtime through txl-deploy on any row."]
     lines = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}. Versions: python {v['python']}, onnxruntime "
-        f"{v['onnxruntime']}, openvino {v.get('openvino')}, torch {v['torch']}, transformers {v.get('transformers')}, "
-        f"numpy {v['numpy']}, txl-deploy {v['txl_deploy']}. OpenVINO CPU default precision here: "
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}. Versions: "
+        f"{versions_text(v, ('python', 'onnxruntime', 'openvino', 'torch', 'transformers', 'numpy', 'txl_deploy'))}. "
+        "OpenVINO CPU default precision here: "
         f"{next((r['openvino']['cpu_default_precision'] for r in reports if r['openvino']['cpu_default_precision']), 'not asked')}.",
         "",
         *verdict,

@@ -14,6 +14,7 @@ from pathlib import Path
 from benchmarks import harness
 from benchmarks.harness import CACHE, HERE, ROOT, command, generating_command
 from txl_deploy.bench import run_benchmark
+from txl_deploy.bench.benchmark import versions_text
 from txl_deploy.bench.op_profile import profile_table
 from txl_deploy.bench.random_weights import is_shape_name, standin_checkpoint, standin_onnx
 from txl_deploy.bench.report import plot, table
@@ -28,14 +29,7 @@ least 1x eager on every shape, where eager applies its output layer only at the 
 text generator needs), not at all 512."""
 
 
-PREFILL_NOTE = """\
-Why a prefill target is missed: a prompt into an empty memory does the same matrix products in every
-implementation (the model body over 512 positions, then the output layer at one), so there is little for a
-deployment format to win, and the ratio sits near 1x, within this machine's noise. The cached backends feed such
-a prompt a 1-slot memory (the incremental graph's slot axis is dynamic), not mem_len masked slots, which would
-otherwise double the attention work at mem_len 2100. torch-fast runs the cached formulation (positional table
-product and gathers over [heads, Q, Q]) op by op without fusion, where eager's rel_shift is a pad and a view, so
-it trails eager on prefill; it is built for decode, where it is faster than eager."""
+PREFILL_NOTE = "Why a prefill target is missed: docs/benchmarks.md (\"Reading the results\")."
 
 
 # The other benchmark scripts, each with the command that writes its results file (the command every results
@@ -125,23 +119,15 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
         s = w1["speedup"]["decode_p50"]
         out.append(("WikiText-103 base, mem_len 640: >= 3x eager per token", f"{s:.1f}x", s >= 3))
         if w1.get("floor"):
-            f = w1["floor"]
-            g = f["gap"]
-            name = "WikiText-103 base: within 1.3x of the floor"
+            f, name = w1["floor"], "WikiText-103 base: within 1.3x of the floor"
+            said = f"{f['gap']:.2f}x of {f['floor_ms']:.1f} ms"
             if not f.get("gap_rounds"):  # results of a run that took the bandwidth at another moment
-                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms, the copy bandwidth measured before the "
-                            "decode steps, not in their rounds: not comparable (run the configuration again)", None))
-            elif g < 1:  # faster than the bytes allow: the copy bandwidth understated what a step can read
-                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms (rounds {min(f['gap_rounds']):.2f}-"
-                            f"{max(f['gap_rounds']):.2f}x): below the floor, so the copy bandwidth understates what "
-                            "a decode step reads; not a valid floor", None))
+                out.append((name, f"{said}, the copy bandwidth measured before the decode steps, not in their "
+                            "rounds: not comparable (run the configuration again)", None))
             else:
-                read = ""
-                if f.get("read_ms"):  # what one thread's pure read of the same bytes takes, in the same rounds
-                    read = (f"; a pure read of the same bytes takes {f['read_over_floor']:.2f}x the floor "
-                            f"({f['read_ms']:.1f} ms), the step {f['read_gap']:.2f}x that read")
-                out.append((name, f"{g:.2f}x of {f['floor_ms']:.1f} ms (rounds {min(f['gap_rounds']):.2f}-"
-                            f"{max(f['gap_rounds']):.2f}x){read}", g <= 1.3))
+                said += f" (rounds {min(f['gap_rounds']):.2f}-{max(f['gap_rounds']):.2f}x){read_clause(f)}"
+                out.append((name, said + ": below the floor, so the copy bandwidth understates what a decode step "
+                            "reads; not a valid floor", None) if f["gap"] < 1 else (name, said, f["gap"] <= 1.3))
     if w8:
         s = w8["speedup"]["decode_tokens_per_s"]
         out.append(("WikiText-103 base, batch 8: throughput >= 5x eager", f"{s:.1f}x", s >= 5))
@@ -156,6 +142,15 @@ def targets(reports) -> list[tuple[str, str, bool | None]]:
                 out.append((f"{rep['name']} (mem_len {res['mem_len']}, batch {res['batch']}): prefill of 512 "
                             "tokens >= 1x eager", f"{s:.2f}x", s >= 1))
     return out
+
+
+def read_clause(f: dict) -> str:
+    """What one thread's pure read of a step's bytes takes in the same rounds, beside the floor; "" if not measured."""
+    if not f.get("read_ms"):
+        return ""
+    return (f"; a pure read of the same bytes at the read bandwidth of the same rounds "
+            f"({f['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s) takes {f['read_ms']:.1f} ms, "
+            f"{f['read_over_floor']:.2f}x the floor; the step is {f['read_gap']:.2f}x that read")
 
 
 def included_results() -> tuple[list[tuple[Path, str, str]], list[Path]]:
@@ -186,8 +181,7 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
         f"- date: {min(rep['date'] for rep in reports)} to {max(rep['date'] for rep in reports)} (each "
         "configuration's own date is in its JSON)",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}, GPU: {m['gpu'] or 'none'}",
-        f"- versions: python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, torch {v['torch']}, "
-        f"txl-deploy {v['txl_deploy']}",
+        f"- versions: {versions_text(v, ('python', 'numpy', 'onnxruntime', 'torch', 'txl_deploy'))}",
         "- threads: " + ", ".join(f"{t} per side (ONNX Runtime intra-op threads, torch.set_num_threads)" if t
                                   else "library defaults" for t in sorted(threads, key=str))
         + ", every row; fp32 unless the name says otherwise",
@@ -221,10 +215,7 @@ def results_md(reports, bandwidth_note: str, command: str) -> str:
                               f"{max(f['bandwidth_rounds']) / 1e9:.1f} GB/s over the rounds; each round's decode "
                               f"median over its own floor: {min(f['gap_rounds']):.2f}x to "
                               f"{max(f['gap_rounds']):.2f}x)")
-                if f.get("read_ms"):
-                    rounds += (f"; a pure read of the same bytes at the read bandwidth of the same rounds "
-                               f"({f['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s) takes {f['read_ms']:.1f} ms, "
-                               f"{f['read_over_floor']:.2f}x the floor; the step is {f['read_gap']:.2f}x that read")
+                rounds += read_clause(f)
                 lines.append(f"- mem_len {res['mem_len']} batch {res['batch']}: floor {f['floor_ms']:.1f} ms = "
                              f"({f['weight_bytes'] / 1e6:.0f} MB weights, of which output layer "
                              f"{f['output_layer_bytes'] / 1e6:.0f} MB, + {f['memory_bytes'] / 1e6:.0f} MB memory) / "

@@ -21,10 +21,8 @@ ELEMENT_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8}  # onnx TensorProto
 
 
 def graph_step_bytes(path) -> dict:
-    """What one decode step (batch 1, memory full) reads, by kind, in bytes, counted from the graph: the weight
-    products' constants (4-bit blocks, scales and zero points included), the positional tables (MatMul by a 3-D
-    constant) and the memory's keys and values. A constant is counted as the kernel reads it (an fp16 one cast at
-    load as fp32; one behind a Transpose or Slice as the constant ONNX Runtime folds it into)."""
+    """Bytes one decode step (batch 1, memory full) reads, by kind, counted from the graph: weight products,
+    positional tables, the memory; each constant as the kernel reads it (fp16 cast at load, folded Transposes)."""
     graph = onnx.load(str(path)).graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
@@ -76,10 +74,8 @@ def graph_step_bytes(path) -> dict:
 
 
 def interleaved_efficiency(steps: dict, n_bytes: dict, probe: BandwidthProbe, rounds: int, steps_per_round: int) -> dict:
-    """Each side's decode step ({side: callable}) against the plain read and the copy floor of the bytes it reads
-    ({side: bytes}): a round times `steps_per_round` steps of every side, in wall time and in CPU time of the
-    calling thread, and the probe takes its turn among them (`harness.interleaved`); each round's step median is
-    set against that round's bandwidth (`efficiency`)."""
+    """Each side's step ({side: callable}) against the read and copy of its bytes ({side: bytes}), round by round
+    with the probe taking its turn, in wall and in CPU time (`efficiency`)."""
     def timed(step):
         def side(_):
             wall, cpu = [], []
@@ -102,11 +98,9 @@ def _over(n_bytes: int, step_ms, rates) -> float:
 
 
 def efficiency(n_bytes: int, step_ms_rounds, bandwidths, step_cpu_ms_rounds=None) -> dict:
-    """The step's median against `n_bytes` read at each round's bandwidth (`Bandwidth` per round): `read_ms` and
-    `copy_ms` (the bytes over the median read and copy rates; a copy counts a byte read and a byte written), and
-    `over_read`, `over_copy`: the medians of each round's own ratios, so that a round slowed by another job is set
-    against its own bandwidth. With `step_cpu_ms_rounds`, the same in CPU time (`*_cpu`), which leaves out the
-    time either side waited for a core."""
+    """The step's median against `n_bytes` read and copied at each round's bandwidth: `read_ms`, `copy_ms`, and
+    `over_read`, `over_copy`, medians of each round's own ratio (a round slowed by another job meets its own
+    bandwidth); with `step_cpu_ms_rounds`, the same in CPU time (`*_cpu`: no time spent waiting for a core)."""
     step = [float(ms) for ms in step_ms_rounds]
     out = {"bytes": int(n_bytes), "step_ms": harness.median(step), "step_ms_rounds": step}
     for kind in ("read", "copy"):
@@ -209,10 +203,8 @@ EVICT_BYTES = 128 * 2**20
 
 
 def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
-    """Each named weight product of the graph (MatMul, or Gemm with its transB and bias) run alone: a one-node model
-    with the same constant B, fed one token's activation, median ms of `runs` runs, the models taking turns run by
-    run, each run after a read of EVICT_BYTES so that its weight comes from memory as in a step. Names whose B is
-    not a constant are left out."""
+    """Median ms of each named weight product run alone (a one-node model, same constant B, one token, after a read
+    of EVICT_BYTES so that the weight comes from memory as in a step); a B that is not a constant is left out."""
     import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
 
     graph = onnx.load(str(onnx_path)).graph

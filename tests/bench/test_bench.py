@@ -233,39 +233,24 @@ def test_eager_as_written_column_and_compared_graph(tiny_onnx, tiny_ckpt, tmp_pa
     assert r["compare_parity"]["max_abs_diff"] <= 1e-6  # the same graph on the same stream
 
 
-def test_nothing_samples_memory_while_a_call_is_timed(tiny_onnx, tiny_ckpt, monkeypatch):
-    """The resident-set sampler's thread wakes every 2 ms: it must not run inside the timed loops, and the peak
-    memory must still be measured (in its own pass)."""
-    from txl_deploy.bench import peak_usage as memory
+def test_peak_memory_counts_a_rise_freed_before_the_call_ends(tiny_onnx, tiny_ckpt):
+    """The kernel's high-water mark, reset before each call, sees a transient allocation that is gone by the end
+    (a sampler could miss it); the benchmark's sides report a peak at least what loading left resident."""
+    import numpy as np
+
     from txl_deploy.bench import run_benchmark
-    from txl_deploy.bench import timing as measure
+    from txl_deploy.bench.peak_usage import PeakMemory
 
-    active = []
-    timed_while_sampling = []
-
-    class Watched(memory.RssSampler):
-        def __enter__(self):
-            active.append(self)
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            active.remove(self)
-            return super().__exit__(*exc)
-
-    real_clock = measure.time.perf_counter
-
-    class Clock:
-        @staticmethod
-        def perf_counter():
-            if active:
-                timed_while_sampling.append(len(active))
-            return real_clock()
-
-    monkeypatch.setattr(memory, "RssSampler", Watched)
-    monkeypatch.setattr(measure, "time", Clock)
+    mem = PeakMemory()
+    with mem.call():
+        block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
+        del block
+    assert mem.transient >= 60 << 20
+    with mem.call():
+        pass
+    assert mem.transient >= 60 << 20  # the largest rise is kept
     rep = run_benchmark(str(tiny_onnx), reference=str(tiny_ckpt), prompt_len=6, gen_len=4, repeat=2, warmup=1,
                         floor=False, progress=False)
-    assert timed_while_sampling == []
     for side in rep["results"][0]["sides"].values():
         assert side["decode_ms"]["n"] == 8 and side["peak_memory_bytes"] >= side["loaded_memory_bytes"]
 

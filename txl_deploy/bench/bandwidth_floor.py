@@ -24,9 +24,8 @@ class Bandwidth(NamedTuple):
 
 
 class BandwidthProbe:
-    """The copy and the read bandwidth at every call: the best of `repeats` copies and reads of a buffer of
-    `nbytes` (far larger than any cache, allocated once), in wall time and in the calling thread's CPU time (which
-    leaves out the time it waited for a core)."""
+    """The copy and read bandwidth at every call: the best of `repeats` over a buffer far larger than any cache,
+    in wall time and in the calling thread's CPU time."""
 
     def __init__(self, nbytes: int = 256 * 2**20, repeats: int = 3):
         self.src = np.ones(max(1, nbytes // 8), dtype=np.float64)

@@ -56,6 +56,17 @@ def versions() -> dict:
     return out
 
 
+def report_header(schema: str, **more_versions) -> dict:
+    """What every benchmark report opens with: its schema, when, on what machine, with which versions."""
+    return {"schema": schema, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(), "versions": {**versions(), **more_versions}}
+
+
+def versions_text(v: dict, names=("python", "numpy", "onnxruntime", "txl_deploy")) -> str:
+    """"python 3.12.3, numpy 2.1.0, ...": a report's versions as its results file says them."""
+    return ", ".join(f"{n.replace('_', '-')} {v.get(n)}" for n in names)
+
+
 def _cache(cache_dir):
     """The folder for stand-ins and exports: `cache_dir`, else a temporary one removed afterwards."""
     if cache_dir is not None:
@@ -162,9 +173,7 @@ def run_benchmark(model: str, *, backend: str | None = None, baseline: str = "ea
             results.append(res)
         bar.close()
     return {
-        "schema": "txl-deploy-bench/1", "model": str(model), "source": source.kind,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": versions(),
+        **report_header("txl-deploy-bench/1"), "model": str(model), "source": source.kind,
         "settings": {"backend": backend, "baseline": baseline, "device": device, "threads": threads,
                      "prompt_len": prompt_len, "gen_len": gen_len, "warmup": warmup, "repeat": repeat, "seed": seed,
                      "state": state, "as_written_batches": sorted(as_written_batches),

@@ -63,7 +63,6 @@ def mem_lens_for(source: Source, requested: list[int] | None) -> list[int]:
         return [source.fixed_mem_len]
     if requested:
         return list(requested)
-
     mem_len = load_model(source.checkpoint).config.mem_len
     if mem_len <= 0:
         raise InputError(f"{source.checkpoint}: the model has no memory length (mem_len {mem_len}); pass --mem-len")
@@ -79,7 +78,6 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
 
         def open_torch():
             torch_threads(threads)
-
             klass = {"torch": TorchEagerBackend, "eager-as-written": TorchEagerBackend, "eager": EagerAtPositions,
                      "torch-fast": TorchCachedBackend}[backend]
             return TxlRuntime(klass.from_checkpoint(source.checkpoint, device=device, mem_len=mem_len,
@@ -94,14 +92,8 @@ def opener(source: Source, backend: str, mem_len: int, *, device: str = "cpu", t
             own = {"engine": "a TensorRT engine runs on the tensorrt",
                    "pte": "an ExecuTorch program runs on the executorch"}[source.kind]
             raise InputError(f"{source.path}: {own} backend only")
-        if providers is None and device.startswith("cuda"):
-            providers = ["cuda"]
-        elif providers is None:
-            providers = ["cpu"]
-
-        def open_ort():
-            return TxlRuntime(OrtBackend(path, providers=providers, intra_op_threads=threads))
-        return open_ort
+        providers = providers or (["cuda"] if device.startswith("cuda") else ["cpu"])
+        return lambda: TxlRuntime(OrtBackend(path, providers=providers, intra_op_threads=threads))
     if backend == "tensorrt":
         if source.kind != "engine":
             raise InputError("the tensorrt backend benchmarks a built engine: pass MODEL.engine "

@@ -1,6 +1,5 @@
 """Timing one configuration (memory length, batch) of several runtimes side by side on one token stream, the sides
-alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass
-(a sampler thread would otherwise wake inside the timed loops)."""
+alternating (A B C, C B A, ...) with an optional probe taking its turn; peak memory from a separate untimed pass."""
 
 from __future__ import annotations
 
@@ -117,8 +116,7 @@ def _memory_pass(side: Side, stream: Stream):
 
 def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None, probe=None) -> list:
     """Measure every side on `stream`, interleaved, then each side's memory; `progress(n)` hears of each phase.
-    `probe()` takes a turn in every round, after the sides in even rounds, before them in odd ones: returns its
-    result of every round."""
+    `probe()` takes a turn in every round (after the sides, then before); returns its results."""
     for side in sides:
         _setup(side, stream, warmup)
         if progress:
@@ -171,9 +169,8 @@ def summarise(side: Side, stream: Stream) -> dict:
 
 
 def parity(a: Side, b: Side) -> dict:
-    """Max abs log-prob difference, mean KL divergence of `a`'s next-token distribution from `b`'s (KL(b || a), in
-    nats per position: the measure a reduced-precision side is judged by) and top-1 agreement, over the positions
-    both sides computed."""
+    """Max abs log-prob difference, mean KL(b || a) in nats per position (what judges a reduced precision) and
+    top-1 agreement, over the positions both sides computed."""
     diffs, kl, agree, total = [], 0.0, 0, 0
     for x, y in zip(a.log_probs, b.log_probs):
         finite = np.isfinite(x) & np.isfinite(y)
