@@ -59,7 +59,8 @@ def demo_exports(tmp_path_factory):
 def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
     site = write_site(demo_exports["fp32"], tmp_path / "site")
     names = sorted(p.name for p in site.iterdir())
-    assert names == ["app.js", "index.html", "model.json", "model.onnx", "txl.js", "vocab.json"]
+    assert names == ["app.js", "index.html", "model.json", "model.onnx", "music.js", "pianoroll.js", "txl.js",
+                     "vocab.json"]
     assert (site / "model.onnx").read_bytes() == demo_exports["fp32"].read_bytes()
     spec = json.loads((site / "model.json").read_text())
     assert spec == {"name": "kjv", "n_layer": 4, "n_head": 4, "d_head": 48, "mem_len": 128, "n_token": 73,
