@@ -244,6 +244,8 @@ def test_page_streams_text_and_screenshot_shows_it(served, browser, demo_exports
     assert browser.evaluate("document.getElementById('generated').textContent") == text
     latency = browser.evaluate("document.getElementById('latency').textContent")
     assert latency.startswith("token 60: ") and "ms" in latency and "tokens/s" in latency
+    # a text model's page has no piano roll or player
+    assert browser.evaluate("document.getElementById('music').hidden && window.txlNotes === undefined")
     shot = browser.screenshot()
     (tmp_path / "page.png").write_bytes(shot)
     if os.environ.get("TXL_WEB_SCREENSHOT"):  # where to keep a copy (the README's picture)
