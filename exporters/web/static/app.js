@@ -1,4 +1,5 @@
-// The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
+// The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency; for a
+// music model also the notes as a piano roll, and plays them (music.js places them, pianoroll.js shows and sounds).
 // The model-specific part is txl.js; this file is only the page around it.
 import { Placer } from "./music.js";
 import { drawRoll, play } from "./pianoroll.js";

@@ -14,8 +14,9 @@ export function drawRoll(canvas, placer) {
   const g = canvas.getContext("2d");
   g.fillStyle = "#fcfcfa";
   g.fillRect(0, 0, canvas.width, canvas.height);
-  const pitches = placer.notes.map((n) => n.pitch);
-  let low = pitches.length ? Math.min(...pitches) : 60, high = pitches.length ? Math.max(...pitches) : 72;
+  let low = 60, high = 72; // the middle of the keyboard until there are notes
+  if (placer.notes.length) [low, high] = [128, -1];
+  for (const n of placer.notes) [low, high] = [Math.min(low, n.pitch), Math.max(high, n.pitch)];
   const pad = Math.max(0, MIN_PITCH_SPAN - (high - low)) / 2;
   low = Math.floor(low - pad - 1);
   high = Math.ceil(high + pad + 1);
