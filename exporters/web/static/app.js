@@ -87,7 +87,8 @@ function startPiece(representation, symbols) {
         return;
       }
       drawRoll($("piano-roll"), placer);
-      $("music-status").textContent = `${placer.notes.length} notes, ${placer.bars} bars`;
+      $("music-status").textContent = `${placer.notes.length} notes, ${placer.bars} bars` +
+        (placer.end < Infinity ? " (EOS_None ended the piece: what follows is not placed)" : "");
     },
   };
   $("play").disabled = false;
