@@ -87,6 +87,7 @@ function startPiece(representation, symbols) {
         return;
       }
       drawRoll($("piano-roll"), placer);
+      $("roll-box").scrollLeft = $("roll-box").scrollWidth; // follow the newest bar
       $("music-status").textContent = `${placer.notes.length} notes, ${placer.bars} bars` +
         (placer.end < Infinity ? " (EOS_None ended the piece: what follows is not placed)" : "");
     },
