@@ -59,7 +59,8 @@ def demo_exports(tmp_path_factory):
 def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
     site = write_site(demo_exports["fp32"], tmp_path / "site")
     names = sorted(p.name for p in site.iterdir())
-    assert names == ["app.js", "index.html", "model.json", "model.onnx", "txl.js", "vocab.json"]
+    assert names == ["app.js", "index.html", "model.json", "model.onnx", "music.js", "pianoroll.js", "txl.js",
+                     "vocab.json"]
     assert (site / "model.onnx").read_bytes() == demo_exports["fp32"].read_bytes()
     spec = json.loads((site / "model.json").read_text())
     assert spec == {"name": "kjv", "n_layer": 4, "n_head": 4, "d_head": 48, "mem_len": 128, "n_token": 73,
@@ -243,6 +244,8 @@ def test_page_streams_text_and_screenshot_shows_it(served, browser, demo_exports
     assert browser.evaluate("document.getElementById('generated').textContent") == text
     latency = browser.evaluate("document.getElementById('latency').textContent")
     assert latency.startswith("token 60: ") and "ms" in latency and "tokens/s" in latency
+    # a text model's page has no piano roll or player
+    assert browser.evaluate("document.getElementById('music').hidden && window.txlNotes === undefined")
     shot = browser.screenshot()
     (tmp_path / "page.png").write_bytes(shot)
     if os.environ.get("TXL_WEB_SCREENSHOT"):  # where to keep a copy (the README's picture)

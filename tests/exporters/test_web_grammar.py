@@ -16,11 +16,23 @@ from helpers.event_models import SYMBOLS
 
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.exporters.web.site import _template_dir
+from txl_deploy.music.events_to_midi import events_to_score
 from txl_deploy.music.grammar import compiled, detected
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams
 from txl_deploy.vocab import Vocab
 
 NODE = shutil.which("node") or shutil.which("nodejs")
+# pixels of the page's piano roll: note boxes (blue) and bar lines (grey)
+ROLL_INK = """(() => {
+  const c = document.getElementById('piano-roll');
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let notes = 0, bars = 0;
+  for (let i = 0; i < d.length; i += 4) {
+    if (d[i + 2] > d[i] + 40) notes += 1;
+    else if (d[i] === d[i + 1] && d[i] < 200) bars += 1;
+  }
+  return { notes, bars };
+})()"""
 CASES = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_k=6, seed=4),
          dict(temperature=1.3, top_p=0.85, seed=5), dict(temperature=1.0, min_p=0.05, repetition_penalty=1.3, seed=6)]
 
@@ -99,7 +111,9 @@ def test_the_grammar_dict_is_plain_json(name):
 
 def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_path):
     """End to end in the browser: a tiny remi-xl model's page samples under the grammar its model.json carries,
-    and chooses the tokens TxlRuntime.generate(grammar="remi-xl") chooses on the same graph with the same seed."""
+    and chooses the tokens TxlRuntime.generate(grammar="remi-xl") chooses on the same graph with the same seed;
+    it places the events as the notes events_to_midi places, draws them on its piano roll, and Play schedules
+    every one of them on a WebAudio context."""
     from helpers.browser import Browser, SiteServer, chromium, ort_web
     from helpers.event_models import save_event_model
 
@@ -120,10 +134,23 @@ def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_
             browser.open(server.url + "index.html?ep=wasm")
             ids, _ = browser.evaluate(f"txlDemo.ready.then(() => txlDemo.generate('Bar_None', "
                                       f"{json.dumps(_camel(fields))}))")
+            notes = browser.evaluate("txlNotes.map((n) => [n.start, n.end, n.pitch, n.velocity])")
+            shown = browser.evaluate("!document.getElementById('music').hidden")
+            status = browser.evaluate("document.getElementById('music-status').textContent")
+            ink = browser.evaluate(ROLL_INK)
+            played = browser.evaluate("txlDemo.play()")
+            scheduled = browser.evaluate("txlAudio.scheduled")
         finally:
             browser.close()
     finally:
         server.stop()
+    placed = events_to_score([SYMBOLS["remi-xl"][i] for i in [0, *ids]], "remi-xl").notes
+    assert len(placed) > 0
+    assert notes == [[n.start, n.end, n.pitch, n.velocity] for n in placed]
+    assert shown and status.startswith(f"{len(placed)} notes, ")
+    assert ink["notes"] >= 12 and ink["bars"] > 0  # note boxes (one at least 3 x 4 pixels) and bar lines drawn
+    assert played["scheduled"] == scheduled == len(placed)
+    assert played["state"] in ("running", "suspended")
     with TxlRuntime.load(onnx_path, lazy=False) as rt:
         want = list(rt.generate("Bar_None", max_new_tokens=60, temperature=1.1, top_k=12, seed=8, grammar="remi-xl"))
     assert ids == want

@@ -98,6 +98,8 @@ class Browser:
                 [executable, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
                  f"--user-data-dir={self.profile}", "--window-size=900,700",
+                 # a music page's player starts its AudioContext without a click
+                 "--autoplay-policy=no-user-gesture-required",
                  # nothing but the test server resolves: the page must work offline
                  "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1", "about:blank"],
                 stdout=subprocess.DEVNULL, stderr=log)

@@ -10,7 +10,8 @@ from txl_deploy.exporters.web.site import write_site
 @click.command("web-demo")
 @click.argument("model", metavar="MODEL.onnx", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
-              help="Folder to write the site into (index.html, txl.js, app.js, model.onnx, model.json, vocab.json).")
+              help="Folder to write the site into (index.html, txl.js, app.js, music.js, pianoroll.js, "
+                   "model.onnx, model.json, vocab.json).")
 @click.option("--ort-web", type=click.Path(exists=True, file_okay=False), metavar="DIR",
               help="Use this local onnxruntime-web (a folder where `npm install onnxruntime-web` ran, or the "
                    "package itself) and copy its runtime into the site, for devices without internet access. "
@@ -22,7 +23,9 @@ from txl_deploy.exporters.web.site import write_site
 def web_demo(model, output, ort_web, title, prompt, force):
     """Write a static web site that runs MODEL.onnx in the browser with onnxruntime-web (WebAssembly, and WebGPU
     where the browser has it): the page streams generated text for a prompt, with temperature and top-k, and
-    shows the latency of every token. Any static HTTP server can serve it. The output says where the page will
+    shows the latency of every token. For a music model (REMI or remi-xl events) it samples under the music
+    grammar, draws the notes as a piano roll while they are generated, and plays them (WebAudio, no plug-in).
+    Any static HTTP server can serve it. The output says where the page will
     load onnxruntime-web from; a page that cannot load it says so, and what to do.
 
     \b

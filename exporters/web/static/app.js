@@ -1,5 +1,8 @@
-// The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency.
+// The demo page: loads the model with onnxruntime-web, streams generated text, shows per-token latency; for a
+// music model also the notes as a piano roll, and plays them (music.js places them, pianoroll.js shows and sounds).
 // The model-specific part is txl.js; this file is only the page around it.
+import { Placer } from "./music.js";
+import { drawRoll, play } from "./pianoroll.js";
 import { Clusters, Grammar, Pcg64, Sampler, SamplingParams, StopText, TxlStream, Vocab } from "./txl.js";
 
 const $ = (id) => document.getElementById(id);
@@ -54,23 +57,67 @@ async function start() {
     `${spec.n_token} tokens · onnxruntime-web ${site.ort.version} (${providers[0]}) · loaded in ` +
     `${Math.round(performance.now() - t0)} ms`;
   $("status").textContent = info;
+  // a music model (one whose vocabulary is a representation's events, so the exporter wrote its grammar): the page
+  // also places its events as notes, draws them and plays them
+  const representation = spec.grammar ? spec.grammar.name : null;
+  if (representation) $("music").hidden = false;
   // an adaptive softmax's layout: its tokens are then sampled cluster by cluster, as Python samples them
   return { stream, spec, vocab: new Vocab(vocab), clusters: Clusters.of(spec), grammar: Grammar.of(spec),
-           provider: providers[0] };
+           provider: providers[0], representation };
 }
 
 const ready = start();
 let stopRequested = false;
+let placer = null; // the notes of the piece generated last (music models)
+let player = null; // what Play scheduled last
+
+// A music model's piece: the prompt's events and then each generated one placed as notes (music.js) and drawn.
+// Events the representation cannot place (a prompt of other words) leave the roll empty and say why.
+function startPiece(representation, symbols) {
+  placer = new Placer(representation);
+  window.txlNotes = placer.notes;
+  const piece = {
+    add(symbol) {
+      if (placer === null) return;
+      try {
+        placer.push(symbol);
+      } catch (e) {
+        $("music-status").textContent = `not placed: ${e.message}`;
+        placer = null;
+        return;
+      }
+      drawRoll($("piano-roll"), placer);
+      $("roll-box").scrollLeft = $("roll-box").scrollWidth; // follow the newest bar
+      $("music-status").textContent = `${placer.notes.length} notes, ${placer.bars} bars` +
+        (placer.end < Infinity ? " (EOS_None ended the piece: what follows is not placed)" : "");
+    },
+  };
+  $("play").disabled = false;
+  for (const s of symbols) piece.add(s);
+  drawRoll($("piano-roll"), placer ?? new Placer(representation));
+  return piece;
+}
+
+function onPlay() {
+  if (player) player.context.close();
+  player = null;
+  if (placer === null) return;
+  player = play(placer);
+  window.txlAudio = { context: player.context, scheduled: player.scheduled };
+  $("music-status").textContent = `playing ${player.scheduled} notes (${player.seconds.toFixed(1)} s)`;
+  return player;
+}
 
 // Generate after `prompt` into a fresh memory with the shared sampler (txl.js, the Python sampler's twin): tokens
 // until params.maxTokens, a stop token id or a stop string. Calls onToken(id, text, ms) as each token arrives, with
 // the text that may be shown now (decoded incrementally; a possible stop string is held back, the match itself is
 // never shown), and once more with id null for what is left when the page's Stop ended it early.
 async function generate(prompt, params, stops, onToken) {
-  const { stream, spec, vocab, clusters, grammar } = await ready;
+  const { stream, spec, vocab, clusters, grammar, representation } = await ready;
   stream.reset();
   const ids = vocab.encode(prompt);
   if (ids.length === 0) throw new Error("the prompt is empty");
+  const piece = representation ? startPiece(representation, ids.map((id) => vocab.symbols[id])) : null;
   // a music model samples only the events its grammar allows next, so its MIDI writer places every one
   const sampler = new Sampler(params, spec.n_token, ids, null, vocab, clusters, grammar ? grammar.start(ids) : null);
   const stopText = new StopText(stops);
@@ -86,6 +133,7 @@ async function generate(prompt, params, stops, onToken) {
   for (let n = 0; n < params.maxTokens && !stopRequested; n++) {
     const id = sampler.choose(logProbs);
     out.push(id);
+    if (piece) piece.add(vocab.symbols[id]);
     let text, hit;
     if (params.stopTokenIds.includes(id)) [text, hit] = [finish(), true];
     else [text, hit] = stopText.push(decoder.feed(id), out.length >= params.minTokens);
@@ -166,6 +214,7 @@ async function onGenerate() {
 
 $("generate").addEventListener("click", onGenerate);
 $("stop").addEventListener("click", () => { stopRequested = true; });
+$("play").addEventListener("click", onPlay);
 ready.then(() => { $("generate").disabled = false; document.body.dataset.state = "ready"; },
            (e) => { $("status").textContent = `error: ${e.message}`; document.body.dataset.state = "error"; });
 
@@ -197,6 +246,11 @@ window.txlDemo = {
     await generate(prompt, new SamplingParams({ temperature: 0, maxTokens: maxNew }), [],
                    async (id, text) => { pieces.push(text); });
     return pieces;
+  },
+  // a music model's Play: {state, scheduled} of the AudioContext it scheduled the notes on
+  play() {
+    const p = onPlay();
+    return p ? { state: p.context.state, scheduled: p.scheduled } : null;
   },
   async encode(text) {
     return (await ready).vocab.encode(text);
