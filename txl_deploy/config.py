@@ -172,8 +172,8 @@ def _check_types(c: TxlConfig) -> None:
         raise TxlError("invalid Transformer-XL config: " + "; ".join(problems))
 
 
-# The published shapes (Dai et al. 2019, Table and the original run scripts), as in gpt-fast's ModelArgs
-# registry: tests and benchmarks build random-weight stand-ins of these.
+# The published shapes (Dai et al. 2019, Table and the original run scripts; the music models' own code), as in
+# gpt-fast's ModelArgs registry: tests and benchmarks build random-weight stand-ins of these.
 PUBLISHED_SHAPES: dict[str, dict] = {
     "wt103-base": dict(
         n_token=267735, n_layer=16, n_head=10, d_model=410, d_head=41, d_inner=2100,
@@ -192,6 +192,23 @@ PUBLISHED_SHAPES: dict[str, dict] = {
     "enwik8-large": dict(
         n_token=204, n_layer=24, n_head=8, d_model=1024, d_head=128, d_inner=3072,
         mem_len=3800, tgt_len=128, clamp_len=1000,
+    ),
+    # The Pop Music Transformer (github:YatingMusic/remi, model.py's hard-coded settings and modules.py): Keras
+    # layer norms (epsilon 1e-3), a ReLU after the feed-forward block's second layer, a memory of mem_len zero
+    # vectors. Its dictionary.pkl is built from its data and ships only with the checkpoint download; n_token is
+    # the REMI-tempo event set utils.py's bins allow: Bar 1, Position 16, Note Velocity 32, Note On 128,
+    # Note Duration 64, Tempo Class 3, Tempo Value 60.
+    "remi": dict(
+        n_token=304, n_layer=12, n_head=8, d_model=512, d_head=64, d_inner=2048,
+        mem_len=512, tgt_len=512, clamp_len=-1, same_length=False,
+        layer_norm_epsilon=1e-3, ff_out_relu=True, mem_init="zeros",
+    ),
+    # Compound Word Transformer's remi-xl (github:YatingMusic/compound-word-transformer,
+    # workspace/uncond/remi-xl/config.yml; its published ep_170.pth.tar): 332 events, an output layer with a bias,
+    # not tied to the embedding (tie_weight off), pre_lnorm and same_length on, nn.LayerNorm's epsilon.
+    "remi-xl": dict(
+        n_token=332, n_layer=12, n_head=8, d_model=512, d_head=64, d_inner=2048, tie_weight=False,
+        pre_lnorm=True, mem_len=512, tgt_len=70, clamp_len=-1, same_length=True,
     ),
 }
 
