@@ -76,8 +76,9 @@ def bench_cmd(model, backend, baseline, eager_as_written, compare, reference, ba
     Nothing else runs while a call is timed: peak memory comes from a separate, untimed pass.
 
     MODEL is an .onnx file, a TensorRT .engine, an ExecuTorch .pte, a checkpoint, or a published shape name
-    (enwik8-base, wt103-base, ...) which runs a random-weight stand-in of that shape. Both sides see the same token
-    stream; their log-probabilities are compared and the largest difference is reported.
+    (enwik8-base, wt103-base, the music models remi and remi-xl, ...) which runs a random-weight stand-in of that
+    shape. Both sides see the same token stream; their log-probabilities are compared and the largest difference
+    is reported.
 
     \b
     Examples:
