@@ -7,9 +7,8 @@ together; a conversation stays on its instance for its whole life, so its memory
 Three backends, one wire format (`tokens` [1, Q] int64, `out_positions` [1, P] int64 -> `log_probs` [1, P, V]):
 - `onnxruntime` (platform onnxruntime_onnx) and `tensorrt` (tensorrt_plan): Triton's *implicit state* carries the
   memory. A `full`-state graph (see txl_deploy.contract.io_spec) outputs the whole next memory; Triton feeds output `next_X`
-  of request i back as input `X` of request i + 1 of the same sequence, and gives a new sequence zeros, which is
-  exactly an empty memory (mem_count 0 masks every slot). The graph needs no START/END/CORRID inputs: START is
-  the zero initial state, END releases the state inside Triton.
+  of request i back as input `X` of request i + 1 of the same sequence, and gives a new sequence zeros: an empty
+  memory (mem_count 0), so no START/END/CORRID inputs (END releases the state inside Triton).
 - `python`: Triton's Python backend running `TxlRuntime` (serving/triton/python_model.py) for machines without
   Triton's ONNX Runtime / TensorRT backends: the memories of the live conversations are the rows of one batched
   state, keyed by CORRID, and each Triton batch is one batched runtime call. It gets the START, END and CORRID
@@ -207,10 +206,9 @@ def check_options(model: ServedModel, opts: RepoOptions):
     if opts.backend == "tensorrt" and model.kind != "engine":
         raise ExportError(f"{model.path}: the tensorrt backend serves engines; build one with "
                           "`txl-deploy build-engine` (or use --backend onnxruntime / python)")
-    if opts.backend in PLATFORMS and model.info.config.mem_init != "empty":
-        # Triton starts a sequence's implicit state as zeros: mem_count 0, an empty memory
-        raise ExportError(f"{model.path}: this model's memory starts as mem_len attended zero vectors, which "
-                          "Triton's zero initial state cannot express; serve it with --backend python")
+    if opts.backend in PLATFORMS and model.info.config.mem_init != "empty":  # Triton's zero state: mem_count 0
+        raise ExportError(f"{model.path}: this model's memory starts as mem_len attended zero vectors, which Triton's "
+                          "zero initial state cannot express; serve it with --backend python")
     if opts.backend in PLATFORMS and model.info.state != "full":
         raise ExportError(f"{model.path}: Triton's implicit state needs a graph that outputs the whole next memory; "
                           f"this one was exported with the {model.info.state!r} state layout: re-export with "
