@@ -9,11 +9,10 @@ import click
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.describe import describe_checkpoint
-from txl_deploy.cli.options import ModelReference, local_model, vocab_options
+from txl_deploy.cli.options import ModelReference, local_model, model_vocab, vocab_options
 from txl_deploy.contract.describe import describe_onnx, describe_pte
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.parts import Parts
-from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import CheckpointError, InputError
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import loaded_weight_bytes, ram_report
@@ -123,12 +122,7 @@ def info(path, config, preset, vocab, vocab_kind, representation, as_json, list_
 
 
 def _list_vocab(path, as_json: bool, **how) -> None:
-    if path.suffix == ".onnx" and path.is_file():
-        table = read_onnx_info(path).vocab
-    elif path.suffix == ".pte" and path.is_file():
-        table = read_pte_info(path).vocab
-    else:
-        table = load_model(path, **how).vocab
+    table = model_vocab(path, **how)
     if table is None:
         raise InputError(f"{path}: has no vocabulary (pass --vocab FILE for a checkpoint without one beside it)")
     if as_json:

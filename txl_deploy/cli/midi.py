@@ -6,10 +6,7 @@ from pathlib import Path
 
 import click
 
-from txl_deploy.checkpoints import load_model
-from txl_deploy.cli.options import ModelReference, local_model, vocab_options
-from txl_deploy.contract.metadata import read_onnx_info
-from txl_deploy.contract.pte_file import read_pte_info
+from txl_deploy.cli.options import ModelReference, local_model, model_vocab, vocab_options
 from txl_deploy.errors import InputError
 from txl_deploy.files import atomic_path
 from txl_deploy.music.events_to_midi import write_midi
@@ -24,12 +21,7 @@ def model_representation(model: Path, name: str | None, **how) -> Representation
     """The event representation of `model`: `name` if given, else what its vocabulary's symbols are."""
     if name is not None:
         return representation(name)
-    if model.suffix == ".onnx" and model.is_file():
-        vocab = read_onnx_info(model).vocab
-    elif model.suffix == ".pte" and model.is_file():
-        vocab = read_pte_info(model).vocab
-    else:
-        vocab = load_model(model, **how).vocab
+    vocab = model_vocab(model, **how)
     if vocab is None:
         raise InputError(f"{model}: has no vocabulary to tell its events by (pass --representation)")
     found = of_vocab(vocab) or detect(vocab.symbols)

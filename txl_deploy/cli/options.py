@@ -5,7 +5,10 @@ from pathlib import Path
 
 import click
 
+from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.hub import HubReference, fetch_snapshot, is_hub_reference, parse_reference
+from txl_deploy.contract.metadata import read_onnx_info
+from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
 from txl_deploy.music.representation import REPRESENTATIONS
 from txl_deploy.vocab import KINDS, TOKENIZERS
@@ -37,6 +40,16 @@ def local_model(model):
     """The local path of a model argument: a hub reference's snapshot folder (fetched, or found in the cache),
     anything else as given."""
     return fetch_snapshot(model) if isinstance(model, HubReference) else model
+
+
+def model_vocab(path: Path, **how):
+    """The vocabulary of a model (an .onnx's metadata, a .pte's sidecar, or a checkpoint read with `how`), or None;
+    an exported file's weights are not read."""
+    if path.suffix == ".onnx" and path.is_file():
+        return read_onnx_info(path).vocab
+    if path.suffix == ".pte" and path.is_file():
+        return read_pte_info(path).vocab
+    return load_model(path, **how).vocab
 
 
 def threads_option(f):
