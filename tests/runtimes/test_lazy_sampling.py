@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.lazy_decisions import decide_lazily
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,14 +49,6 @@ def _rows(rng, clusters, n, tail_mass=0.15, sharp=1.0):
         full = np.concatenate([head[:clusters.shortlist]] + tails)
         out.append((head, tails, full))
     return out
-
-
-def _lazy(sampler, head, tails):
-    choice = sampler.start(head)
-    while choice.needs:
-        for i in choice.needs:
-            choice.reveal(i, tails[i - 1])
-    return choice
 
 
 MODES = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7),
@@ -100,7 +93,7 @@ def test_lazy_path_makes_the_same_decisions_with_the_same_draws_on_the_same_inpu
         whole = Sampler(params, vocab, context, clusters=clusters)
         for _, tails, full in _rows(rng, clusters, 1000 // len(LAYOUTS) + 1):
             head = clusters.head_from_full(full)  # the inputs `choose` sees, bit for bit
-            choice = _lazy(lazy, head, tails)
+            choice = decide_lazily(lazy, head, tails)
             assert set(choice.revealed) <= set(range(1, clusters.n_clusters + 1))
             tok = parts.choose_parts(head, tails)
             assert choice.token == tok == whole.choose(full)
@@ -126,7 +119,7 @@ def test_lazy_path_against_the_plain_full_row_sampler(mode):
         plain = Sampler(params, vocab, context)
         for head, tails, full in _rows(rng, clusters, 1000 // len(LAYOUTS) + 1):
             want = _reference(plain, full)
-            choice = _lazy(lazy, head, tails)
+            choice = decide_lazily(lazy, head, tails)
             if params.greedy:
                 assert choice.token == plain.choose(full)
             else:
@@ -168,7 +161,7 @@ def test_tokens_follow_the_distribution_of_the_full_computation(mode):
     tokens = []
     for _ in range(n):
         sampler.generated, sampler.counts[:] = [], 0
-        tokens.append(_lazy(sampler, head, tails).token)
+        tokens.append(decide_lazily(sampler, head, tails).token)
     freq = np.bincount(tokens, minlength=clusters.n_token) / n
     assert (freq[want == 0] == 0).all()
     live = want * n >= 5  # the chi-square's cells; the rarer tokens pooled into one
@@ -207,7 +200,7 @@ def test_tails_are_skipped_exactly_where_the_bounds_allow():
         sampler = Sampler(SamplingParams(**mode, seed=1, max_tokens=1000), clusters.n_token, clusters=clusters)
         must = np.zeros(clusters.n_clusters, dtype=np.int64)
         for head, tails, full in mixed:
-            revealed = set(_lazy(sampler, head, tails).revealed)
+            revealed = set(decide_lazily(sampler, head, tails).revealed)
             h = head[cols].astype(np.float64) / T  # as the sampler scales them: float64 scores / T
             known = _kth(head[:clusters.shortlist].astype(np.float64) / T, k)
             whole = _kth(full.astype(np.float64) / T, k)
@@ -225,7 +218,7 @@ def test_tails_are_skipped_exactly_where_the_bounds_allow():
     sampler = Sampler(SamplingParams(temperature=1.0, seed=1, max_tokens=1000), clusters.n_token, clusters=clusters)
     expect, var = np.zeros(clusters.n_clusters), np.zeros(clusters.n_clusters)
     for head, tails, _ in rows:
-        _lazy(sampler, head, tails)
+        decide_lazily(sampler, head, tails)
         x = head.astype(np.float64)
         m = max(float(x[:clusters.shortlist].max()), float(x[cols].max()))
         mass = (1 + MASS_MARGIN) * np.exp(x[cols] - m)
@@ -244,7 +237,7 @@ def test_a_flat_head_reveals_its_heaviest_cluster():
     head[clusters.head_column(3)] = 0.0
     tails = [np.full(hi - lo, -np.log(hi - lo) + head[clusters.head_column(i)], dtype=np.float32)
              for i, (lo, hi) in enumerate(clusters.bounds, start=1)]
-    assert _lazy(flat, head, tails).revealed == (3,)
+    assert decide_lazily(flat, head, tails).revealed == (3,)
 
 
 def test_without_clusters_everything_is_as_before():
@@ -316,7 +309,7 @@ def test_lazy_equals_full_and_draws_only_allowed_tokens(layout, seed, temperatur
     whole = Sampler(params, clusters.n_token, context, clusters=clusters)
     for head, tails, full in _rows(rng, clusters, 8, tail_mass=tail_mass, sharp=sharp):
         want = _reference(whole, full)
-        tok = _lazy(lazy, head, tails).token
+        tok = decide_lazily(lazy, head, tails).token
         assert tok == whole.choose(full)
         assert want[tok] > 0
     assert lazy.rng.bit_generator.state == whole.rng.bit_generator.state

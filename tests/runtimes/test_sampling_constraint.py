@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.lazy_decisions import decide_lazily
 
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.errors import InputError
@@ -64,14 +65,6 @@ class Alternating:
         self.last = token
 
 
-def _lazy(sampler, head, tails):
-    choice = sampler.start(head)
-    while choice.needs:
-        for i in choice.needs:
-            choice.reveal(i, tails[i - 1])
-    return choice
-
-
 def _mask(rng, n_token, closed=(50, 120)):
     mask = rng.random(n_token) < 0.4
     mask[closed[0]:closed[1]] = False  # the second tail cluster closed whole
@@ -109,7 +102,7 @@ def test_masked_tokens_are_never_chosen_and_lazy_equals_full(mode):
             s = full_row.scores(full)
             assert np.isinf(s[np.arange(LAYOUT.n_token) % 2 != want_parity]).all()
         a = full_row.choose(full)
-        b = _lazy(lazy, head, tails).token
+        b = decide_lazily(lazy, head, tails).token
         c = parts.choose_parts(head, tails)
         assert a % 2 == want_parity and b % 2 == (0 if last[1] % 2 else 1)
         assert b == c
@@ -133,7 +126,7 @@ def test_the_factored_decision_follows_the_masked_distribution_and_skips_closed_
         assert (want[~mask] == 0).all()
         sampler = Sampler(params, LAYOUT.n_token, clusters=LAYOUT, constraint=Fixed(mask))
         n = 6_000
-        tokens = [_lazy(sampler, head, tails).token for _ in range(n)]
+        tokens = [decide_lazily(sampler, head, tails).token for _ in range(n)]
         freq = np.bincount(tokens, minlength=LAYOUT.n_token) / n
         assert (freq[want == 0] == 0).all()
         live = want * n >= 5
@@ -148,7 +141,7 @@ def test_masked_seeded_sampling_is_deterministic():
     for _ in range(2):
         s = Sampler(SamplingParams(seed=11, temperature=1.2, top_k=15), LAYOUT.n_token, clusters=LAYOUT,
                     constraint=Alternating(LAYOUT.n_token))
-        runs.append([_lazy(s, h, t).token for h, t, _ in rows])
+        runs.append([decide_lazily(s, h, t).token for h, t, _ in rows])
     assert runs[0] == runs[1]
 
 
