@@ -20,6 +20,10 @@ MEM_INITS = ("empty", "zeros")
 # files (and the fingerprints saved states carry) stay as they were, and older readers still open them.
 LATER_DEFAULTS = {"ff_out_relu": False, "mem_init": "empty"}
 
+# Every size fits a signed 32-bit dimension, as ONNX Runtime's and TensorRT's shapes need; a larger one is damage.
+MAX_SIZE = 2**31 - 1
+
+
 @dataclass
 class TxlConfig:
     n_token: int
@@ -70,8 +74,11 @@ class TxlConfig:
             problems.append(f"layer_norm_epsilon must be in (0, 1), got {self.layer_norm_epsilon!r}")
         for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
+            if not 0 < value <= MAX_SIZE:
+                problems.append(f"{name} must be in 1..{MAX_SIZE}, got {str(value)[:40]}")
+        for name in ("mem_len", "tgt_len", "clamp_len", "same_length_extra"):
+            if not -MAX_SIZE <= getattr(self, name) <= MAX_SIZE:
+                problems.append(f"{name} must be at most {MAX_SIZE} in size, got {str(getattr(self, name))[:40]}")
         if self.mem_len < 0:
             problems.append(f"mem_len must be >= 0, got {self.mem_len}")
         if self.mem_init not in MEM_INITS:

@@ -94,9 +94,11 @@ def test_a_bundle_field_of_the_wrong_wire_type(tmp_path, where):
 
 
 @pytest.mark.parametrize("key, value", [("cutoffs", ":"), ("mem_len", "12"), ("tie_projs", 3),
-                                        ("layer_norm_epsilon", None), ("n_layer", True)])
+                                        ("layer_norm_epsilon", None), ("n_layer", True),
+                                        ("d_model", 10**400), ("mem_len", 2**63)])
 def test_a_config_value_of_the_wrong_type(tiny_ckpt, tmp_path, key, value):
-    """TxlConfig converted cutoffs with int() before checking them (ValueError: invalid literal for int())."""
+    """TxlConfig converted cutoffs with int() before checking them (ValueError: invalid literal for int()); a
+    d_model past 2**63 reached len(range(...)) (OverflowError) while reading the weights."""
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, folder)
     meta = json.loads((folder / "config.json").read_text())

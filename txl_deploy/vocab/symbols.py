@@ -77,11 +77,17 @@ class SymbolIndex(Mapping):
         order = np.argsort(hashes, kind="stable")
         hashes = hashes[order]
         # Equal hashes: a duplicate symbol or, rarely, two symbols that collide. Each run of them is checked.
+        # The duplicate named is the one that repeats first in the table, whatever this process's hashes are.
+        repeats = []
         for h in np.unique(hashes[1:][hashes[1:] == hashes[:-1]]):
-            run = [table[int(i)] for i in order[hashes == h]]
-            if len(set(run)) != len(run):
-                dup = next(s for s in run if run.count(s) > 1)
-                raise ValueError(f"vocabulary has a duplicate symbol {dup!r}")
+            seen = set()
+            for i in sorted(int(i) for i in order[hashes == h]):
+                if table[i] in seen:
+                    repeats.append((i, table[i]))
+                    break
+                seen.add(table[i])
+        if repeats:
+            raise ValueError(f"vocabulary has a duplicate symbol {min(repeats)[1]!r}")
         self._hashes, self._ids = _ints(hashes), _ints(order)
 
     def __reduce__(self):
