@@ -74,6 +74,13 @@ class Backend(abc.ABC):
         arrays = self.state_arrays(state)
         return self.state_from_arrays({k: v[index] for k, v in arrays.items()}, copy=False)
 
+    def copy_rows(self, state, src: np.ndarray, dst: np.ndarray):
+        """Rows dst[i] of `state` take what rows src[i] hold (dst distinct; the other rows keep theirs), in place:
+        a server forks a session into free rows of its pool. Returns the state (this default selects every row)."""
+        index = np.arange(self.state_batch(state))
+        index[dst] = src
+        return self.select_rows(state, index)
+
     @abc.abstractmethod
     def state_arrays(self, state) -> dict[str, np.ndarray]:
         """The state as host numpy arrays (for save_state)."""

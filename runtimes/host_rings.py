@@ -66,6 +66,11 @@ class HostRingBackend(Backend):
         self._check_batch(len(index))
         return {k: a[self._index(index)] for k, a in state.items()}  # new buffers of the new batch
 
+    def copy_rows(self, state, src, dst):
+        for a in state.values():
+            a[self._index(dst)] = a[self._index(src)]  # only these rows move; src is gathered before dst is written
+        return state
+
     def _index(self, index: np.ndarray):
         """Row numbers as the state's arrays take them."""
         return index

@@ -316,9 +316,10 @@ class TxlRuntime:
             src, dst = self._row_index(src, "src"), self._row_index(dst, "dst")
             if src.shape != dst.shape or len(set(dst.tolist())) != dst.size:
                 raise InputError("copy_rows() needs src and dst of equal length, each dst row named once")
-            index = np.arange(self.batch_size)
-            index[dst] = src
-            self.select_rows(index)
+            self._state = self.backend.copy_rows(self._state, src, dst)
+            if self._last_log_probs is not None:
+                self._last_log_probs = self._last_log_probs.copy()
+                self._last_log_probs[dst] = self._last_log_probs[src]
 
     def _row_index(self, rows, what: str) -> np.ndarray:
         if self._state is None:
