@@ -13,6 +13,8 @@ token and its log-probs. The tokens are the non-lazy path's (the same sampler, w
 same distribution), the log-probs the parts' numbers. A session then holds only the head of its next distribution
 (`Session.last_head`; its conversation keeps it too, and the server the hidden vector its tails come from), so a
 request that continues it without a prompt decides from there exactly as the request before would have gone on.
+A prompt echoed with logprobs (echo.py) is fed asking for the full distribution at each of its positions
+(`Conversation.feed_all`), lazily too; its first token is then chosen on the full distribution.
 
 A session is a conversation kept open between requests. Its Triton sequence id is derived from the session id,
 so the client's rendezvous hashing always sends it to the same server (and every frontend with the same server
