@@ -6,6 +6,7 @@ prompt is the first chunk. The local engine, lazy or not (the Triton fleet's are
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -143,3 +144,21 @@ def test_the_lazy_engine_scores_the_prompt_on_full_distributions(make_server, re
     choice = _post(srv, prompt=PROMPT, max_tokens=5, logprobs=k, echo=True)["choices"][0]
     _check_prompt_part(choice, reference, PROMPT, k)
     assert choice["logprobs"]["tokens"][len(PROMPT):] == plain["logprobs"]["tokens"]
+
+
+def test_a_word_models_echoed_prompt_is_its_detokenized_text(make_server, wikitext_onnx):
+    """A WikiText-103-style prompt comes back as the detokenized text of its tokens ("1,000", not "1 @,@ 000"),
+    the offsets cut it into each token's text, and the completion follows it as it would without echo."""
+    pytest.importorskip("torch")
+    from helpers.word_models import NATURAL_LINE
+
+    srv = make_server(model=wikitext_onnx)
+    body = {"prompt": NATURAL_LINE, "max_tokens": 8, "temperature": 1.5, "seed": 4, "logprobs": 1}
+    plain = _post(srv, **body)["choices"][0]
+    choice = _post(srv, **body, echo=True)["choices"][0]
+    assert choice["text"] == NATURAL_LINE + plain["text"]
+    lp, n = choice["logprobs"], len(choice["logprobs"]["tokens"]) - 8
+    assert "@,@" in [t.strip() for t in lp["tokens"][:n]] and lp["text_offset"][n] == len(NATURAL_LINE)
+    cuts = lp["text_offset"][:n] + [len(NATURAL_LINE)]
+    assert "".join(NATURAL_LINE[a:b] for a, b in itertools.pairwise(cuts)) == NATURAL_LINE
+    assert all(a <= b for a, b in itertools.pairwise(cuts))
