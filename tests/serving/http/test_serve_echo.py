@@ -126,7 +126,8 @@ def test_streaming_sends_the_echoed_prompt_first_with_its_logprobs(server):
     assert head["logprobs"]["tokens"] == whole["logprobs"]["tokens"][:len(PROMPT)]
     assert head["logprobs"]["token_logprobs"][0] is None
     assert "".join(c["text"] for c in chunks) == whole["text"]
-    got = {k: sum((c["logprobs"][k] for c in chunks if c["logprobs"]), []) for k in whole["logprobs"]}
+    got = {k: list(itertools.chain.from_iterable(c["logprobs"][k] for c in chunks if c["logprobs"]))
+           for k in whole["logprobs"]}
     assert got == whole["logprobs"] and chunks[-1]["finish_reason"] == "length"
 
 
