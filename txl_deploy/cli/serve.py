@@ -77,8 +77,9 @@ def serve(model, host, port, threads, max_batch, max_sessions, session_ttl, api_
 
     \b
     POST /v1/completions   prompt (text or token ids), stream, logprobs, stop, the sampling parameters
-                           (ban_unk: true keeps <unk> out of the text), and session_id to continue a
-                           session's memory
+                           (ban_unk: true keeps <unk> out of the text), echo (the prompt back first, each
+                           token scored with logprobs; max_tokens 0 only scores it), and session_id to
+                           continue a session's memory
     POST /v1/sessions      create a session; GET/DELETE /v1/sessions/ID; POST /v1/sessions/ID/park returns
                            its memory's bytes, POST /v1/sessions/ID/restore takes them back
     GET  /v1/models, /health (200 once the model is loaded), /metrics (Prometheus)

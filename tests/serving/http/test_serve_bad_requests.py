@@ -50,7 +50,7 @@ CORPUS = [
     ("POST", "/v1/completions", dict(json={"prompt": ""}), 400, "prompt is empty"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "n": 2}), 400, "n must be 1"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "best_of": 3}), 400, "best_of"),
-    ("POST", "/v1/completions", dict(json={"prompt": "w1", "echo": True}), 400, "echo"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "echo": "yes"}), 400, "echo"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "suffix": "x"}), 400, "suffix"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "stream_options": {"include_usage": True}}), 400,
      "stream_options"),

@@ -330,6 +330,32 @@ def test_the_lazy_fleet_answers_as_the_full_one_without_running_the_full_graph(l
             assert httpx.delete(f"{srv.url}/v1/sessions/{prefix}-{i}").status_code == 200
 
 
+def test_echo_through_either_fleet_scores_the_prompt_as_score_does(fleet, lazy_fleet, tiny_onnx):
+    """echo with logprobs, through the fleet and the lazy one: the prompt's log-probs are TxlRuntime.score's (the
+    first null) and the completion is the one without echo; a session's prompt is scored in its context (lazily:
+    on the distribution composed from its head and tails) and the session goes on from it."""
+    rt = TxlRuntime.load(tiny_onnx)
+    second = [7, 7, 2, 9]
+    for srv, sid in ((fleet, "echo-full"), (lazy_fleet, "echo-lazy")):
+        choice = _complete(srv, PROMPT, 4, echo=True)
+        rt.reset()
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:len(PROMPT)],
+                                   -rt.score(np.array([PROMPT]))[0], atol=1e-5)
+        assert choice["token_ids"] == _complete(srv, PROMPT, 4)["token_ids"]
+        assert httpx.post(srv.url + "/v1/sessions", json={"id": sid}).status_code == 201
+        context = PROMPT + _complete(srv, PROMPT, 3, session_id=sid)["token_ids"]
+        scored = _complete(srv, second, 0, echo=True, session_id=sid)
+        assert scored["finish_reason"] == "length" and scored["token_ids"] == []
+        rt.reset()
+        np.testing.assert_allclose(scored["logprobs"]["token_logprobs"],
+                                   -rt.score(np.array([context + second]))[0][-len(second):], atol=1e-5)
+        after = _complete(srv, "", 3, session_id=sid)["token_ids"]
+        rt.reset()
+        assert after == list(rt.generate(context + second, max_new_tokens=3, temperature=0.0))
+        assert httpx.delete(f"{srv.url}/v1/sessions/{sid}").status_code == 200
+
+
 def test_lazy_over_a_model_without_an_adaptive_softmax_decodes_the_full_distribution(tritons, monkeypatch, caplog):
     """A model that publishes no cutoffs has no head to decode from: --lazy changes nothing, and the log says so."""
     import logging

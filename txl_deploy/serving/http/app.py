@@ -244,7 +244,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         params = SamplingParams(**kwargs)
         grammar = None if body.grammar is None else _grammar(body.grammar, eng.vocab)
         events = _Events(mailbox(asyncio.get_running_loop()), metrics.tally())
-        job = Job(ids, params, events.emit, session_id=body.session_id, grammar=grammar)
+        job = Job(ids, params, events.emit, session_id=body.session_id, grammar=grammar, echo=bool(body.echo))
         eng.submit(job)
         metrics.prompt_tokens.inc(int(ids.size))
         run = _Run(eng, job, events, body, settings.model_name, metrics, arrived)
@@ -355,6 +355,7 @@ class _Run:
         self.done = False
         self.with_logprobs = body.logprobs is not None
         self.with_ids = bool(body.return_token_ids)
+        self.echoed = 0  # the length of the echoed prompt's text: the completion's text offsets run on from it
 
     def _timing(self, out):
         """Latencies by when the engine made the tokens: a reader that gets several at once does not shorten them."""
@@ -365,7 +366,13 @@ class _Run:
         self.last_token_at = out.produced
 
     def _token_entry(self, out) -> dict:
-        return {"piece": out.piece, "logprob": out.logprob, "top": out.top, "offset": out.offset}
+        return {"piece": out.piece, "logprob": out.logprob, "top": out.top, "offset": self.echoed + out.offset}
+
+    def _prompt(self, outs) -> tuple[str, list[dict]]:
+        """The echoed prompt's text and logprobs entries; the completion's offsets then follow its text."""
+        text, tokens = "".join(o.text for o in outs), [self._token_entry(o) for o in outs]
+        self.echoed = len(text)
+        return text, tokens
 
     def _finished(self, payload) -> dict:
         self.done = True
@@ -395,6 +402,11 @@ class _Run:
             while True:
                 outs = []
                 for kind, payload in await self._next_events():
+                    if kind == "prompt":  # the echoed prompt's chunk, before any token's
+                        text, tokens = self._prompt(payload)
+                        yield {"data": json.dumps(protocol.chunk(self.id, self.model, self.created, text, None,
+                                                                 tokens if self.with_logprobs else None, None))}
+                        continue
                     if kind == "token":
                         self._timing(payload)
                         outs.append(payload)
@@ -427,7 +439,11 @@ class _Run:
         try:
             while True:
                 kind, payload = await self.events.queue.get()
-                if kind == "token":
+                if kind == "prompt":
+                    echoed, entries = self._prompt(payload)
+                    text.append(echoed)
+                    tokens.extend(entries)
+                elif kind == "token":
                     self._timing(payload)
                     text.append(payload.text)
                     tokens.append(self._token_entry(payload))

@@ -15,6 +15,7 @@ import numpy as np
 from txl_deploy.errors import TxlError
 from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
 from txl_deploy.serving.http.completion import Completion, TokenOut
+from txl_deploy.serving.http.echo import PromptEcho, scoring_chunk, scoring_rows
 from txl_deploy.serving.http.engine import Job
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.rows import PartialRun
@@ -57,6 +58,8 @@ class BatchSteps:
                     job.handle = self.rows.start()
                 job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
                                             clusters=self.clusters, grammar=job.grammar)
+                job.echoed = PromptEcho.of(job, self.vocab, None if job.session is None else
+                                           job.session.last_log_probs)
             except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
                 self._fail(job, e)
                 self._check()
@@ -117,23 +120,39 @@ class BatchSteps:
         feeding = [j for j in self._running if j.prefilling and j.pending is None and not j.finishing]
         if not feeding:
             return
-        length = lambda j: min(self.prefill_chunk, j.prompt.size - j.fed)  # noqa: E731
+        # an echoed prompt with logprobs needs every position's full distribution: such rows are called apart, in
+        # chunks whose [rows, tokens, V] block is bounded
+        scoring = lambda j: j.echoed is not None and j.echoed.scoring  # noqa: E731
+        scored_chunk = scoring_chunk(self.n_token, self.prefill_chunk)
+        length = lambda j: min(scored_chunk if scoring(j) else self.prefill_chunk, j.prompt.size - j.fed)  # noqa: E731
         last = lambda j: j.fed + length(j) == j.prompt.size  # noqa: E731 (the prompt's last chunk)
         oldest = min(feeding, key=lambda j: j.admitted)
-        q, head = length(oldest), self.lazy and last(oldest)
-        # lazy: last chunks compute the head (the first decision's), the others the full graph, never in one call
-        jobs = [j for j in feeding if length(j) == q and (not self.lazy or last(j) == last(oldest))]
+        q = length(oldest)
+        if scoring(oldest):
+            jobs = [j for j in feeding if scoring(j) and length(j) == q][:scoring_rows(self.n_token, q)]
+            positions, head = np.broadcast_to(np.arange(q, dtype=np.int64), (len(jobs), q)), False
+        else:
+            head = self.lazy and last(oldest)
+            # lazy: last chunks compute the head (the first decision's), the others the full graph, never in one call
+            jobs = [j for j in feeding if not scoring(j) and length(j) == q
+                    and (not self.lazy or last(j) == last(oldest))]
+            positions = np.full((len(jobs), 1), q - 1, dtype=np.int64)
         tokens = np.stack([j.prompt[j.fed:j.fed + q] for j in jobs])
-        out = self._run(jobs, tokens, np.full((len(jobs), 1), q - 1, dtype=np.int64), head=head)
+        out = self._run(jobs, tokens, np.ascontiguousarray(positions), head=head)
         if out is None:
             return
         deciding = []
         for i, job in enumerate(jobs):
+            if scoring(job):
+                job.echoed.chunk(out[i])
             job.fed += q
             if job.session is not None:
                 job.session.tokens += q
             if not job.prefilling:
                 self._keep_last_position(job, out, i)
+                if job.echoed is not None:  # the prompt goes out before the first token
+                    echoed, job.echoed = job.echoed, None
+                    self._emit(job, "prompt", echoed.outs())
                 deciding.append(job)
         self._next_tokens(deciding)
 

@@ -24,13 +24,16 @@ logger = logging.getLogger(__name__)
 
 class Job:
     """One completion request as the engine sees it. `emit(kind, payload)` is called from the engine's thread:
-    ("token", TokenOut), ("done", {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", ApiError)."""
+    ("prompt", [TokenOut] of the echoed prompt, once it is fed, with echo), ("token", TokenOut), ("done",
+    {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", ApiError)."""
 
     def __init__(self, prompt: np.ndarray, params, emit: Callable[[str, object], None], session_id: str | None = None,
-                 grammar=None):
+                 grammar=None, echo: bool = False):
         self.prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         self.params, self.emit, self.session_id = params, emit, session_id
         self.grammar = grammar  # a music grammar compiled for the vocabulary (music/grammar.py), or None
+        self.echo = bool(echo)  # send the prompt back (scored with params.logprobs): echo.py's PromptEcho
+        self.echoed = None  # that PromptEcho, once admitted, until the prompt is sent
         self.cancelled = False
         self.session: Session | None = None
         self.handle = None  # the row

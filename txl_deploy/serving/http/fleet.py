@@ -13,6 +13,8 @@ token and its log-probs. The tokens are the non-lazy path's (the same sampler, w
 same distribution), the log-probs the parts' numbers. A session then holds only the head of its next distribution
 (`Session.last_head`; its conversation keeps it too, and the server the hidden vector its tails come from), so a
 request that continues it without a prompt decides from there exactly as the request before would have gone on.
+A prompt echoed with logprobs (echo.py) is fed asking for the full distribution at each of its positions
+(`Conversation.feed_all`), lazily too; its first token is then chosen on the full distribution.
 
 A session is a conversation kept open between requests. Its Triton sequence id is derived from the session id,
 so the client's rendezvous hashing always sends it to the same server (and every frontend with the same server
@@ -41,6 +43,7 @@ import numpy as np
 
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.serving.http.completion import Completion
+from txl_deploy.serving.http.echo import PromptEcho, scoring_chunk
 from txl_deploy.serving.http.engine import EngineClosed, EngineCore, Job
 from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import Session
@@ -173,24 +176,34 @@ class FleetEngine(EngineCore):
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
             # the full log-probs
             feed = conv.feed_head if self.lazy else conv.feed
-            if job.prompt.size:
+            full = not self.lazy  # log_probs is a full distribution (else a head)
+            scored = job.echo and job.params.logprobs is not None and job.prompt.size
+            echoed = PromptEcho.of(job, self.vocab, self._session_log_probs(job, conv) if scored else None)
+            if echoed is not None and echoed.scoring:  # every position's full distribution, in bounded pieces
+                step = scoring_chunk(self.n_token, job.prompt.size)
+                for lo in range(0, job.prompt.size, step):
+                    echoed.chunk(conv.feed_all(job.prompt[lo:lo + step]))
+                log_probs, full = echoed.before, True
+            elif job.prompt.size:
                 log_probs = feed(job.prompt)
             else:  # a session continued: its conversation's latest distribution
                 log_probs = conv.latest_head() if self.lazy else job.session.last_log_probs
+            if echoed is not None:
+                job.emit("prompt", echoed.outs())
             fed = int(job.prompt.size)
             while completion.finish is None and not job.cancelled:
-                out = self._decide(conv, completion, log_probs) if self.lazy else completion.next(log_probs)
+                out = completion.next(log_probs) if full else self._decide(conv, completion, log_probs)
                 job.emit("token", out)
                 if completion.finish is None or job.session is not None:
-                    log_probs = feed([out.token])  # a session's memory takes the last token too
+                    log_probs, full = feed([out.token]), not self.lazy  # a session's memory takes the last token too
                     fed += 1
             if job.session is not None:
                 job.session.tokens += fed
                 job.session.forget_next()
-                if self.lazy:  # what a next request continues from is the conversation's (`latest_head`)
-                    job.session.last_head = np.array(log_probs, dtype=np.float32)
-                else:
+                if full:
                     job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
+                else:  # what a next request continues from is the conversation's (`latest_head`)
+                    job.session.last_head = np.array(log_probs, dtype=np.float32)
             if not job.cancelled:
                 last = ("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
                                  "completion_tokens": completion.generated})
@@ -218,6 +231,15 @@ class FleetEngine(EngineCore):
                 with self._lock:
                     self._running -= 1
                     self._idle.notify_all()
+
+    def _session_log_probs(self, job: Job, conv) -> np.ndarray | None:
+        """The full next-token distribution of the job's session, which its prompt's first token is scored on:
+        kept, or lazily composed from its head and every tail the conversation's server gives (None: none)."""
+        session = job.session
+        if session is None or session.last_log_probs is not None or session.last_head is None:
+            return None if session is None else session.last_log_probs
+        clusters = self.client.clusters
+        return clusters.compose(session.last_head, conv.tails(range(1, clusters.n_clusters + 1)))
 
     @staticmethod
     def _decide(conv, completion: Completion, head):

@@ -87,8 +87,6 @@ class CompletionRequest(BaseModel):
             return ApiError(400, "n: this server returns one completion per request (n must be 1)", param="n")
         if self.best_of not in (None, 1):
             return ApiError(400, "best_of is not supported (it must be 1 or absent)", param="best_of")
-        if self.echo:
-            return ApiError(400, "echo is not supported: the prompt is not returned", param="echo")
         if self.suffix:
             return ApiError(400, "suffix is not supported (a language model continues text, it does not insert)",
                             param="suffix")

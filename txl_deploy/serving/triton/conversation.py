@@ -62,6 +62,11 @@ class Conversation:
         distribution (`last_head`); `tails(clusters)` then fetches the tail clusters a decision needs."""
         return self._feed(ids, head=True)
 
+    def feed_all(self, ids) -> np.ndarray:
+        """Send token ids as feed() does, returning the next-token log-probs at each of their positions [len(ids),
+        V] (scoring them); the caller bounds how many it sends at once."""
+        return self._feed(ids, head=False, every=True)
+
     def latest_head(self) -> np.ndarray | None:
         """The head of the latest next-token distribution: what a head-only feed received, or the head of the full
         log-probs a feed or a resume received (their tails are then sliced from those on the server); None before
@@ -77,13 +82,15 @@ class Conversation:
         cluster in the order asked; the server's memory does not move."""
         return self._tails(clusters)
 
-    def _feed(self, ids, head: bool) -> np.ndarray:
-        """feed(); with head=True the server returns only the head of each distribution (`last_head`)."""
+    def _feed(self, ids, head: bool, every: bool = False) -> np.ndarray:
+        """feed(); with head=True the server returns only the head of each distribution (`last_head`); with
+        every=True the distributions at every position of `ids` (feed_all)."""
         output = HEAD_OUTPUT if head else io_spec.LOG_PROBS
         with self._lock:
             if self.ended:
                 raise InputError(f"conversation {self.id} has ended")
             ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            skip = int(self.pending is not None)  # every=True: the pending token's position is not asked for
             if self.pending is not None:
                 ids = np.concatenate([[self.pending], ids])
                 self.pending = None
@@ -91,16 +98,21 @@ class Conversation:
                 raise InputError("nothing to send: the prompt is empty")
             step = self.client.max_segment or ids.size
             server = self.server or self.client.servers[self.client.route(self.id)]
+            rows = []
             for lo in range(0, ids.size, step):
                 piece = ids[lo:lo + step]
-                result = self.client._request(server, self.id, piece, [piece.size - 1], start=not self.started,
+                positions = np.arange(piece.size) if every else [piece.size - 1]
+                result = self.client._request(server, self.id, piece, positions, start=not self.started,
                                               conversation=self, output=output)
-                last = result.as_numpy(output)[0][0]
-                self.received += last.size
+                out = result.as_numpy(output)[0]
+                last = out[-1]
+                if every:
+                    rows.append(out)
+                self.received += out.size
                 self.last_log_probs, self.last_head = (None, last) if head else (last, None)
                 if not self.started:
                     self._register(server)
-            return last
+            return np.concatenate(rows)[skip:] if every else last
 
     def _tails(self, clusters) -> list[np.ndarray]:
         """The log-probs of these tail clusters' tokens in the latest distribution, in one request that feeds
