@@ -31,7 +31,7 @@ from txl_deploy.contract.io_spec import r_table_size
 from txl_deploy.contract.metadata import ExportInfo
 from txl_deploy.contract.pte_file import sidecar_path, write_sidecar
 from txl_deploy.errors import ExportError, InputError, TxlError, install_hint
-from txl_deploy.exporters.onnx.export import DEFAULT_MAX_SEGMENT, ExportResult
+from txl_deploy.exporters.onnx.export import DEFAULT_MAX_SEGMENT, ExportResult, export_mem_len
 from txl_deploy.exporters.onnx.stream import verification_segments
 from txl_deploy.exporters.onnx.verify import REDUCED_KL, ReferenceStream, describe, judge
 from txl_deploy.exporters.precision.report import accuracy_report
@@ -225,9 +225,7 @@ def export_executorch(source, out_path, *, precision: str = "fp32", mem_len: int
         torch.set_num_threads(threads)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     config = loaded.config
-    mem_len = int(mem_len if mem_len is not None else config.mem_len)
-    if mem_len <= 0:
-        raise ExportError(f"{loaded.path}: the model has mem_len {config.mem_len}; pass --mem-len N (N >= 1)")
+    mem_len = export_mem_len(loaded, mem_len)
     # ids_from reads text through an export's vocabulary and n_token: the ones this program will carry
     source_info = ExportInfo(config, loaded.vocab, {"mem_len": mem_len, "max_segment": max_segment})
     seg = max(1, min(int(config.tgt_len or 1), max_segment))

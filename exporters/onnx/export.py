@@ -92,9 +92,7 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
     consume = consume or not isinstance(source, LoadedModel)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     config = loaded.config
-    mem_len = int(mem_len if mem_len is not None else config.mem_len)
-    if mem_len <= 0:
-        raise ExportError(f"{loaded.path}: the model has mem_len {config.mem_len}; pass --mem-len N (N >= 1)")
+    mem_len = export_mem_len(loaded, mem_len)
     if max_segment < 1:
         raise ExportError("max_segment must be >= 1")
 
@@ -198,6 +196,14 @@ def export_onnx(source, out_path, *, mem_len: int | None = None, clamp_len: int 
             move_parts(tmp, out_path, force)
     logger.log(logging.DEBUG if intermediate else logging.INFO, f"wrote {out_path}")
     return ExportResult(out_path, info, verification)
+
+
+def export_mem_len(loaded: LoadedModel, mem_len: int | None) -> int:
+    """The memory length an export is made for: `mem_len`, else the checkpoint's; refused below 1."""
+    chosen = int(mem_len if mem_len is not None else loaded.config.mem_len)
+    if chosen <= 0:
+        raise ExportError(f"{loaded.path}: the model has mem_len {loaded.config.mem_len}; pass --mem-len N (N >= 1)")
+    return chosen
 
 
 def _release(module) -> None:

@@ -1,10 +1,10 @@
 """`txl-deploy web-demo`: a static site that runs an exported model in the browser with onnxruntime-web.
 
-The site is seven files and the runtime: `index.html` (the page), `app.js` (the page's logic), `txl.js` (the
-JavaScript driver: the graph contract of docs/graph-contract.md, meant to be copied into apps), `music.js` (a music
-model's events placed as notes, as events_to_midi places them) and `pianoroll.js` (their piano roll and WebAudio
-player), `model.onnx` (a copy of the export), `model.json` (the contract's numbers from the export's metadata, which onnxruntime-web cannot read) and
-`vocab.json`. onnxruntime-web comes from a pinned release on a CDN, both of its files checked with
+The site is the page, the model and the runtime: `index.html` (the page), `app.js` (the page's logic), the
+JavaScript driver (`txl.js`, the graph contract of docs/graph-contract.md, and the ES modules it imports, DRIVER_FILES:
+meant to be copied into apps), `music.js` (a music model's events placed as notes, as events_to_midi places them) and
+`pianoroll.js` (their piano roll and WebAudio player), `model.onnx` (a copy of the export), `model.json` (the
+contract's numbers from the export's metadata, which onnxruntime-web cannot read) and `vocab.json`. onnxruntime-web comes from a pinned release on a CDN, both of its files checked with
 subresource-integrity hashes, or from a local copy (`--ort-web DIR`, an npm install of onnxruntime-web) for
 devices without internet access.
 """
@@ -45,7 +45,10 @@ ORT_WEB_INTEGRITY = {
     ORT_MODULE: "sha384-T5T6cex+FSwOi/MdgNUHajqcROykeWz4lE4gtzLBTuMmV0qNiJc9GwmHDjvOzFhy",
     ORT_WASM: "sha384-Ueht0ynFKexyaENvQBCXJQmjjdEzUgnesolNNQPAhnDeYvh1YA53nYHw1mrWvaM1",
 }
-PAGE_FILES = ("txl.js", "app.js", "music.js", "pianoroll.js")
+# The driver: txl.js (the stream, and every name an app imports) and the modules it imports, one job each.
+DRIVER_FILES = ("txl.js", "vocab.js", "pcg64.js", "clusters.js", "grammar.js", "weights.js", "sampling.js",
+                "factored.js", "stop_text.js")
+PAGE_FILES = DRIVER_FILES + ("app.js", "music.js", "pianoroll.js")
 
 
 def _template_dir() -> Path:
@@ -164,8 +167,8 @@ def write_site(model_path, out_dir, ort_web=None, force: bool = False, title: st
     where = f"a local copy of onnxruntime-web {ort['version']} (in its ort/ folder)" if local else \
         (f"onnxruntime-web {ORT_WEB_VERSION} from {ORT_WEB_CDN} (integrity-checked), so the browser needs "
          "access to it; for a device without, write the site with a local copy: --ort-web DIR")
-    logger.info(f"wrote {out_dir}/ ({size / 1e6:.1f} MB): index.html, txl.js, app.js, music.js, pianoroll.js, "
-                f"model.onnx, model.json, vocab.json; "
+    logger.info(f"wrote {out_dir}/ ({size / 1e6:.1f} MB): index.html, app.js, the driver txl.js and its modules, "
+                f"music.js, pianoroll.js, model.onnx, model.json, vocab.json; "
                 f"the page loads {where}")
     logger.info(f"serve it over HTTP, e.g. `python -m http.server -d {out_dir} 8000`, and open http://localhost:8000/")
     return out_dir

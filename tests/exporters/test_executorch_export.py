@@ -143,6 +143,19 @@ def test_export_refuses_overwrite_and_unknown_precision(tiny_ckpt, tiny_pte, tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("exporter", ["onnx", "executorch"])
+def test_both_exporters_refuse_a_memory_of_no_slots_in_one_line(tiny_ckpt, tmp_path, exporter):
+    from txl_deploy.errors import ExportError
+    from txl_deploy.exporters.executorch.export import export_executorch
+    from txl_deploy.exporters.onnx.export import export_onnx
+
+    export = export_onnx if exporter == "onnx" else export_executorch
+    with pytest.raises(ExportError, match=r"the model has mem_len \d+; pass --mem-len N \(N >= 1\)") as e:
+        export(tiny_ckpt, tmp_path / f"x.{exporter}", mem_len=0)
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_demo_model_int4_program_within_2_percent_bits_per_character(tmp_path, tiny_pte):
     from txl_deploy.assets import DEMO_DIR
     from txl_deploy.exporters.executorch.export import export_executorch

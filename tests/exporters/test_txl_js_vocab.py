@@ -12,8 +12,8 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers.page_modules import page_modules
 
-from txl_deploy.exporters.web.site import _template_dir
 from txl_deploy.vocab import Vocab
 
 NODE = shutil.which("node") or shutil.which("nodejs")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(NODE is None and os.environ.get("TXL_WEB_TESTS")
                                 reason="no Node.js (apt-get install nodejs)")
 
 RUNNER = """
-import { Vocab } from "./txl.mjs";
+import { Vocab } from "./txl.js";
 import { readFileSync } from "node:fs";
 const cases = JSON.parse(readFileSync(process.argv[2], "utf8"));
 const out = cases.map(({ vocab, encode, ids, after }) => {
@@ -37,7 +37,7 @@ console.log(JSON.stringify(out));
 
 def run_js(tmp_path, cases):
     assert NODE is not None, "no Node.js (TXL_WEB_TESTS=required)"
-    shutil.copyfile(_template_dir() / "txl.js", tmp_path / "txl.mjs")
+    page_modules(tmp_path)
     (tmp_path / "run.mjs").write_text(RUNNER)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     r = subprocess.run([NODE, "run.mjs", "cases.json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +30,15 @@ from click.testing import CliRunner
 from helpers.browser import NPM_DIR, Browser, SiteServer, chromium, ort_web
 
 from txl_deploy.errors import InputError, OutputExistsError
-from txl_deploy.exporters.web.site import ORT_MODULE, ORT_WASM, ORT_WEB_INTEGRITY, ORT_WEB_VERSION, sri, write_site
+from txl_deploy.exporters.web.site import (
+    ORT_MODULE,
+    ORT_WASM,
+    ORT_WEB_INTEGRITY,
+    ORT_WEB_VERSION,
+    PAGE_FILES,
+    sri,
+    write_site,
+)
 from txl_deploy.runtimes import TxlRuntime
 
 PROMPT = "And God said"
@@ -59,8 +68,10 @@ def demo_exports(tmp_path_factory):
 def test_site_files_and_cdn_integrity(demo_exports, tmp_path):
     site = write_site(demo_exports["fp32"], tmp_path / "site")
     names = sorted(p.name for p in site.iterdir())
-    assert names == ["app.js", "index.html", "model.json", "model.onnx", "music.js", "pianoroll.js", "txl.js",
-                     "vocab.json"]
+    assert names == sorted(PAGE_FILES + ("index.html", "model.json", "model.onnx", "vocab.json"))
+    # every module a page file imports (txl.js re-exports its modules) is in the site, offline
+    imported = {m for f in site.glob("*.js") for m in re.findall(r'from "\./([\w.]+)"', f.read_text())}
+    assert "sampling.js" in imported and imported <= set(names)
     assert (site / "model.onnx").read_bytes() == demo_exports["fp32"].read_bytes()
     spec = json.loads((site / "model.json").read_text())
     assert spec == {"name": "kjv", "n_layer": 4, "n_head": 4, "d_head": 48, "mem_len": 128, "n_token": 73,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from helpers.browser import need
 from helpers.event_models import SYMBOLS
+from helpers.page_modules import page_modules
 
 from txl_deploy.contract.clusters import Clusters
-from txl_deploy.exporters.web.site import _template_dir
 from txl_deploy.music.events_to_midi import events_to_score
 from txl_deploy.music.grammar import compiled, detected
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams
@@ -37,7 +37,7 @@ CASES = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.
          dict(temperature=1.3, top_p=0.85, seed=5), dict(temperature=1.0, min_p=0.05, repetition_penalty=1.3, seed=6)]
 
 RUNNER = """
-import { Clusters, Grammar, Sampler, SamplingParams } from "./txl.mjs";
+import { Clusters, Grammar, Sampler, SamplingParams } from "./txl.js";
 import { readFileSync } from "node:fs";
 const { grammars, rows, cases } = JSON.parse(readFileSync(process.argv[2], "utf8"));
 const masks = grammars.map((g) => new Grammar(g).masks.map((m) => Array.from(m)));
@@ -83,7 +83,7 @@ def test_txl_js_compiles_the_masks_and_samples_as_python_does(tmp_path):
     context = [0]  # Bar_None
     cases = [dict(which=w, fields=_camel(f), context=context, clusters=c.to_dict() if c else None, python=f)
              for w in range(2) for f in CASES for c in (None, layouts[w])]
-    shutil.copyfile(_template_dir() / "txl.js", tmp_path / "txl.mjs")
+    page_modules(tmp_path)
     (tmp_path / "run.mjs").write_text(RUNNER)
     (tmp_path / "cases.json").write_text(json.dumps({"grammars": [g.to_dict() for g in grammars],
                                                      "rows": [r.tolist() for r in rows], "cases": cases}))

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import pytest
 from helpers.browser import Browser, SiteServer, chromium, need, ort_web
+from helpers.page_modules import page_modules
 
 from txl_deploy.contract.clusters import Clusters
-from txl_deploy.exporters.web.site import _template_dir, write_site
+from txl_deploy.exporters.web.site import write_site
 from txl_deploy.runtimes import TxlRuntime
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams
 
@@ -129,7 +130,7 @@ FACTORED_CASES = [
 ]
 
 RUNNER = """
-import { Clusters, Sampler, SamplingParams } from "./txl.mjs";
+import { Clusters, Sampler, SamplingParams } from "./txl.js";
 import { readFileSync } from "node:fs";
 const { tables, cases } = JSON.parse(readFileSync(process.argv[2], "utf8"));
 const rows = tables.map(({ rows }) => rows.map((r) => Float32Array.from(r)));
@@ -171,7 +172,7 @@ def test_txl_js_samples_an_adaptive_softmax_as_the_python_sampler_does(tiny_onnx
     tables = [(tiny_rows, [10, 30]), (_synthetic_rows(), [20, 60, 100])]
     context = np.random.default_rng(2).integers(0, 60, size=12).tolist()
     cases = [dict(table=t, fields=_camel(f), context=context) for t in range(len(tables)) for f in FACTORED_CASES]
-    shutil.copyfile(_template_dir() / "txl.js", tmp_path / "txl.mjs")
+    page_modules(tmp_path)
     (tmp_path / "run.mjs").write_text(RUNNER)
     (tmp_path / "cases.json").write_text(json.dumps({
         "tables": [{"rows": rows.tolist(), "clusters": Clusters.from_cutoffs(cutoffs, rows.shape[1]).to_dict(),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from txl_deploy.checkpoints.tensorflow.bundle import TABLE_MAGIC, crc32c
+from txl_deploy.contract.onnx_file import varint
 
 
 # -- zip --------------------------------------------------------------------------------------------------------
@@ -110,15 +111,6 @@ def state_zip(arrays: dict, method: int = 0, **overrides) -> bytes:
 
 
 # -- TensorFlow bundle index -----------------------------------------------------------------------------------------
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def field(number: int, value) -> bytes:
     """A protobuf field: an int is a varint (wire type 0), bytes are length-delimited (wire type 2)."""
     if isinstance(value, int):

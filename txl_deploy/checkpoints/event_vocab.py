@@ -13,11 +13,9 @@ the music representation they are written in (`music.representation.detect`) is 
 
 from __future__ import annotations
 
-import pickle
-import struct
 from pathlib import Path
 
-from txl_deploy.checkpoints.unpickler import PLAIN, AllowList, RefusedGlobal, RestrictedUnpickler, one_line
+from txl_deploy.checkpoints.unpickler import PLAIN, AllowList, RestrictedUnpickler, one_line, reading_pickle
 from txl_deploy.errors import CheckpointError
 from txl_deploy.music.representation import detect
 from txl_deploy.vocab import Vocab
@@ -37,20 +35,9 @@ class EventUnpickler(RestrictedUnpickler):
 
 def unpickle_events(path: Path):
     """The object an event dictionary pickle holds (a Python 2 str is read as UTF-8 text)."""
-    try:
-        with open(path, "rb") as f:
-            return EventUnpickler(f, encoding="utf-8").load()
-    except FileNotFoundError:
-        raise CheckpointError(path, "vocabulary file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(path, "is a folder, not a vocabulary file") from None
-    except RefusedGlobal as e:
-        raise CheckpointError(path, f"refused to unpickle {e.module[:60]}.{e.name[:60]}: an event dictionary holds "
-                                    "only events and ids in plain dicts (nothing from the file was run)") from None
-    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, LookupError, OSError,
-            MemoryError, RecursionError, ArithmeticError, NotImplementedError, struct.error) as e:
-        raise CheckpointError(path, f"truncated or corrupt event dictionary pickle ({type(e).__name__}: "
-                                    f"{one_line(e, 120)})") from None
+    with reading_pickle(path, "an event dictionary holds only events and ids in plain dicts",
+                        "event dictionary pickle"), open(path, "rb") as f:
+        return EventUnpickler(f, encoding="utf-8").load()
 
 
 def is_event_pair(obj) -> bool:

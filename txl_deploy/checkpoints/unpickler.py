@@ -16,10 +16,15 @@ import collections
 import functools
 import pickle
 import re
-from collections.abc import Callable, Mapping
+import struct
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from txl_deploy.checkpoints.pickle_lengths import check_lengths
+from txl_deploy.errors import CheckpointError
 
 _CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 
@@ -170,3 +175,30 @@ class RestrictedUnpickler(pickle.Unpickler):
 def one_line(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# What unpickling a damaged or hostile pickle may raise besides RefusedGlobal: the file's bytes reach the opcodes'
+# own arguments (a bad length, a wrong type for REDUCE, a huge memo index, a truncated zip around it).
+UNREADABLE = (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, LookupError, OSError,
+              MemoryError, RecursionError, ArithmeticError, NotImplementedError, struct.error, zipfile.BadZipFile)
+
+
+@contextmanager
+def reading_pickle(path: Path, holds: str, kind: str) -> Iterator[None]:
+    """Turns what unpickling the file at `path` raises into a one-line CheckpointError: a refused global names
+    what such a file `holds`, a damaged pickle says it is a truncated or corrupt `kind`. A CheckpointError raised
+    inside passes through as it is."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointError(path, "vocabulary file not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(path, "is a folder, not a vocabulary file") from None
+    except RefusedGlobal as e:
+        raise CheckpointError(path, f"refused to unpickle {e.module[:60]}.{e.name[:60]}: {holds} (nothing from the "
+                                    "file was run)") from None
+    except UNREADABLE as e:
+        raise CheckpointError(path, f"truncated or corrupt {kind} ({type(e).__name__}: {one_line(e, 120)})") \
+            from None

@@ -23,8 +23,6 @@ in id order, the special symbols, the tokenizer's settings). The rules: docs/sec
 from __future__ import annotations
 
 import io
-import pickle
-import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +38,10 @@ from txl_deploy.checkpoints.event_vocab import (
 from txl_deploy.checkpoints.unpickler import (
     PLAIN,
     AllowList,
-    RefusedGlobal,
     RestrictedUnpickler,
     inert_class,
-    one_line,
     pickled_class,
+    reading_pickle,
 )
 from txl_deploy.errors import CheckpointError, InputError, TxlError
 from txl_deploy.music.representation import detect
@@ -144,29 +141,17 @@ def unpickle_vocab_file(path):
     legacy format (the pickle after its three headers). Tensor data is never read. Python 2 pickles are read with
     `encoding="bytes"`: their str come back as bytes (see `_text`)."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) == b"PK\x03\x04":
-                return _unpickle_archive(path, f)
-            f.seek(0)
-            first = VocabUnpickler(f, encoding="bytes").load()
-            if isinstance(first, int) and first == LEGACY_MAGIC:
-                VocabUnpickler(f, encoding="bytes").load()  # protocol version
-                VocabUnpickler(f, encoding="bytes").load()  # system info
-                return VocabUnpickler(f, encoding="bytes").load()
-            return first
-    except FileNotFoundError:
-        raise CheckpointError(path, "vocabulary file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(path, "is a folder, not a vocabulary file") from None
-    except RefusedGlobal as e:
-        raise CheckpointError(path, f"refused to unpickle {e.module}.{e.name}: a vocabulary file holds only symbols, "
-                                    "plain containers and the settings of the code that wrote it (nothing from the "
-                                    "file was run)") from None
-    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, LookupError, OSError,
-            MemoryError, RecursionError, ArithmeticError, NotImplementedError, struct.error, zipfile.BadZipFile) as e:
-        raise CheckpointError(path, f"truncated or corrupt vocabulary pickle ({type(e).__name__}: "
-                                    f"{one_line(e, 120)})") from None
+    with reading_pickle(path, "a vocabulary file holds only symbols, plain containers and the settings of the code "
+                              "that wrote it", "vocabulary pickle"), open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":
+            return _unpickle_archive(path, f)
+        f.seek(0)
+        first = VocabUnpickler(f, encoding="bytes").load()
+        if isinstance(first, int) and first == LEGACY_MAGIC:
+            VocabUnpickler(f, encoding="bytes").load()  # protocol version
+            VocabUnpickler(f, encoding="bytes").load()  # system info
+            return VocabUnpickler(f, encoding="bytes").load()
+        return first
 
 
 def _unpickle_archive(path: Path, f):

@@ -10,8 +10,8 @@ from txl_deploy.exporters.web.site import write_site
 @click.command("web-demo")
 @click.argument("model", metavar="MODEL.onnx", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
-              help="Folder to write the site into (index.html, txl.js, app.js, music.js, pianoroll.js, "
-                   "model.onnx, model.json, vocab.json).")
+              help="Folder to write the site into (index.html, app.js, txl.js and the modules it imports, music.js, "
+                   "pianoroll.js, model.onnx, model.json, vocab.json).")
 @click.option("--ort-web", type=click.Path(exists=True, file_okay=False), metavar="DIR",
               help="Use this local onnxruntime-web (a folder where `npm install onnxruntime-web` ran, or the "
                    "package itself) and copy its runtime into the site, for devices without internet access. "

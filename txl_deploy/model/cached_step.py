@@ -94,27 +94,7 @@ class CachedTxl(nn.Module):
         mems, mem_count = state[:-1], state[-1]
         B, Q = tokens.shape
         H, Dh = cfg.n_head, cfg.d_head
-        dev = tokens.device
-
-        # -- positions and masks, shared by all layers ------------------------------------------------------
-        # S = M normally. An incremental graph also accepts a 1-slot memory for rows that have consumed nothing
-        # (mem_count 0): a prompt into an empty memory then skips scores against mem_len masked slots (half of a
-        # 512-token prefill at mem_len 2100). Ages are still taken modulo mem_len, so the slot is masked.
-        S = mems[0].shape[-1]
-        slot = torch.arange(S, device=dev)
-        age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, S]
-        age = torch.where(age < 0, age + M, age)
-        qpos = torch.arange(Q, device=dev)
-        d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, S]
-        d_cur = qpos[:, None] - qpos[None, :]  # [Q, Q]
-        keep_mem = (age < mem_count[:, None])[:, None, :]  # [B, 1, S]: slot written since the last reset
-        keep_cur = d_cur >= 0  # causal
-        if self.window is not None:
-            keep_mem = keep_mem & (d_mem < self.window)
-            keep_cur = keep_cur & (d_cur < self.window)
-        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, S], [1, 1, Q, Q]
-        idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
-        idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
+        masks = attention_masks(tokens, mem_count, mems[0].shape[-1], M, T, H, self.window)  # shared by all layers
 
         emb = self.output_layer.embed(tokens, scaled=cfg.pre_lnorm).reshape(B * Q, cfg.d_model)
         h = emb if cfg.pre_lnorm else emb * self.output_layer.emb_scale
@@ -127,20 +107,8 @@ class CachedTxl(nn.Module):
             else:  # the first layer's qkv_net carries the embedding's scale: it reads the unscaled embedding
                 x = emb if i == 0 else h
             qkv = (x @ getattr(self, f"qkv_weight_{i}")).view(B, Q, 3, H, Dh)
-            q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh], already scaled by 1/sqrt(d_head)
-            k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
-            v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
-            q_w = q + getattr(self, f"r_w_bias_{i}")
-            pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")  # [B, H, Q, T]
-            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), self.neg_inf)
-            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), self.neg_inf)
-            # The softmax over [memory | segment] in two parts, normalised after the value products: no Concat of
-            # the scores and no Slices of the probabilities (copies of [B, H, Q, M] per layer in a prefill).
-            # s_cur always keeps the diagonal (distance 0), so `top` is finite.
-            top = torch.maximum(s_mem.amax(-1, keepdim=True), s_cur.amax(-1, keepdim=True))
-            e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
-            denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
-            vec = (e_mem @ v_mem + e_cur @ v) / denom  # [B, H, Q, Dh]
+            vec, k, v = attend(qkv, k_mem, v_mem, getattr(self, f"r_w_bias_{i}"), getattr(self, f"r_r_bias_{i}"),
+                               getattr(self, f"r_table_{i}"), masks, self.neg_inf)
             out = dense(vec.transpose(1, 2).reshape(B * Q, H * Dh), attn.o_net)
             h = h + out if cfg.pre_lnorm else attn.layer_norm(h + out)
             ff = layer.pos_ff
@@ -159,6 +127,54 @@ class CachedTxl(nn.Module):
         h = h.view(B, Q, cfg.d_model)
         h_out = torch.gather(h, 1, out_positions[:, :, None].expand(B, out_positions.shape[1], cfg.d_model))
         return (self.crit(h_out), *outs)
+
+
+def attention_masks(tokens, mem_count, slots: int, mem_len: int, table_size: int, n_head: int, window):
+    """What each query of the segment `tokens` [B, Q] sees and at which distance, shared by every layer:
+    (keep_mem [B, 1, 1, S], keep_cur [1, 1, Q, Q], idx_mem [B, H, Q, S], idx_cur [B, H, Q, Q]), the keep masks and
+    the r_table columns (distances, clamped to the table) of the memory's `slots` slots and of the segment.
+
+    S = mem_len normally. An incremental graph also accepts a 1-slot memory for rows that have consumed nothing
+    (mem_count 0): a prompt into an empty memory then skips scores against mem_len masked slots (half of a 512-token
+    prefill at mem_len 2100). Ages are still taken modulo mem_len, so the slot is masked."""
+    B, Q = tokens.shape
+    dev, M, T, H, S = tokens.device, mem_len, table_size, n_head, slots
+    slot = torch.arange(S, device=dev)
+    age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, S]
+    age = torch.where(age < 0, age + M, age)
+    qpos = torch.arange(Q, device=dev)
+    d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, S]
+    d_cur = qpos[:, None] - qpos[None, :]  # [Q, Q]
+    keep_mem = (age < mem_count[:, None])[:, None, :]  # [B, 1, S]: slot written since the last reset
+    keep_cur = d_cur >= 0  # causal
+    if window is not None:
+        keep_mem = keep_mem & (d_mem < window)
+        keep_cur = keep_cur & (d_cur < window)
+    keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]  # [B, 1, 1|Q, S], [1, 1, Q, Q]
+    idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
+    idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
+    return keep_mem, keep_cur, idx_mem, idx_cur
+
+
+def attend(qkv, k_mem, v_mem, r_w_bias, r_r_bias, r_table, masks, neg_inf):
+    """One layer's attention of a segment over [memory | segment]. qkv [B, Q, 3, H, Dh] (queries and biases already
+    scaled by 1/sqrt(d_head)), the layer's ring k_mem [B, H, Dh, S] and v_mem [B, H, S, Dh], `masks` from
+    attention_masks -> (vec [B, H, Q, Dh], the segment's k [B, H, Dh, Q] and v [B, H, Q, Dh] for the ring)."""
+    keep_mem, keep_cur, idx_mem, idx_cur = masks
+    q = qkv[:, :, 0].transpose(1, 2)  # [B, H, Q, Dh]
+    k = qkv[:, :, 1].permute(0, 2, 3, 1)  # [B, H, Dh, Q]: stored pre-transposed
+    v = qkv[:, :, 2].transpose(1, 2)  # [B, H, Q, Dh]
+    q_w = q + r_w_bias
+    pos = (q + r_r_bias) @ r_table  # [B, H, Q, T]
+    s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), neg_inf)
+    s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), neg_inf)
+    # The softmax over [memory | segment] in two parts, normalised after the value products: no Concat of the
+    # scores and no Slices of the probabilities (copies of [B, H, Q, M] per layer in a prefill).
+    # s_cur always keeps the diagonal (distance 0), so `top` is finite.
+    top = torch.maximum(s_mem.amax(-1, keepdim=True), s_cur.amax(-1, keepdim=True))
+    e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
+    denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
+    return (e_mem @ v_mem + e_cur @ v) / denom, k, v
 
 
 def scaled_qkv_weight(layer, cfg):

@@ -25,7 +25,7 @@ from torch import nn
 
 from txl_deploy.contract.clusters import Clusters, pieces
 from txl_deploy.contract.ring import initial_mem_count
-from txl_deploy.model.cached_step import CachedTxl, scaled_qkv_weight
+from txl_deploy.model.cached_step import CachedTxl, attend, attention_masks, scaled_qkv_weight
 from txl_deploy.model.mem_transformer import MemTransformerLM
 
 
@@ -127,21 +127,7 @@ class LinearCachedTxl(nn.Module):
         mems, mem_count = state[:-1], state[-1]
         B, Q = tokens.shape
         H, Dh = cfg.n_head, cfg.d_head
-        S = mems[0].shape[-1]
-        slot = torch.arange(S)
-        age = torch.remainder(mem_count, M)[:, None] - 1 - slot[None, :]  # [B, S]
-        age = torch.where(age < 0, age + M, age)
-        qpos = torch.arange(Q)
-        d_mem = qpos[None, :, None] + 1 + age[:, None, :]  # [B, Q, S]
-        d_cur = qpos[:, None] - qpos[None, :]  # [Q, Q]
-        keep_mem = (age < mem_count[:, None])[:, None, :]
-        keep_cur = d_cur >= 0
-        if self.window is not None:
-            keep_mem = keep_mem & (d_mem < self.window)
-            keep_cur = keep_cur & (d_cur < self.window)
-        keep_mem, keep_cur = keep_mem[:, None], keep_cur[None, None]
-        idx_mem = d_mem.clamp(max=T - 1)[:, None].expand(B, H, Q, S)
-        idx_cur = d_cur.clamp(0, T - 1)[None, None].expand(B, H, Q, Q)
+        masks = attention_masks(tokens, mem_count, mems[0].shape[-1], M, T, H, self.window)
 
         h = self.embed(tokens)
         outs = []
@@ -149,17 +135,8 @@ class LinearCachedTxl(nn.Module):
             k_mem, v_mem = mems[2 * i], mems[2 * i + 1]
             x = layer.attn_norm(h) if cfg.pre_lnorm else h
             qkv = layer.qkv(x).view(B, Q, 3, H, Dh)
-            q = qkv[:, :, 0].transpose(1, 2)
-            k = qkv[:, :, 1].permute(0, 2, 3, 1)
-            v = qkv[:, :, 2].transpose(1, 2)
-            q_w = q + getattr(self, f"r_w_bias_{i}")
-            pos = (q + getattr(self, f"r_r_bias_{i}")) @ getattr(self, f"r_table_{i}")
-            s_mem = torch.where(keep_mem, q_w @ k_mem + torch.gather(pos, 3, idx_mem), self.neg_inf)
-            s_cur = torch.where(keep_cur, q_w @ k + torch.gather(pos, 3, idx_cur), self.neg_inf)
-            top = torch.maximum(s_mem.amax(-1, keepdim=True), s_cur.amax(-1, keepdim=True))
-            e_mem, e_cur = torch.exp(s_mem - top), torch.exp(s_cur - top)
-            denom = e_mem.sum(-1, keepdim=True) + e_cur.sum(-1, keepdim=True)
-            vec = (e_mem @ v_mem + e_cur @ v) / denom
+            vec, k, v = attend(qkv, k_mem, v_mem, getattr(self, f"r_w_bias_{i}"), getattr(self, f"r_r_bias_{i}"),
+                               getattr(self, f"r_table_{i}"), masks, self.neg_inf)
             out = layer.o_net(vec.transpose(1, 2).reshape(B, Q, H * Dh))
             h = h + out if cfg.pre_lnorm else layer.attn_norm(h + out)
             out = layer.ff_out(F.relu(layer.ff_in(layer.ff_norm(h) if cfg.pre_lnorm else h)))

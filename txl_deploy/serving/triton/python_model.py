@@ -53,8 +53,8 @@ and published as Triton custom metrics where the server allows them (`txl_deploy
 `txl_deploy_tail_runs` by cluster, on the metrics port), and logged at unload.
 A bad request gets an error response and changes no memory. Inputs are refused by their shape before the model
 allocates anything from them: tokens and out_positions beyond max_request_tokens, a resume_state larger than one
-conversation's state; a resume_state is then read as untrusted (runtimes.saved_state: names, headers, sizes and
-the fingerprint checked before its data is read, one row at most).
+conversation's state; the inputs are then checked, and a resume_state read as untrusted, in model_inputs.py (a module
+of the installed txl_deploy, found through PYTHONPATH like the rest: the repository holds this file only).
 
 The model returns log-probs and never samples: its clients choose tokens with the sampler every txl-deploy path
 uses (runtimes/sampling/): `TxlTritonClient` conversations, `serve-client`, and `txl-deploy serve --triton`.
@@ -87,19 +87,19 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 # txl_deploy is found through PYTHONPATH, applied just above.
 from txl_deploy.contract.clusters import Clusters  # noqa: E402
-from txl_deploy.errors import InputError  # noqa: E402
 from txl_deploy.runtimes import TxlRuntime  # noqa: E402
 from txl_deploy.runtimes.lazy_decode import full_log_probs  # noqa: E402
-from txl_deploy.runtimes.saved_state import (  # noqa: E402
-    archive_bytes,
-    max_archive_bytes,
-    read_saved_state,
-    state_members,
-)
+from txl_deploy.runtimes.saved_state import max_archive_bytes  # noqa: E402
 from txl_deploy.serving.rows import RowPool, row_store  # noqa: E402
+from txl_deploy.serving.triton.model_inputs import (  # noqa: E402
+    check_segment,
+    check_tail_clusters,
+    first_line,
+    parked_bytes,
+    read_parked,
+)
 from txl_deploy.serving.triton.protocol import (  # noqa: E402
-    HEAD_OUTPUT, RESUME_INPUT, SAVED_OUTPUT, STATE_FORMAT, STATE_FORMAT_VERSION, TAIL_INPUT, TAIL_OUTPUT,
-    UNKNOWN_TO_MODEL)
+    HEAD_OUTPUT, RESUME_INPUT, SAVED_OUTPUT, TAIL_INPUT, TAIL_OUTPUT, UNKNOWN_TO_MODEL)
 
 _previous_hook = sys.unraisablehook
 
@@ -160,10 +160,6 @@ class _Work:
         self.want_full, self.want_head, self.tails = want_full, want_head, tails
 
 
-def _message(e):
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 def _log(level, message):
     """The server's log (Triton's python-backend logger); never a reason to fail."""
     try:
@@ -211,7 +207,7 @@ class TritonPythonModel:
             _log("info", "txl-deploy: head requests run the head graph only, tail requests their tail graphs")
         elif self.clusters is not None:
             why = getattr(self.backend, "parts_error", None)
-            why = _message(why) if why is not None else f"none listed, or the {self.backend.name} backend runs none"
+            why = first_line(why) if why is not None else f"none listed, or the {self.backend.name} backend runs none"
             _log("warn", f"txl-deploy: the model's softmax parts are not at hand ({why}): head and tail requests "
                          "are answered from full distributions")
 
@@ -233,7 +229,7 @@ class TritonPythonModel:
                     "tails": [tails.Metric(labels={**labels, "cluster": str(i)})
                               for i in range(1, self.n_clusters + 1)]}
         except Exception as e:  # metrics are a report, never a reason not to serve
-            _log("info", f"txl-deploy: no custom metrics ({_message(e)}); counts are logged at unload")
+            _log("info", f"txl-deploy: no custom metrics ({first_line(e)}); counts are logged at unload")
             return None
 
     def _count(self, graph, rows, cluster=None):
@@ -245,7 +241,7 @@ class TritonPythonModel:
             try:
                 (self._metrics["tails"][cluster - 1] if graph == "tails" else self._metrics[graph]).increment(rows)
             except Exception as e:
-                _log("warn", f"txl-deploy: custom metrics stopped ({_message(e)})")
+                _log("warn", f"txl-deploy: custom metrics stopped ({first_line(e)})")
                 self._metrics = None
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
@@ -261,7 +257,7 @@ class TritonPythonModel:
             self._forget(corrid)
 
     def _start(self, corrid, now, resume):
-        arrays, last = (self._read_state(resume) if resume is not None else (None, None))
+        arrays, last = (read_parked(resume, self.backend) if resume is not None else (None, None))
         self._forget(corrid)
         while len(self.conversations) >= self.max_sequences:
             self._forget(next(iter(self.conversations)))  # Triton has already dropped it (see initialize)
@@ -272,39 +268,10 @@ class TritonPythonModel:
         self.conversations[corrid] = conv
         return conv
 
-    # -- park / resume ------------------------------------------------------------------------------------------
-    def _read_state(self, blob):
-        """A parked conversation's bytes -> (checked state arrays of one row, its last log-probs or None).
-
-        Untrusted bytes: read_saved_state checks the archive (one row of this model's state at most, member names,
-        headers, sizes, the fingerprint) before it reads any tensor, so a bomb or a damaged state costs nothing."""
-        blob = np.ascontiguousarray(blob).reshape(-1)
-        if blob.dtype != np.uint8 or blob.size == 0:
-            raise ValueError(f"{RESUME_INPUT} must be the UINT8 bytes of a saved conversation state")
-        try:
-            saved = read_saved_state(blob, self.backend, max_rows=1)
-        except InputError as e:
-            raise ValueError(f"{RESUME_INPUT} is not a saved conversation state of this model ({_message(e)})") \
-                from None
-        fmt = str(saved.metadata.get("__format__", ""))
-        version = int(saved.metadata.get("__format_version__", -1))
-        if fmt != STATE_FORMAT or version < 1:
-            raise ValueError(f"{RESUME_INPUT} is not a saved conversation state (no '{STATE_FORMAT}' header)")
-        if version > STATE_FORMAT_VERSION:
-            raise ValueError(f"this conversation state has format version {version}; this server reads up to "
-                             f"{STATE_FORMAT_VERSION}: upgrade txl-deploy on the server")
-        last = saved.last_log_probs
-        return saved.arrays, (None if last is None else last.reshape(-1))
-
+    # -- park / resume (model_inputs.read_parked / parked_bytes) ------------------------------------------------
     def _saved_state(self, conv):
         last = self._latest_full(conv)  # after a head-only step, composed from the head and every tail
-        # The members TxlRuntime.save_state writes (TxlRuntime.load_state reads them in-process too), plus a header.
-        arrays = state_members(self.backend, self.states.save(conv.handle), None if last is None else last[None])
-        arrays["__sequence_id__"] = np.array(conv.corrid, dtype=np.int64)
-        arrays["__format__"] = np.array(STATE_FORMAT)
-        arrays["__format_version__"] = np.array(STATE_FORMAT_VERSION)
-        # writable: DLPack cannot export a read-only array
-        return np.frombuffer(bytearray(archive_bytes(arrays)), dtype=np.uint8)[None]
+        return parked_bytes(self.backend, self.states.save(conv.handle), last, conv.corrid)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def execute(self, requests):
@@ -341,15 +308,16 @@ class TritonPythonModel:
             wanted = request.requested_output_names()
             want_state = SAVED_OUTPUT in wanted
             want_head = HEAD_OUTPUT in wanted
-            tails = self._check_tails(_input(request, TAIL_INPUT, max(self.n_clusters, 1), "clusters"))
+            tails = check_tail_clusters(_input(request, TAIL_INPUT, max(self.n_clusters, 1), "clusters"),
+                                        self.n_clusters if self.clusters is not None else None)
             if want_head and self.clusters is None:
                 raise ValueError(f"{HEAD_OUTPUT}: this model has no adaptive softmax (a plain softmax): ask for "
                                  "log_probs")
             want_full = "log_probs" in wanted or not (want_head or tails is not None)
             tokens = _input(request, "tokens", self.max_request_tokens, "tokens")
             positions = _input(request, "out_positions", self.max_request_tokens, "positions")
-            tokens, positions = self._check(tokens, positions,
-                                            state_only=resume is not None or want_state or tails is not None)
+            tokens, positions = check_segment(tokens, positions, self.n_token, self.max_request_tokens,
+                                              state_only=resume is not None or want_state or tails is not None)
             if resume is not None and not start:
                 raise ValueError(f"{RESUME_INPUT} starts a conversation: send it with sequence_start")
             if start:
@@ -363,7 +331,7 @@ class TritonPythonModel:
                                  "or the server restarted): start a new sequence")
             return _Work(i, conv, tokens, positions, want_state, end, want_full, want_head, tails)
         except Exception as e:  # a bad request must not take the instance (and its other conversations) down
-            responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"txl-deploy: {_message(e)}"))
+            responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"txl-deploy: {first_line(e)}"))
             if end and corrid is not None:
                 self._forget(corrid)
             return None
@@ -429,30 +397,12 @@ class TritonPythonModel:
                 outputs.append(_output(SAVED_OUTPUT, self._saved_state(work.conv)))
             response = pb_utils.InferenceResponse(output_tensors=outputs)
         except Exception as e:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"txl-deploy: {_message(e)}"))
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"txl-deploy: {first_line(e)}"))
         if work.end:
             self._forget(work.conv.corrid)
         return response
 
     # -- lazy adaptive-softmax decoding (protocol.HEAD_OUTPUT, TAIL_INPUT, TAIL_OUTPUT) ---------------------------
-    def _check_tails(self, clusters):
-        """TAIL_INPUT -> the cluster indices asked for (int64 [K]), or None when the request asks for none."""
-        if clusters is None:
-            return None
-        if self.clusters is None:
-            raise ValueError(f"{TAIL_INPUT}: this model has no adaptive softmax, so no tail clusters")
-        if clusters.ndim != 2 or clusters.shape[0] != 1 or clusters.shape[1] < 1:
-            raise ValueError(f"{TAIL_INPUT} must be [1, K] with K >= 1, got shape {list(clusters.shape)}")
-        if not np.issubdtype(clusters.dtype, np.integer):
-            raise ValueError(f"{TAIL_INPUT} must be INT64 cluster indices, got {clusters.dtype}")
-        ids = clusters.reshape(-1)
-        n = self.n_clusters
-        if int(ids.min()) < 1 or int(ids.max()) > n:
-            raise ValueError(f"{TAIL_INPUT} must name tail clusters 1..{n}, got {ids.tolist()[:8]}")
-        if np.unique(ids).size != ids.size:
-            raise ValueError(f"{TAIL_INPUT} names a cluster twice: {ids.tolist()}")
-        return ids.astype(np.int64)
-
     def _head(self, log_probs):
         """[1, P, V] log-probs -> [1, P, shortlist + n] (protocol.HEAD_OUTPUT): `Clusters.head_from_full`, each
         cluster's log-prob >= every one of its tokens', so a sampler's bound holds."""
@@ -486,28 +436,6 @@ class TritonPythonModel:
                 self._count("tails", 1, i)
             conv.latest(np.array(full))
         return conv.last_log_probs
-
-    def _check(self, tokens, positions, state_only=False):
-        if tokens is None or positions is None:
-            raise ValueError("requests need the inputs tokens [1, Q] and out_positions [1, P]")
-        if tokens.ndim != 2 or tokens.shape[0] != 1:
-            raise ValueError(f"tokens must be [1, Q] (one conversation per request), got shape {list(tokens.shape)}")
-        q = tokens.shape[1]
-        if q < 1:
-            if state_only and positions.size == 0:
-                return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
-            raise ValueError("tokens is empty")
-        if q > self.max_request_tokens:
-            raise ValueError(f"segment of {q} tokens is longer than this server accepts per request "
-                             f"({self.max_request_tokens}); send long prompts in pieces")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.n_token:
-            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.n_token})")
-        if positions.ndim != 2 or positions.shape[0] != 1 or positions.shape[1] < 1:
-            raise ValueError(f"out_positions must be [1, P] with P >= 1, got shape {list(positions.shape)}")
-        if int(positions.min()) < 0 or int(positions.max()) >= q:
-            raise ValueError(f"out_positions must index the segment [0, {q}), got {positions.reshape(-1).tolist()[:8]}")
-        return np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(positions, dtype=np.int64)
 
     def finalize(self):
         if isinstance(self.states, RowPool):
