@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.music.grammar import compiled
 from txl_deploy.runtimes.sampling import SamplingParams
-from txl_deploy.serving.http import protocol
+from txl_deploy.serving.http import choices, protocol
 from txl_deploy.serving.http.engine import Job
 from txl_deploy.serving.http.guard import Guard, key_error, key_matches
 from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally
@@ -243,6 +243,9 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
         params = SamplingParams(**kwargs)
         grammar = None if body.grammar is None else _grammar(body.grammar, eng.vocab)
+        if body.rows > 1:  # n or best_of
+            return await choices.answer(eng, ids, params, grammar, body, request, settings.model_name, metrics,
+                                        arrived, mailbox(asyncio.get_running_loop()), settings.drain_timeout)
         events = _Events(mailbox(asyncio.get_running_loop()), metrics.tally())
         job = Job(ids, params, events.emit, session_id=body.session_id, grammar=grammar)
         eng.submit(job)

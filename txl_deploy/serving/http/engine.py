@@ -10,6 +10,7 @@ lives and how it stops. The session states themselves are sessions.py's.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import threading
 from typing import Callable
@@ -27,8 +28,12 @@ class Job:
     ("token", TokenOut), ("done", {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", ApiError)."""
 
     def __init__(self, prompt: np.ndarray, params, emit: Callable[[str, object], None], session_id: str | None = None,
-                 grammar=None):
+                 grammar=None, choices: int = 1, choice_emit: Callable[[int], Callable] | None = None):
         self.prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        # n or best_of: the rows this request samples, each from a copy of the prompt's memory; choice_emit(i) is
+        # the emit of choice i (this job is choice 0), and `kids` the other choices once forked
+        self.choices, self.choice_emit, self.kids = int(choices), choice_emit, []
+        self.forked = None  # over a Triton fleet: the prompt's parked state this choice resumes from
         self.params, self.emit, self.session_id = params, emit, session_id
         self.grammar = grammar  # a music grammar compiled for the vocabulary (music/grammar.py), or None
         self.cancelled = False
@@ -46,6 +51,14 @@ class Job:
     @property
     def prefilling(self) -> bool:
         return self.fed < self.prompt.size
+
+    def choice(self, i: int) -> "Job":
+        """Choice i of this request, sampled on its own seed stream: seed + i (docs/serving.md, n and best_of)."""
+        params = self.params if self.params.seed is None else dataclasses.replace(self.params,
+                                                                                 seed=self.params.seed + i)
+        kid = Job(self.prompt, params, self.choice_emit(i), grammar=self.grammar)
+        self.kids.append(kid)
+        return kid
 
 
 class EngineClosed(Exception):
@@ -153,8 +166,9 @@ class EngineCore(abc.ABC):
             self._queued -= 1
 
     def cancel(self, job: Job):
-        """The client went away: the job ends at the engine's next look at it."""
-        job.cancelled = True
+        """The client went away: the job (and its other choices) ends at the engine's next look at it."""
+        for one in (job, *job.kids):
+            one.cancelled = True
 
     def _not_running(self) -> ApiError:
         """The 503 a request gets from an engine that does not take requests."""

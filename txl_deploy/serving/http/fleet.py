@@ -46,7 +46,7 @@ from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import Session
 from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
-from txl_deploy.serving.triton.servers import ServingError, split_url
+from txl_deploy.serving.triton.servers import ServingError, new_sequence_id, split_url
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,10 @@ class FleetEngine(EngineCore):
 
     def _run(self, job: Job):
         try:
-            self._serve(job)
+            if job.choices > 1:
+                self._serve_choices(job)
+            else:
+                self._serve(job)
         except BaseException as e:  # noqa: BLE001 - the bookkeeping failed: the sessions can no longer be trusted
             self._fail_engine(e)
             try:  # the client may not have heard the end (a second error after it is never read)
@@ -167,13 +170,15 @@ class FleetEngine(EngineCore):
                 return
             if job.cancelled:
                 return
-            conv = self._conversation(job.session)
+            conv = self._conversation(job.session) if job.forked is None else self._resumed(job.forked)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
                                     clusters=self.client.clusters, grammar=job.grammar)
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
             # the full log-probs
             feed = conv.feed_head if self.lazy else conv.feed
-            if job.prompt.size:
+            if job.forked is not None:  # a choice: the prompt was read once, into the state it resumed
+                log_probs = conv.latest_head() if self.lazy else conv.last_log_probs
+            elif job.prompt.size:
                 log_probs = feed(job.prompt)
             else:  # a session continued: its conversation's latest distribution
                 log_probs = conv.latest_head() if self.lazy else job.session.last_log_probs
@@ -218,6 +223,42 @@ class FleetEngine(EngineCore):
                 with self._lock:
                     self._running -= 1
                     self._idle.notify_all()
+
+    def _serve_choices(self, job: Job):
+        """n or best_of: the prompt read once in a conversation whose state is saved, then each choice resumed from
+        that state in a conversation of its own and generated, one after another in this worker."""
+        conv, state = self.client.conversation(), None
+        try:
+            if not job.cancelled and self.failure is None:
+                (conv.feed_head if self.lazy else conv.feed)(job.prompt)
+                state = conv.save()
+        except Exception as e:  # noqa: BLE001 - answered as _serve answers a request's own failure
+            if isinstance(e, ServingError):
+                error = ApiError(502, f"the Triton fleet failed this request: {e}", type="server_error",
+                                 code="upstream_error")
+            elif isinstance(e, TxlError):
+                error = e if isinstance(e, ApiError) else ApiError(400, str(e))
+            else:
+                logger.exception("a fleet request failed")
+                error = ApiError(500, f"internal error: {e}", type="server_error")
+            job.emit("error", error)
+            with self._lock:
+                self._queued -= 1
+                self._idle.notify_all()
+            return
+        finally:
+            self._close(conv)
+        for i in range(job.choices):
+            choice = job if i == 0 else job.choice(i)
+            choice.forked, choice.cancelled = state, job.cancelled
+            if i:
+                with self._lock:
+                    self._queued += 1  # _serve counts each choice out of the queue as it starts
+            self._serve(choice)
+
+    def _resumed(self, state: bytes):
+        """A new conversation (its own sequence id) resumed from a saved state: a choice's copy of the prompt."""
+        return self.client.resume(state, sequence_id=new_sequence_id())
 
     @staticmethod
     def _decide(conv, completion: Completion, head):

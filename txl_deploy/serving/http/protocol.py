@@ -83,10 +83,18 @@ class CompletionRequest(BaseModel):
 
     def unsupported(self) -> ApiError | None:
         """OpenAI fields this server cannot honour, set to anything but their no-op values."""
-        if self.n not in (None, 1):
-            return ApiError(400, "n: this server returns one completion per request (n must be 1)", param="n")
-        if self.best_of not in (None, 1):
-            return ApiError(400, "best_of is not supported (it must be 1 or absent)", param="best_of")
+        n, rows = (1 if self.n is None else self.n), self.rows
+        if n < 1 or rows < n:
+            return ApiError(400, f"n must be at least 1 and best_of at least n, got n {self.n} and best_of "
+                                 f"{self.best_of}", param="n" if n < 1 else "best_of")
+        if rows > 1 and self.session_id is not None:
+            return ApiError(400, "n and best_of above 1 take no session_id: fork the session "
+                                 "(POST /v1/sessions/ID/fork) and continue each fork instead", param="session_id")
+        if rows > 1 and self.echo:
+            return ApiError(400, "echo takes n and best_of of 1", param="echo")
+        if rows > n and self.stream:
+            return ApiError(400, "best_of above n cannot be streamed (the best are known only at the end)",
+                            param="best_of")
         if self.echo:
             return ApiError(400, "echo is not supported: the prompt is not returned", param="echo")
         if self.suffix:
@@ -95,6 +103,11 @@ class CompletionRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             return ApiError(400, "stream_options needs stream: true", param="stream_options")
         return None
+
+    @property
+    def rows(self) -> int:
+        """The completions this request samples (best_of, else n), each a row of its own."""
+        return self.best_of if self.best_of is not None else (1 if self.n is None else self.n)
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams keyword arguments this request sets (None: the default)."""
@@ -122,8 +135,8 @@ def logprobs_part(tokens: list[dict]) -> dict:
 
 
 def completion(id_: str, model: str, text: str, finish_reason: str | None, usage: dict, tokens: list[dict] | None,
-               token_ids: list[int] | None, session_id: str | None) -> dict:
-    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+               token_ids: list[int] | None, session_id: str | None, index: int = 0) -> dict:
+    choice = {"text": text, "index": index, "logprobs": None if tokens is None else logprobs_part(tokens),
               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -135,8 +148,8 @@ def completion(id_: str, model: str, text: str, finish_reason: str | None, usage
 
 
 def chunk(id_: str, model: str, created: int, text: str, finish_reason: str | None, tokens: list[dict] | None,
-          token_ids: list[int] | None) -> dict:
-    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+          token_ids: list[int] | None, index: int = 0) -> dict:
+    choice = {"text": text, "index": index, "logprobs": None if tokens is None else logprobs_part(tokens),
               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids

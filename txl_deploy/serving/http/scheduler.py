@@ -108,7 +108,7 @@ class Scheduler(EngineCore, BatchSteps):
         self._post(("job", job))
 
     def cancel(self, job: Job):
-        """The client went away: the job's row is freed at the engine's next turn."""
+        """The client went away: the job's rows (its choices' too) are freed at the engine's next turn."""
         job.cancelled = True
         self._post(("cancel", job))
 
@@ -284,7 +284,9 @@ class Scheduler(EngineCore, BatchSteps):
             if kind == "job":
                 self._waiting.append(item)
             elif kind == "cancel":
-                self._cancelled(item)
+                for job in (item, *item.kids):
+                    job.cancelled = True
+                    self._cancelled(job)
             elif kind == "drop":
                 self._free_row(item)
             elif kind == "call":
