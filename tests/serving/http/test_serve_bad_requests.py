@@ -63,6 +63,8 @@ CORPUS = [
     ("GET", "/v1/nothing-here", {}, 404, None),
     ("DELETE", "/v1/sessions/ghost", {}, 404, "does not exist"),
     ("POST", "/v1/sessions/ghost/park", {}, 404, "does not exist"),
+    ("POST", "/v1/sessions/ghost/fork", {}, 404, "does not exist"),
+    ("POST", "/v1/sessions/ghost/fork", dict(json={"id": "not an id"}), 400, "id"),
 ]
 
 

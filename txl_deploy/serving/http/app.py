@@ -5,7 +5,8 @@ in-process, or `fleet.FleetEngine` over Triton servers) does the work. The engin
 thread when the app starts, so /health answers 503 until the model is loaded, then 200 (503 again while draining).
 
 Endpoints: POST /v1/completions, GET /v1/models, sessions (POST /v1/sessions, GET/DELETE /v1/sessions/{id},
-POST /v1/sessions/{id}/park -> the memory's bytes, POST /v1/sessions/{id}/restore <- those bytes), GET /health,
+POST /v1/sessions/{id}/park -> the memory's bytes, POST /v1/sessions/{id}/restore <- those bytes,
+POST /v1/sessions/{id}/fork -> a new session with a copy of its memory), GET /health,
 GET /metrics. With an api_key every /v1 path needs `Authorization: Bearer <key>`, checked (in constant time)
 before any of the body is read. Every error is OpenAI's error object. Request bodies are bounded (413), prompts
 and max_tokens too (400), the queue too (429). Prompts are tokenized in a small pool of threads, never on the event
@@ -293,6 +294,17 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         blob = await run_in_threadpool(eng.park, session_id)
         return Response(blob, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{session_id}.npz"'})
+
+    @app.post("/v1/sessions/{session_id}/fork", dependencies=guarded, status_code=201)
+    async def fork(session_id: str, request: Request):
+        eng = engine()
+        raw = await request.body()
+        try:
+            spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        session = await run_in_threadpool(eng.fork, session_id, spec.id)
+        return JSONResponse(eng.sessions.info(session, eng.bytes_per_session), status_code=201)
 
     @app.post("/v1/sessions/{session_id}/restore", dependencies=guarded, status_code=201)
     async def restore(session_id: str, request: Request):

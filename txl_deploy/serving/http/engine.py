@@ -109,6 +109,10 @@ class EngineCore(abc.ABC):
         """Put a checked state into the `loading` session's memory (its handle set)."""
 
     @abc.abstractmethod
+    def _copy_session(self, source: Session, fork: Session):
+        """Give the `loading` session `fork` a copy of the forking session `source`'s memory and next distribution."""
+
+    @abc.abstractmethod
     def _dropped(self, session: Session, why: str):
         """The store ended the session (any thread, under its lock): free its memory."""
 
@@ -208,6 +212,24 @@ class EngineCore(abc.ABC):
             return blob
         finally:
             self.sessions.end_park(session, parked)
+
+    def fork(self, id_: str, fork_id: str | None = None) -> Session:
+        """A new session holding a copy of session `id_`'s memory and next distribution; the two are independent
+        from then on. The new one counts against --max-sessions as any new session does (the same eviction, or
+        429). The source must be idle (409 otherwise) and stays so. Blocks: call it from a worker thread."""
+        source = self.sessions.begin_fork(id_)
+        try:
+            fork = self.sessions.create(fork_id, loading=True)
+            try:
+                self._copy_session(source, fork)
+            except BaseException:
+                self.sessions.discard(fork, f"could not be forked; {GONE}")
+                raise
+            fork.tokens = source.tokens
+            self.sessions.loaded(fork)
+            return fork
+        finally:
+            self.sessions.end_fork(source)
 
     def restore(self, id_: str | None, blob: bytes) -> Session:
         """A new session from parked bytes; refused (400) when they are not a state of this model. The session is

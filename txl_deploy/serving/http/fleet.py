@@ -296,6 +296,19 @@ class FleetEngine(EngineCore):
         if future is not None:
             future.result()
 
+    def _copy_session(self, source: Session, fork: Session):
+        """The source's conversation saved (it goes on) and resumed under the fork's sequence id, on the server
+        that id routes to."""
+        conv = source.handle
+        if conv is None or not conv.started:  # nothing fed yet: the fork is as empty
+            return
+        try:
+            state = conv.save()
+        except ServingError as e:
+            raise ApiError(502, f"the Triton fleet could not fork the session: {e}", type="server_error",
+                           code="upstream_error") from None
+        self._load_state(fork, state)
+
     def _park_bytes(self, session: Session) -> bytes:
         """The Triton model's parked state of the session's conversation. A session with nothing to park (400) or
         whose park failed (502) stays as it was."""

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
@@ -165,6 +167,24 @@ class Scheduler(EngineCore, BatchSteps):
             session.tokens = int(count[0]) if count is not None else 0
 
         self.call(load).result()
+
+    def _copy_session(self, source: Session, fork: Session):
+        """The fork's row takes a copy of the source's (Backend.copy_rows), between two steps."""
+        def copy():
+            if fork.state != LOADING:
+                raise ApiError(409, f"session {fork.id!r} ended while it was being forked", code="session_gone")
+            if source.handle is None:  # nothing fed yet: the fork is as empty
+                return
+            handle = self.rows.start()
+            try:
+                self.rows.copy(source.handle, [handle])
+            except BaseException:
+                self.rows.release(handle)
+                raise
+            fork.handle = handle
+            fork.last_log_probs = None if source.last_log_probs is None else np.array(source.last_log_probs)
+
+        self.call(copy).result()
 
     def _dropped(self, session: Session, why: str):
         # called by the store (any thread, under its lock): the engine frees the row between two steps
