@@ -381,3 +381,6 @@ def test_choices_and_forks_through_the_fleet(lazy, fleet, lazy_fleet, tiny_onnx)
                                        atol=1e-5)
     for s in (sid, sid + "-f"):
         assert httpx.delete(f"{srv.url}/v1/sessions/{s}").status_code == 200
+    # beam search reorders memory rows in place, which the servers do not: refused with the reason
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": PROMPT, "num_beams": 2})
+    assert r.status_code == 400 and "--triton" in r.json()["error"]["message"]

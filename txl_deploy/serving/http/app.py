@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.music.grammar import compiled
 from txl_deploy.runtimes.sampling import SamplingParams
-from txl_deploy.serving.http import choices, protocol
+from txl_deploy.serving.http import beams, choices, protocol
 from txl_deploy.serving.http.engine import Job
 from txl_deploy.serving.http.guard import Guard, key_error, key_matches
 from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally
@@ -242,6 +242,8 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         if kwargs.get("max_tokens", 16) > settings.max_tokens:
             raise ApiError(400, f"max_tokens {kwargs['max_tokens']} is more than this server generates per "
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
+        if body.num_beams is not None:  # beam search
+            return await beams.answer(eng, ids, body, settings.model_name, metrics)
         params = SamplingParams(**kwargs)
         grammar = None if body.grammar is None else _grammar(body.grammar, eng.vocab)
         if body.rows > 1:  # n or best_of

@@ -123,16 +123,10 @@ class _Choices:
         if len(self.choices) > n:
             order = sorted(order, key=lambda i: -self.choices[i].logprob)[:n]  # stable: ties keep choice order
         picked = [self.choices[i] for i in order]
-        out = None
-        for index, c in enumerate(picked):
-            one = protocol.completion(self.id, self.model, "".join(c.text), c.finish, self._usage(),
-                                      c.tokens if self.with_logprobs else None, c.ids if self.with_ids else None,
-                                      None, index=index)
-            if out is None:
-                out = one
-            else:
-                out["choices"] += one["choices"]
-        return out
+        return protocol.with_choices([
+            protocol.completion(self.id, self.model, "".join(c.text), c.finish, self._usage(),
+                                c.tokens if self.with_logprobs else None, c.ids if self.with_ids else None, None,
+                                index=index) for index, c in enumerate(picked)])
 
     async def collect(self, request: Request):
         watcher = asyncio.create_task(self._watch_disconnect(request))

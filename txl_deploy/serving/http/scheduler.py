@@ -123,6 +123,18 @@ class Scheduler(EngineCore, BatchSteps):
             self._post(("call", (fn, future)))
         return future
 
+    def beam_search(self, ids, **options) -> list:
+        """`TxlRuntime.beam_search(ids, **options)` on the loaded runtime's own memory (the pool's rows are not
+        touched), run in the engine thread between two steps: the batch waits while it runs. Blocks: call it from
+        a worker thread."""
+        def search():
+            try:
+                return self.rt.beam_search(ids, **options)
+            finally:
+                self.rt.reset()  # the runtime's memory held the prompt: let it go
+
+        return self.call(search).result()
+
     def _shut_down(self, timeout: float):
         self._stopping = True
         self._wake.set()
