@@ -5,6 +5,7 @@ prompt once; more rows than --max-batch, a session, or best_of above n streamed 
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -123,3 +124,36 @@ def test_choices_beyond_what_the_server_allows_get_a_400(server, body, param, wo
     assert error["param"] == param and words in error["message"] and "\n" not in error["message"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert np.all(server.engine.call(lambda: server.engine.running == 0).result(10))
+
+
+def test_choices_decoded_lazily_are_generates(make_server, reference):
+    """`serve --lazy`: the choices' rows take copies of the prompt's hidden vector and head, and each decides its
+    tokens from them as generate does with its seed."""
+    srv = make_server(max_batch=4, lazy=True)
+    assert srv.engine.lazy
+    r = _post(srv, n=3, best_of=3)
+    assert r.status_code == 200, r.text
+    for i, choice in enumerate(r.json()["choices"]):
+        rt = reference()
+        want = list(rt.generate(PROMPT, params=SamplingParams(temperature=1.0, top_k=20, seed=7 + i, max_tokens=10)))
+        assert choice["token_ids"] == want
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_every_choices_row(make_server, stream):
+    srv = make_server(max_batch=4)
+    engine = srv.engine
+    body = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 1.0, "n": 4, "stream": stream}
+    if stream:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # held in a name: leaving the block, not the loop, closes the connection
+            next(line for line in lines if line.startswith("data: {"))
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)  # 4 x 4000 tokens take longer
+    for _ in range(500):
+        if engine.call(lambda: (engine.running, len(engine.rows.used))).result(10) == (0, 0):
+            break
+        threading.Event().wait(0.01)
+    assert engine.call(lambda: (engine.running, len(engine.rows.used))).result(10) == (0, 0)
+    assert _post(srv, n=4, max_tokens=2).status_code == 200  # and all four rows are there again
