@@ -228,6 +228,8 @@ class FleetEngine(EngineCore):
         """n or best_of: the prompt read once in a conversation whose state is saved, then each choice resumed from
         that state in a conversation of its own and generated, one after another in this worker."""
         conv, state = self.client.conversation(), None
+        with self._lock:  # every choice counts as queued until it runs: the engine is not idle in between
+            self._queued += job.choices - 1
         try:
             if not job.cancelled and self.failure is None:
                 (conv.feed_head if self.lazy else conv.feed)(job.prompt)
@@ -243,7 +245,7 @@ class FleetEngine(EngineCore):
                 error = ApiError(500, f"internal error: {e}", type="server_error")
             job.emit("error", error)
             with self._lock:
-                self._queued -= 1
+                self._queued -= job.choices
                 self._idle.notify_all()
             return
         finally:
@@ -251,10 +253,7 @@ class FleetEngine(EngineCore):
         for i in range(job.choices):
             choice = job if i == 0 else job.choice(i)
             choice.forked, choice.cancelled = state, job.cancelled
-            if i:
-                with self._lock:
-                    self._queued += 1  # _serve counts each choice out of the queue as it starts
-            self._serve(choice)
+            self._serve(choice)  # counts the choice out of the queue
 
     def _resumed(self, state: bytes):
         """A new conversation (its own sequence id) resumed from a saved state: a choice's copy of the prompt."""
