@@ -30,7 +30,8 @@ API_KEY_ENV = "TXL_API_KEY"
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @threads_option
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Requests generating at once (rows of one batched call); more wait in the queue.")
+              help="Rows generating at once (one per request, n or best_of for one that asks for several "
+                   "completions; more: 400); more requests wait in the queue.")
 @click.option("--max-sessions", type=click.IntRange(min=1), default=64, show_default=True,
               help="Sessions kept; a new one evicts the least recently used idle one.")
 @click.option("--session-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,

@@ -98,6 +98,11 @@ class RowPool:
     def save(self, row):
         return {name: np.array(value[row:row + 1]) for name, value in self.state.items()}
 
+    def copy(self, row, rows):
+        """Rows `rows` (in use) take what `row` holds: a fork, only those rows written (Backend.copy_rows)."""
+        dst = np.asarray(rows, dtype=np.int64).reshape(-1)
+        self.state = self.backend.copy_rows(self.state, np.full(dst.size, row, dtype=np.int64), dst)
+
     def spans(self, rows):
         """Contiguous row ranges [lo, hi) covering `rows` (sorted, unique) and which of them each holds. Runs of
         rows merge across a gap while the gap rows are no more than the member rows: a hole costs one wasted row
@@ -214,6 +219,11 @@ class SeparateStates:
 
     def save(self, handle):
         return {k: np.array(v) for k, v in self.backend.state_arrays(handle[0]).items()}
+
+    def copy(self, handle, handles):
+        """The memories `handles` (in use) take copies of what `handle` holds: a fork."""
+        for h in handles:
+            self.load(h, self.save(handle))
 
     def run(self, handles, tokens, positions, head: bool = False):
         out = []

@@ -48,8 +48,11 @@ CORPUS = [
     ("POST", "/v1/completions", dict(json={"prompt": ["w1", "w2"]}), 400, "one prompt per request"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1 " * 300}), 400, "--max-prompt-tokens"),
     ("POST", "/v1/completions", dict(json={"prompt": ""}), 400, "prompt is empty"),
-    ("POST", "/v1/completions", dict(json={"prompt": "w1", "n": 2}), 400, "n must be 1"),
-    ("POST", "/v1/completions", dict(json={"prompt": "w1", "best_of": 3}), 400, "best_of"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "n": 0}), 400, "n must be at least 1"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "n": 3, "best_of": 2}), 400, "best_of"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "num_beams": 1}), 400, "num_beams"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "length_penalty": "long"}), 400, "length_penalty"),
+    ("POST", "/v1/completions", dict(json={"prompt": "w1", "early_stopping": True}), 400, "needs num_beams"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "echo": "yes"}), 400, "echo"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "suffix": "x"}), 400, "suffix"),
     ("POST", "/v1/completions", dict(json={"prompt": "w1", "stream_options": {"include_usage": True}}), 400,
@@ -63,6 +66,8 @@ CORPUS = [
     ("GET", "/v1/nothing-here", {}, 404, None),
     ("DELETE", "/v1/sessions/ghost", {}, 404, "does not exist"),
     ("POST", "/v1/sessions/ghost/park", {}, 404, "does not exist"),
+    ("POST", "/v1/sessions/ghost/fork", {}, 404, "does not exist"),
+    ("POST", "/v1/sessions/ghost/fork", dict(json={"id": "not an id"}), 400, "id"),
 ]
 
 

@@ -1,9 +1,10 @@
 """A session's life as one state machine, and an engine that never dies silently.
 
 Sessions: the windows a race could use (a restore or a park in progress) are held open on purpose and refuse what
-they must; create, restore, completion, cancel, park, delete, eviction and the idle TTL driven concurrently, many
-times, against a real server leave every row of the batched memory accounted for (free, or held once by a live
-session), and golden sessions continued through it all equal one long TxlRuntime stream.
+they must; create, restore, completion, cancel, park, delete, fork, eviction and the idle TTL driven concurrently,
+many times, against a real server leave every row of the batched memory accounted for (free, or held once by a live
+session), and golden sessions continued through it all equal one long TxlRuntime stream (a golden fork and its
+source, continued at once, each their own).
 
 Failures: a step that raises fails the requests it concerned with a 500 in OpenAI's shape and the engine goes on;
 one that leaves the engine's state broken stops it: every request it held is answered, /health and new requests get
@@ -284,7 +285,7 @@ def test_rows_are_handed_out_within_their_count_and_back_once(engine):
 GOLDEN_TURNS = [(A, 4), (B, 3), "park", ([], 3), (C, 4)]
 ALLOWED = {  # what each call may answer while others race it; never a 5xx
     "restore": {201, 409, 429}, "delete": {200, 404, 409}, "park": {200, 400, 404, 409},
-    "complete": {200, 400, 404, 409}, "create": {201, 409, 429}}
+    "complete": {200, 400, 404, 409}, "create": {201, 409, 429}, "fork": {201, 404, 409, 429}}
 
 
 class _Chaos:
@@ -345,6 +346,18 @@ class _Chaos:
         p, _, d = self._check("park", parked), self._check("complete", done), self._check("delete", deleted)
         assert not (p == 200 and d == 200)
 
+    async def fork_race(self):
+        # a fork racing a request on its source, a park and a delete: made whole, or refused
+        sid, fid = self._id("fk"), self._id("fkd")
+        if self._check("restore", await self.restore(sid)) != 201:
+            return
+        calls = [self.c.post(f"/v1/sessions/{sid}/fork", json={"id": fid}), self.complete(sid, C, 2),
+                 self.c.post(f"/v1/sessions/{sid}/park"), self.c.delete(f"/v1/sessions/{sid}")]
+        forked, done, parked, deleted = await asyncio.gather(*(self._later(x) for x in calls))
+        self._check("complete", done), self._check("park", parked), self._check("delete", deleted)
+        if self._check("fork", forked) == 201 and self.rng.random() < 0.5:
+            self._check("complete", await self.complete(fid, B, 2))  # the fork goes on (or was evicted: 404)
+
     async def cancel_stream(self):
         sid = None
         if self.rng.random() < 0.5:
@@ -388,7 +401,8 @@ class _Chaos:
 
     async def run(self, rounds):
         actions = [self.restore_and_delete, self.restore_and_delete, self.restore_and_complete,
-                   self.park_complete_delete, self.cancel_stream, self.cancel_waiting, self.evict, self.expire]
+                   self.park_complete_delete, self.cancel_stream, self.cancel_waiting, self.evict, self.expire,
+                   self.fork_race]
         for _ in range(rounds):
             await actions[int(self.rng.integers(len(actions)))]()
 
@@ -421,6 +435,38 @@ async def _golden(c: httpx.AsyncClient, name: str) -> tuple[list, int]:
     raise AssertionError(f"{name} was evicted 20 times over")
 
 
+FORKED_AT, SOURCE_TURNS, FORK_TURNS = (A, 4), [(B, 3), (C, 4)], [([], 3), (B, 2)]
+
+
+async def _golden_fork(c: httpx.AsyncClient, name: str) -> tuple[list, list]:
+    """A conversation forked after its first turn, then the source and the fork continued at the same time with
+    other turns. Returns the source's answers and the fork's; started again (new ids) if a session is evicted."""
+
+    async def turns(sid, segments):
+        got = []
+        for prompt, n in segments:
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                       "logprobs": 1, "return_token_ids": True, "session_id": sid})
+            if r.status_code == 404 and "evicted" in r.text:
+                return None
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0])
+        return got
+
+    for attempt in range(1, 21):
+        sid = f"{name}-{attempt}"
+        assert (await c.post("/v1/sessions", json={"id": sid})).status_code == 201
+        first = await turns(sid, [FORKED_AT])
+        forked = await c.post(f"/v1/sessions/{sid}/fork", json={"id": sid + "-fork"})
+        if first is None or forked.status_code in (404, 429):
+            continue
+        assert forked.status_code == 201, forked.text
+        source, fork = await asyncio.gather(turns(sid, SOURCE_TURNS), turns(sid + "-fork", FORK_TURNS))
+        if source is not None and fork is not None:
+            return first + source, first + fork
+    raise AssertionError(f"{name} was evicted 20 times over")
+
+
 def test_racing_clients_leave_every_row_accounted_for_and_golden_sessions_whole(make_server, tiny_onnx):
     srv = make_server(max_batch=4, max_sessions=8, max_queue=64)
     eng = srv.engine
@@ -433,13 +479,16 @@ def test_racing_clients_leave_every_row_accounted_for_and_golden_sessions_whole(
         async with httpx.AsyncClient(base_url=srv.url, timeout=BOUND_S) as client:
             chaos = [_Chaos(client, eng, blob, seed) for seed in range(8)]
             goldens = [_golden(client, f"golden{i}") for i in range(2)]
-            results = await asyncio.gather(*goldens, *(x.run(40) for x in chaos))
-            return results[:2], chaos
+            results = await asyncio.gather(*goldens, _golden_fork(client, "forkgold"), *(x.run(40) for x in chaos))
+            return results[:2], results[2], chaos
 
-    goldens, chaos = asyncio.run(asyncio.wait_for(everyone(), 4 * BOUND_S))
+    goldens, (source, fork), chaos = asyncio.run(asyncio.wait_for(everyone(), 4 * BOUND_S))
     want = conversations.greedy_segments(TxlRuntime.load(tiny_onnx), [t for t in GOLDEN_TURNS if t != "park"])[0]
-    for got, _ in goldens:
-        for choice, (toks, lps) in zip(got, want, strict=True):
+    # the golden fork and its source, continued at once, each equal their own stream: neither wrote the other
+    forks = [(source, [FORKED_AT, *SOURCE_TURNS]), (fork, [FORKED_AT, *FORK_TURNS])]
+    for got, segments in [(got, None) for got, _ in goldens] + forks:
+        stream = want if segments is None else conversations.greedy_segments(TxlRuntime.load(tiny_onnx), segments)[0]
+        for choice, (toks, lps) in zip(got, stream, strict=True):
             assert choice["token_ids"] == toks
             want_lps = [lp[t] for lp, t in zip(lps, toks, strict=True)]
             np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], want_lps, rtol=0, atol=1e-5)
@@ -447,6 +496,7 @@ def test_racing_clients_leave_every_row_accounted_for_and_golden_sessions_whole(
     # the races happened: sessions were restored and deleted, and calls were refused while another held the session
     assert seen["restore"].count(201) > 10 and seen["delete"].count(200) > 5, seen
     assert seen["delete"].count(409) + seen["complete"].count(409) > 0, seen
+    assert seen["fork"].count(201) > 0 and seen["fork"].count(201) < len(seen["fork"]), seen  # forks made, and refused
     end = time.monotonic() + BOUND_S  # cancelled requests end at the engine's next turns
     while (eng.running or eng.queue_depth) and time.monotonic() < end:
         time.sleep(0.01)

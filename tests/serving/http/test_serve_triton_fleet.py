@@ -374,3 +374,39 @@ def test_lazy_over_a_model_without_an_adaptive_softmax_decodes_the_full_distribu
         assert not any("decoding lazily" in r.getMessage() for r in caplog.records)
     finally:
         engine.stop(10)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_choices_and_forks_through_the_fleet(lazy, fleet, lazy_fleet, tiny_onnx):
+    """n: the prompt read once, its saved state resumed per choice, choice i sampled on seed + i; a fork: the
+    session's conversation saved and resumed under the fork's id, each then going on as it would alone."""
+    srv = lazy_fleet if lazy else fleet
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 3, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    rt = TxlRuntime.load(tiny_onnx)
+    for i, choice in enumerate(r.json()["choices"]):
+        rt.reset()
+        assert choice["index"] == i
+        assert choice["token_ids"] == list(rt.generate(PROMPT, params=SamplingParams(max_tokens=6, temperature=1.0,
+                                                                                      seed=9 + i)))
+    assert r.json()["usage"]["completion_tokens"] == 18 and r.json()["usage"]["prompt_tokens"] == len(PROMPT)
+    sid = f"fork-src-{lazy}"
+    assert httpx.post(srv.url + "/v1/sessions", json={"id": sid}).status_code == 201
+    first = _complete(srv, PROMPT, 4, session_id=sid)
+    forked = httpx.post(f"{srv.url}/v1/sessions/{sid}/fork", json={"id": sid + "-f"}, timeout=120)
+    assert forked.status_code == 201, forked.text
+    assert forked.json()["tokens"] == len(PROMPT) + 4
+    mine = _complete(srv, [7, 7, 2], 3, session_id=sid)
+    theirs = _complete(srv, "", 3, session_id=sid + "-f")  # the copied next distribution, then its own tokens
+    for got, segments in (([first, mine], [(PROMPT, 4), ([7, 7, 2], 3)]), ([first, theirs], [(PROMPT, 4), ([], 3)])):
+        want = conversations.greedy_segments(TxlRuntime.load(tiny_onnx), segments)[0]
+        for choice, (toks, lps) in zip(got, want, strict=True):
+            assert choice["token_ids"] == toks
+            np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], [lp[t] for lp, t in zip(lps, toks)],
+                                       atol=1e-5)
+    for s in (sid, sid + "-f"):
+        assert httpx.delete(f"{srv.url}/v1/sessions/{s}").status_code == 200
+    # beam search reorders memory rows in place, which the servers do not: refused with the reason
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": PROMPT, "num_beams": 2})
+    assert r.status_code == 400 and "--triton" in r.json()["error"]["message"]

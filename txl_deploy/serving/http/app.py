@@ -5,7 +5,8 @@ in-process, or `fleet.FleetEngine` over Triton servers) does the work. The engin
 thread when the app starts, so /health answers 503 until the model is loaded, then 200 (503 again while draining).
 
 Endpoints: POST /v1/completions, GET /v1/models, sessions (POST /v1/sessions, GET/DELETE /v1/sessions/{id},
-POST /v1/sessions/{id}/park -> the memory's bytes, POST /v1/sessions/{id}/restore <- those bytes), GET /health,
+POST /v1/sessions/{id}/park -> the memory's bytes, POST /v1/sessions/{id}/restore <- those bytes,
+POST /v1/sessions/{id}/fork -> a new session with a copy of its memory), GET /health,
 GET /metrics. With an api_key every /v1 path needs `Authorization: Bearer <key>`, checked (in constant time)
 before any of the body is read. Every error is OpenAI's error object. Request bodies are bounded (413), prompts
 and max_tokens too (400), the queue too (429). Prompts are tokenized in a small pool of threads, never on the event
@@ -37,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.music.grammar import compiled
 from txl_deploy.runtimes.sampling import SamplingParams
-from txl_deploy.serving.http import protocol
+from txl_deploy.serving.http import beams, choices, protocol
 from txl_deploy.serving.http.engine import Job
 from txl_deploy.serving.http.guard import Guard, key_error, key_matches
 from txl_deploy.serving.http.metrics import CONTENT_TYPE, Metrics, TokenTally
@@ -241,8 +242,13 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         if kwargs.get("max_tokens", 16) > settings.max_tokens:
             raise ApiError(400, f"max_tokens {kwargs['max_tokens']} is more than this server generates per "
                                 f"request ({settings.max_tokens}, --max-tokens)", param="max_tokens")
+        if body.num_beams is not None:  # beam search
+            return await beams.answer(eng, ids, body, settings.model_name, metrics)
         params = SamplingParams(**kwargs)
         grammar = None if body.grammar is None else _grammar(body.grammar, eng.vocab)
+        if body.rows > 1:  # n or best_of
+            return await choices.answer(eng, ids, params, grammar, body, request, settings.model_name, metrics,
+                                        arrived, mailbox(asyncio.get_running_loop()), settings.drain_timeout)
         events = _Events(mailbox(asyncio.get_running_loop()), metrics.tally())
         job = Job(ids, params, events.emit, session_id=body.session_id, grammar=grammar, echo=bool(body.echo))
         eng.submit(job)
@@ -290,6 +296,17 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         blob = await run_in_threadpool(eng.park, session_id)
         return Response(blob, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{session_id}.npz"'})
+
+    @app.post("/v1/sessions/{session_id}/fork", dependencies=guarded, status_code=201)
+    async def fork(session_id: str, request: Request):
+        eng = engine()
+        raw = await request.body()
+        try:
+            spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        session = await run_in_threadpool(eng.fork, session_id, spec.id)
+        return JSONResponse(eng.sessions.info(session, eng.bytes_per_session), status_code=201)
 
     @app.post("/v1/sessions/{session_id}/restore", dependencies=guarded, status_code=201)
     async def restore(session_id: str, request: Request):

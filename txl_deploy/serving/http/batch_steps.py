@@ -45,8 +45,9 @@ class BatchSteps:
                 self._end(job, None)
 
     def _admit_waiting(self):
-        """Waiting requests join the batch while fewer than max_batch run."""
-        while self._waiting and len(self._running) < self.max_batch:
+        """Waiting requests join the batch while fewer than max_batch rows run (a request with n or best_of takes
+        that many rows once its prompt is read, and they are counted from its admission)."""
+        while self._waiting and sum(j.choices for j in self._running) + self._waiting[0].choices <= self.max_batch:
             job = self._waiting.popleft()
             self._dequeued()
             try:
@@ -153,8 +154,38 @@ class BatchSteps:
                 if job.echoed is not None:  # the prompt goes out before the first token
                     echoed, job.echoed = job.echoed, None
                     self._emit(job, "prompt", echoed.outs())
-                deciding.append(job)
+                deciding += self._forked_choices(job)
         self._next_tokens(deciding)
+
+    def _forked_choices(self, job: Job) -> list[Job]:
+        """The job and, with n or best_of, its other choices: rows that take copies of its memory, now that the
+        prompt is read (once), and of its next distribution. [] if the fork failed (the request fails)."""
+        if job.choices == 1 or job.cancelled:
+            return [job]
+        kids = [job.choice(i) for i in range(1, job.choices)]
+        try:
+            for kid in kids:
+                kid.handle = self.rows.start()
+            self.rows.copy(job.handle, [kid.handle for kid in kids])
+            for kid in kids:
+                kid.completion = Completion(kid.params, self.vocab, self.n_token, context=kid.prompt,
+                                            clusters=self.clusters, grammar=kid.grammar)
+        except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
+            for kid in kids:
+                if kid.handle is not None:
+                    self.rows.release(kid.handle)
+                    kid.handle = None
+            self._fail(job, e)
+            self._check()
+            return []
+        job.choices = 1  # its rows are running now
+        for kid in kids:
+            kid.fed, kid.admitted, kid.touched = job.fed, job.admitted, True
+            # copies: each choice's sampler works on its own
+            kid.log_probs = None if job.log_probs is None else np.array(job.log_probs)
+            kid.parts = None if job.parts is None else tuple(np.array(p) for p in job.parts)
+            self._running.append(kid)
+        return [job, *kids]
 
     @staticmethod
     def _keep_last_position(job: Job, out, i: int):

@@ -10,6 +10,7 @@ lives and how it stops. The session states themselves are sessions.py's.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import threading
 from typing import Callable
@@ -28,8 +29,13 @@ class Job:
     {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", ApiError)."""
 
     def __init__(self, prompt: np.ndarray, params, emit: Callable[[str, object], None], session_id: str | None = None,
-                 grammar=None, echo: bool = False):
+                 grammar=None, echo: bool = False, choices: int = 1,
+                 choice_emit: Callable[[int], Callable] | None = None):
         self.prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        # n or best_of: the rows this request samples, each from a copy of the prompt's memory; choice_emit(i) is
+        # the emit of choice i (this job is choice 0), and `kids` the other choices once forked
+        self.choices, self.choice_emit, self.kids = int(choices), choice_emit, []
+        self.forked = None  # over a Triton fleet: the prompt's parked state this choice resumes from
         self.params, self.emit, self.session_id = params, emit, session_id
         self.grammar = grammar  # a music grammar compiled for the vocabulary (music/grammar.py), or None
         self.echo = bool(echo)  # send the prompt back (scored with params.logprobs): echo.py's PromptEcho
@@ -49,6 +55,14 @@ class Job:
     @property
     def prefilling(self) -> bool:
         return self.fed < self.prompt.size
+
+    def choice(self, i: int) -> "Job":
+        """Choice i of this request, sampled on its own seed stream: seed + i (docs/serving.md, n and best_of)."""
+        params = self.params if self.params.seed is None else dataclasses.replace(self.params,
+                                                                                 seed=self.params.seed + i)
+        kid = Job(self.prompt, params, self.choice_emit(i), grammar=self.grammar)
+        self.kids.append(kid)
+        return kid
 
 
 class EngineClosed(Exception):
@@ -97,6 +111,10 @@ class EngineCore(abc.ABC):
     @abc.abstractmethod
     def _load_state(self, session: Session, state):
         """Put a checked state into the `loading` session's memory (its handle set)."""
+
+    @abc.abstractmethod
+    def _copy_session(self, source: Session, fork: Session):
+        """Give the `loading` session `fork` a copy of the forking session `source`'s memory and next distribution."""
 
     @abc.abstractmethod
     def _dropped(self, session: Session, why: str):
@@ -156,8 +174,9 @@ class EngineCore(abc.ABC):
             self._queued -= 1
 
     def cancel(self, job: Job):
-        """The client went away: the job ends at the engine's next look at it."""
-        job.cancelled = True
+        """The client went away: the job (and its other choices) ends at the engine's next look at it."""
+        for one in (job, *job.kids):
+            one.cancelled = True
 
     def _not_running(self) -> ApiError:
         """The 503 a request gets from an engine that does not take requests."""
@@ -197,6 +216,24 @@ class EngineCore(abc.ABC):
             return blob
         finally:
             self.sessions.end_park(session, parked)
+
+    def fork(self, id_: str, fork_id: str | None = None) -> Session:
+        """A new session holding a copy of session `id_`'s memory and next distribution; the two are independent
+        from then on. The new one counts against --max-sessions as any new session does (the same eviction, or
+        429). The source must be idle (409 otherwise) and stays so. Blocks: call it from a worker thread."""
+        source = self.sessions.begin_fork(id_)
+        try:
+            fork = self.sessions.create(fork_id, loading=True)
+            try:
+                self._copy_session(source, fork)
+            except BaseException:
+                self.sessions.discard(fork, f"could not be forked; {GONE}")
+                raise
+            fork.tokens = source.tokens
+            self.sessions.loaded(fork)
+            return fork
+        finally:
+            self.sessions.end_fork(source)
 
     def restore(self, id_: str | None, blob: bytes) -> Session:
         """A new session from parked bytes; refused (400) when they are not a state of this model. The session is

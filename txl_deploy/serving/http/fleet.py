@@ -49,7 +49,7 @@ from txl_deploy.serving.http.protocol import ApiError
 from txl_deploy.serving.http.sessions import Session
 from txl_deploy.serving.triton.client import TxlTritonClient
 from txl_deploy.serving.triton.protocol import PARAM_PREFIX
-from txl_deploy.serving.triton.servers import ServingError, split_url
+from txl_deploy.serving.triton.servers import ServingError, new_sequence_id, split_url
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,10 @@ class FleetEngine(EngineCore):
 
     def _run(self, job: Job):
         try:
-            self._serve(job)
+            if job.choices > 1:
+                self._serve_choices(job)
+            else:
+                self._serve(job)
         except BaseException as e:  # noqa: BLE001 - the bookkeeping failed: the sessions can no longer be trusted
             self._fail_engine(e)
             try:  # the client may not have heard the end (a second error after it is never read)
@@ -170,7 +173,7 @@ class FleetEngine(EngineCore):
                 return
             if job.cancelled:
                 return
-            conv = self._conversation(job.session)
+            conv = self._conversation(job.session) if job.forked is None else self._resumed(job.forked)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
                                     clusters=self.client.clusters, grammar=job.grammar)
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
@@ -179,7 +182,9 @@ class FleetEngine(EngineCore):
             full = not self.lazy  # log_probs is a full distribution (else a head)
             scored = job.echo and job.params.logprobs is not None and job.prompt.size
             echoed = PromptEcho.of(job, self.vocab, self._session_log_probs(job, conv) if scored else None)
-            if echoed is not None and echoed.scoring:  # every position's full distribution, in bounded pieces
+            if job.forked is not None:  # a choice: the prompt was read once, into the state it resumed
+                log_probs = conv.latest_head() if self.lazy else conv.last_log_probs
+            elif echoed is not None and echoed.scoring:  # every position's full distribution, in bounded pieces
                 step = scoring_chunk(self.n_token, job.prompt.size)
                 for lo in range(0, job.prompt.size, step):
                     echoed.chunk(conv.feed_all(job.prompt[lo:lo + step]))
@@ -241,6 +246,41 @@ class FleetEngine(EngineCore):
         clusters = self.client.clusters
         return clusters.compose(session.last_head, conv.tails(range(1, clusters.n_clusters + 1)))
 
+    def _serve_choices(self, job: Job):
+        """n or best_of: the prompt read once in a conversation whose state is saved, then each choice resumed from
+        that state in a conversation of its own and generated, one after another in this worker."""
+        conv, state = self.client.conversation(), None
+        with self._lock:  # every choice counts as queued until it runs: the engine is not idle in between
+            self._queued += job.choices - 1
+        try:
+            if not job.cancelled and self.failure is None:
+                (conv.feed_head if self.lazy else conv.feed)(job.prompt)
+                state = conv.save()
+        except Exception as e:  # noqa: BLE001 - answered as _serve answers a request's own failure
+            if isinstance(e, ServingError):
+                error = ApiError(502, f"the Triton fleet failed this request: {e}", type="server_error",
+                                 code="upstream_error")
+            elif isinstance(e, TxlError):
+                error = e if isinstance(e, ApiError) else ApiError(400, str(e))
+            else:
+                logger.exception("a fleet request failed")
+                error = ApiError(500, f"internal error: {e}", type="server_error")
+            job.emit("error", error)
+            with self._lock:
+                self._queued -= job.choices
+                self._idle.notify_all()
+            return
+        finally:
+            self._close(conv)
+        for i in range(job.choices):
+            choice = job if i == 0 else job.choice(i)
+            choice.forked, choice.cancelled = state, job.cancelled
+            self._serve(choice)  # counts the choice out of the queue
+
+    def _resumed(self, state: bytes):
+        """A new conversation (its own sequence id) resumed from a saved state: a choice's copy of the prompt."""
+        return self.client.resume(state, sequence_id=new_sequence_id())
+
     @staticmethod
     def _decide(conv, completion: Completion, head):
         """The next token from the head, fetching (in one request per round) only the tails the decision needs."""
@@ -276,6 +316,19 @@ class FleetEngine(EngineCore):
         future = self._closing.get(seq)
         if future is not None:
             future.result()
+
+    def _copy_session(self, source: Session, fork: Session):
+        """The source's conversation saved (it goes on) and resumed under the fork's sequence id, on the server
+        that id routes to."""
+        conv = source.handle
+        if conv is None or not conv.started:  # nothing fed yet: the fork is as empty
+            return
+        try:
+            state = conv.save()
+        except ServingError as e:
+            raise ApiError(502, f"the Triton fleet could not fork the session: {e}", type="server_error",
+                           code="upstream_error") from None
+        self._load_state(fork, state)
 
     def _park_bytes(self, session: Session) -> bytes:
         """The Triton model's parked state of the session's conversation. A session with nothing to park (400) or

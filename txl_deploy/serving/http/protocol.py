@@ -7,8 +7,9 @@ the `openai` client parses.
 Extensions, all optional (vLLM's names where vLLM has the parameter): `session_id` (continue a session's memory),
 `top_k`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`, `ban_unk` (true:
 never sample the vocabulary's `<unk>`), `grammar` (a music model's representation, "remi" or "remi-xl": only the
-events its grammar allows next are sampled, so its MIDI writer places every one), and `return_token_ids` (each
-choice then carries `token_ids`, the generated token ids).
+events its grammar allows next are sampled, so its MIDI writer places every one), `return_token_ids` (each
+choice then carries `token_ids`, the generated token ids), and HuggingFace's beam search settings `num_beams`,
+`length_penalty` and `early_stopping` (n then is how many of the best beams come back; beams.py).
 """
 
 from __future__ import annotations
@@ -80,13 +81,27 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool | None = False
     ban_unk: bool | None = None
     grammar: str | None = None
+    # beam search (TxlRuntime.beam_search, HuggingFace's rules): n is then how many of the best beams come back
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: Union[bool, Literal["never"], None] = None
 
     def unsupported(self) -> ApiError | None:
         """OpenAI fields this server cannot honour, set to anything but their no-op values."""
-        if self.n not in (None, 1):
-            return ApiError(400, "n: this server returns one completion per request (n must be 1)", param="n")
-        if self.best_of not in (None, 1):
-            return ApiError(400, "best_of is not supported (it must be 1 or absent)", param="best_of")
+        if self.num_beams is not None or self.length_penalty is not None or self.early_stopping is not None:
+            return self._beam_refusal()
+        n, rows = (1 if self.n is None else self.n), self.rows
+        if n < 1 or rows < n:
+            return ApiError(400, f"n must be at least 1 and best_of at least n, got n {self.n} and best_of "
+                                 f"{self.best_of}", param="n" if n < 1 else "best_of")
+        if rows > 1 and self.session_id is not None:
+            return ApiError(400, "n and best_of above 1 take no session_id: fork the session "
+                                 "(POST /v1/sessions/ID/fork) and continue each fork instead", param="session_id")
+        if rows > 1 and self.echo:
+            return ApiError(400, "echo takes n and best_of of 1", param="echo")
+        if rows > n and self.stream:
+            return ApiError(400, "best_of above n cannot be streamed (the best are known only at the end)",
+                            param="best_of")
         if self.suffix:
             return ApiError(400, "suffix is not supported (a language model continues text, it does not insert)",
                             param="suffix")
@@ -94,12 +109,37 @@ class CompletionRequest(BaseModel):
             return ApiError(400, "stream_options needs stream: true", param="stream_options")
         return None
 
+    def _beam_refusal(self) -> ApiError | None:
+        """A beam search request may set only what the search takes; anything else would be silently ignored."""
+        if self.num_beams is None:
+            param = "length_penalty" if self.length_penalty is not None else "early_stopping"
+            return ApiError(400, f"{param} needs num_beams (it applies to beam search only)", param=param)
+        other = sorted(self.model_fields_set - BEAM_FIELDS)
+        if other:
+            return ApiError(400, f"{other[0]} does not apply to beam search (num_beams): it takes "
+                                 f"{', '.join(sorted(BEAM_FIELDS - {'prompt', 'model', 'user'}))}", param=other[0])
+        if self.num_beams < 2 or not 1 <= (self.n or 1) <= self.num_beams:
+            return ApiError(400, f"num_beams must be at least 2 and n (the beams returned) in [1, num_beams], got "
+                                 f"num_beams {self.num_beams} and n {self.n}",
+                            param="num_beams" if self.num_beams < 2 else "n")
+        return None
+
+    @property
+    def rows(self) -> int:
+        """The completions this request samples (best_of, else n), each a row of its own."""
+        return self.best_of if self.best_of is not None else (1 if self.n is None else self.n)
+
     def sampling_kwargs(self) -> dict:
         """The SamplingParams keyword arguments this request sets (None: the default)."""
         fields = ("max_tokens", "temperature", "top_p", "logprobs", "stop", "presence_penalty", "frequency_penalty",
                   "logit_bias", "seed", "top_k", "min_p", "repetition_penalty", "no_repeat_ngram_size", "min_tokens",
                   "stop_token_ids", "ban_unk")
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+
+
+# what a beam search request may send: the search's own settings, and the prompt, its length and stop ids
+BEAM_FIELDS = frozenset({"model", "prompt", "max_tokens", "n", "num_beams", "length_penalty", "early_stopping",
+                         "stop_token_ids", "return_token_ids", "user"})
 
 
 class SessionCreate(BaseModel):
@@ -120,8 +160,8 @@ def logprobs_part(tokens: list[dict]) -> dict:
 
 
 def completion(id_: str, model: str, text: str, finish_reason: str | None, usage: dict, tokens: list[dict] | None,
-               token_ids: list[int] | None, session_id: str | None) -> dict:
-    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+               token_ids: list[int] | None, session_id: str | None, index: int = 0) -> dict:
+    choice = {"text": text, "index": index, "logprobs": None if tokens is None else logprobs_part(tokens),
               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -132,9 +172,17 @@ def completion(id_: str, model: str, text: str, finish_reason: str | None, usage
     return out
 
 
+def with_choices(responses: list[dict]) -> dict:
+    """One response holding the choices of several `completion(...)` answers, in the order given."""
+    out = responses[0]
+    for more in responses[1:]:
+        out["choices"] += more["choices"]
+    return out
+
+
 def chunk(id_: str, model: str, created: int, text: str, finish_reason: str | None, tokens: list[dict] | None,
-          token_ids: list[int] | None) -> dict:
-    choice = {"text": text, "index": 0, "logprobs": None if tokens is None else logprobs_part(tokens),
+          token_ids: list[int] | None, index: int = 0) -> dict:
+    choice = {"text": text, "index": index, "logprobs": None if tokens is None else logprobs_part(tokens),
               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids

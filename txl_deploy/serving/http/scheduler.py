@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from txl_deploy.contract import io_spec
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
@@ -108,7 +110,7 @@ class Scheduler(EngineCore, BatchSteps):
         self._post(("job", job))
 
     def cancel(self, job: Job):
-        """The client went away: the job's row is freed at the engine's next turn."""
+        """The client went away: the job's rows (its choices' too) are freed at the engine's next turn."""
         job.cancelled = True
         self._post(("cancel", job))
 
@@ -120,6 +122,18 @@ class Scheduler(EngineCore, BatchSteps):
                 raise self._not_running()
             self._post(("call", (fn, future)))
         return future
+
+    def beam_search(self, ids, **options) -> list:
+        """`TxlRuntime.beam_search(ids, **options)` on the loaded runtime's own memory (the pool's rows are not
+        touched), run in the engine thread between two steps: the batch waits while it runs. Blocks: call it from
+        a worker thread."""
+        def search():
+            try:
+                return self.rt.beam_search(ids, **options)
+            finally:
+                self.rt.reset()  # the runtime's memory held the prompt: let it go
+
+        return self.call(search).result()
 
     def _shut_down(self, timeout: float):
         self._stopping = True
@@ -165,6 +179,24 @@ class Scheduler(EngineCore, BatchSteps):
             session.tokens = int(count[0]) if count is not None else 0
 
         self.call(load).result()
+
+    def _copy_session(self, source: Session, fork: Session):
+        """The fork's row takes a copy of the source's (Backend.copy_rows), between two steps."""
+        def copy():
+            if fork.state != LOADING:
+                raise ApiError(409, f"session {fork.id!r} ended while it was being forked", code="session_gone")
+            if source.handle is None:  # nothing fed yet: the fork is as empty
+                return
+            handle = self.rows.start()
+            try:
+                self.rows.copy(source.handle, [handle])
+            except BaseException:
+                self.rows.release(handle)
+                raise
+            fork.handle = handle
+            fork.last_log_probs = None if source.last_log_probs is None else np.array(source.last_log_probs)
+
+        self.call(copy).result()
 
     def _dropped(self, session: Session, why: str):
         # called by the store (any thread, under its lock): the engine frees the row between two steps
@@ -284,7 +316,9 @@ class Scheduler(EngineCore, BatchSteps):
             if kind == "job":
                 self._waiting.append(item)
             elif kind == "cancel":
-                self._cancelled(item)
+                for job in (item, *item.kids):
+                    job.cancelled = True
+                    self._cancelled(job)
             elif kind == "drop":
                 self._free_row(item)
             elif kind == "call":

@@ -8,10 +8,11 @@ time, and every call is one transition, made whole under the store's lock or ref
     idle -> running (a request: `acquire`) -> idle (`release`)
     idle -> parking (`begin_park`) -> gone (the parked bytes exist: `end_park(parked=True)`) or idle (they could
             not be made: nothing was lost)
+    idle -> forking (`begin_fork`: its memory is copied into a new `loading` session) -> idle (`end_fork`)
     idle -> gone (delete, eviction of the least recently used idle session, idle longer than the TTL)
 
 Only an idle session can be taken away, so a session that is loading, running or parking keeps its memory until
-that ends: a request or a delete meanwhile gets 409. A session that is gone is remembered for a while with the
+that ends: a request or a delete meanwhile gets 409 (so does one on a session being forked). A session that is gone is remembered for a while with the
 reason, so a request for it gets a 404 that says what happened (evicted, expired, deleted, parked) instead of a new,
 empty memory. Thread-safe: HTTP handlers and the engine thread both call it.
 """
@@ -31,8 +32,9 @@ GONE = "its memory is gone (a request never starts an empty one): create a new s
 PARKED = "was parked: POST its state to /v1/sessions/ID/restore to continue it"
 FORGOTTEN_KEPT = 4096  # ids of gone sessions remembered (with why they are gone) for the 404's message
 
-IDLE, RUNNING, LOADING, PARKING, ENDED = "idle", "running", "loading", "parking", "gone"
-_DOING = {RUNNING: "is running a request", LOADING: "is being restored", PARKING: "is being parked"}
+IDLE, RUNNING, LOADING, PARKING, FORKING, ENDED = "idle", "running", "loading", "parking", "forking", "gone"
+_DOING = {RUNNING: "is running a request", LOADING: "is being restored", PARKING: "is being parked",
+          FORKING: "is being forked"}
 
 
 class Session:
@@ -106,7 +108,7 @@ class SessionStore:
                 idle = next((s for s in self._live.values() if not s.busy), None)
                 if idle is None:
                     raise ApiError(429, f"all {self.max_sessions} sessions are busy (running a request, being "
-                                        "restored or parked): none can be evicted for a new one",
+                                        "restored, parked or forked): none can be evicted for a new one",
                                    type="rate_limit_error", code="sessions_full", headers={"Retry-After": "1"})
                 self._drop(idle, f"was evicted: the server keeps at most {self.max_sessions} sessions "
                                  f"(--max-sessions) and this one was the least recently used; {GONE}")
@@ -163,6 +165,21 @@ class SessionStore:
             if parked:
                 self._drop(session, PARKED)
             else:
+                session.state = IDLE
+
+    def begin_fork(self, id_: str) -> Session:
+        """The session, marked forking: its memory stays as it is (nothing may use or take it) until `end_fork`."""
+        with self._lock:
+            session = self._find(id_)
+            if session.busy:
+                raise self._busy(session, "fork it when that is done")
+            session.state = FORKING
+            return session
+
+    def end_fork(self, session: Session):
+        """The fork is made (or failed): the session is idle again, as it was."""
+        with self._lock:
+            if session.state == FORKING:
                 session.state = IDLE
 
     def get(self, id_: str) -> Session:

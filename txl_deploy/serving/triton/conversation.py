@@ -204,19 +204,28 @@ class Conversation:
         `TxlRuntime.save_state`'s arrays and the model's fingerprint): `client.resume(state)` continues it on any
         server of the same model, `TxlRuntime.load_state` in-process. A generated token not yet sent travels in
         the same request, so the state covers everything the conversation has seen."""
+        return self._saved(end=True)
+
+    def save(self) -> bytes:
+        """The memory as `park()` returns it, the conversation going on: resuming the bytes under another id
+        forks it."""
+        return self._saved(end=False)
+
+    def _saved(self, end: bool) -> bytes:
         with self._lock:
             if not self.started or self.ended:
                 raise InputError(f"conversation {self.id} has {'ended' if self.ended else 'not started'}: "
-                                 "nothing to park")
+                                 f"nothing to {'park' if end else 'save'}")
             tokens = [] if self.pending is None else [self.pending]
             positions = [] if self.pending is None else [0]
-            result = self.client._request(self.server, self.id, tokens, positions, end=True, want_state=True,
+            result = self.client._request(self.server, self.id, tokens, positions, end=end, want_state=True,
                                           conversation=self)
             if self.pending is not None:
                 self.last_log_probs, self.last_head = result.as_numpy(io_spec.LOG_PROBS)[0][0], None
                 self.pending = None
-            self.ended = True
-            self._unregister()
+            if end:
+                self.ended = True
+                self._unregister()
             state = result.as_numpy(SAVED_OUTPUT).reshape(-1)
             return state.tobytes()
 
