@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-MAX_LINE_BYTES = 1 << 20  # one text with its context: a long document is ~100 kB
+MAX_LINE_BYTES = 1 << 20  # one text with its context (a long document is ~100 kB); `score --help` says 1 MiB
 FORMATS = ("auto", "text", "jsonl")
 FIELDS = ("text", "context", "group", "id")
 

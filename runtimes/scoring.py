@@ -181,3 +181,19 @@ def _result(rt, row: _Row, log_probs: np.ndarray, per_token: bool) -> dict:
         result["token_ids"] = text.tolist()
         result["token_log_probs"] = [None] * uncounted + [float(v) for v in log_probs]
     return result
+
+
+def score_lines(rt, lines: list, **how) -> list[dict]:
+    """`score_texts` over the lines `score_input.read_input` read: one record per line, in order, with its `line`
+    number (and its `id`, its `group` when given), then the scores or the line's `error`."""
+    scored = iter(score_texts(rt, [line.item for line in lines if line.item is not None], **how))
+    records = []
+    for line in lines:
+        record = {"line": line.line}
+        if line.id is not None:
+            record["id"] = line.id
+        if line.item is not None and line.item.group is not None:
+            record["group"] = line.item.group
+        record.update(next(scored) if line.item is not None else {"error": line.error})
+        records.append(record)
+    return records
