@@ -8,8 +8,9 @@ may hold anything, and one bad line must not cost the others their scores. A lin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 MAX_LINE_BYTES = 1 << 20  # one text with its context (a long document is ~100 kB); `score --help` says 1 MiB
 FORMATS = ("auto", "text", "jsonl")
