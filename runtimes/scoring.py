@@ -24,7 +24,7 @@ from txl_deploy.runtimes.score_input import ScoreItem
 
 # Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
-BATCH_BUDGET_BYTES = 1 << 30  # memory of one batch of rows: their state and their log-prob chunk
+BATCH_BUDGET_BYTES = 1 << 30  # memory of one batch of rows: their state, log-prob chunk and temporaries
 MAX_ROWS = 512  # beyond this a batch gains no speed on a CPU, only padding
 
 
@@ -61,7 +61,8 @@ def score_texts(rt, items, per_token: bool = False, batch_budget: int = BATCH_BU
     (`<eos>`; One Billion Word: `<S>`) as the start of the line when `start` and the vocabulary has one; else the
     text's first token has nothing before it and is not counted. `line_end`: score the text as a closed line, its
     line end (`<eos>`) counted too. The memory of `rt` is used and left empty (reset).
-    batch_budget: bytes a batch may take (each row's memory and its log-prob chunk); at least one row runs."""
+    batch_budget: bytes a batch may take (each row's memory, its log-prob chunk and its share of the model's
+    temporaries, `rows_within`); at least one row runs."""
     vocab = rt.vocab
     if vocab is None:
         raise InputError("this model has no vocabulary, so it cannot read texts to score")
@@ -84,12 +85,11 @@ def score_texts(rt, items, per_token: bool = False, batch_budget: int = BATCH_BU
         except InputError as e:
             results[i] = {"error": str(e)}
     chunk = score_chunk(rt.backend, 1)  # what TxlRuntime.score feeds one row at a time
-    max_rows = max(1, min(MAX_ROWS, int(batch_budget) // (row_bytes(rt.backend) + 4 * rt.n_token * chunk)))
     total = sum(r.ids.size - r.counted_from for g in groups.values() for r in g.rows)
     with progress_bar(total=total, unit="tok", desc="scoring", enabled=progress) as bar:
         for group in groups.values():
             if group.rows:
-                _score_group(rt, group, chunk, max_rows, bar.update, results, per_token)
+                _score_group(rt, group, chunk, int(batch_budget), bar.update, results, per_token)
     rt.reset()
     return results
 
@@ -127,7 +127,14 @@ def _row(rt, index: int, item: ScoreItem, prefix: np.ndarray, line_end: bool) ->
     return _Row(index, ids, counted_from, prefix.size)
 
 
-def _score_group(rt, group: _Group, chunk: int, max_rows: int, progress, results: list, per_token: bool):
+def rows_within(rt, budget: int, q: int) -> int:
+    """Rows a batch fed `q` positions a call may hold within `budget` bytes: each row's memory, its log-probs and
+    its share of the call's temporaries (at least one row, at most MAX_ROWS)."""
+    row = row_bytes(rt.backend) + 4 * rt.n_token * q + rt.config.activation_bytes(1, q, rt.mem_len)
+    return max(1, min(MAX_ROWS, budget // row))
+
+
+def _score_group(rt, group: _Group, chunk: int, budget: int, progress, results: list, per_token: bool):
     """Feed the group's shared prefix once, fork it into a row per hypothesis, score the hypotheses in batches."""
     prefix = group.prefix
     shared = prefix.size if rt.config.same_length else prefix.size // chunk * chunk
@@ -135,13 +142,14 @@ def _score_group(rt, group: _Group, chunk: int, max_rows: int, progress, results
     last = saved = None
     for k in range(0, shared, chunk):  # cut as TxlRuntime.score cuts the text alone
         last = rt.prefill(prefix[None, k:k + chunk])
-    rows = sorted(group.rows, key=lambda r: -r.ids.size)  # like lengths together: less padding
-    if shared and len(rows) > max_rows:
-        saved = rt.save_state()
-    for b in range(0, len(rows), max_rows):
-        batch = rows[b:b + max_rows]
+    rows = sorted(group.rows, key=lambda r: -r.ids.size)  # longest first, like lengths together: less padding
+    b = 0
+    while b < len(rows):
+        batch = rows[b:b + rows_within(rt, budget, max(1, min(chunk, rows[b].ids.size - shared - 1)))]
         if shared:
-            if b:
+            if b == 0 and len(batch) < len(rows):
+                saved = rt.save_state()  # the context's memory, for the next batches
+            elif b:
                 rt.load_state(saved)
             rt.select_rows([0] * len(batch))  # the context's memory and last distribution, in every row
         else:
@@ -150,6 +158,7 @@ def _score_group(rt, group: _Group, chunk: int, max_rows: int, progress, results
         for r, lp in zip(batch, log_probs):
             results[r.item] = _result(rt, r, lp[r.counted_from - shared:], per_token)
         progress(sum(r.ids.size - r.counted_from for r in batch))
+        b += len(batch)
 
 
 def _batch_log_probs(rt, sequences: list, chunk: int, last) -> list:

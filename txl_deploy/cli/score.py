@@ -32,8 +32,8 @@ FORMAT_HELP = ("text: one text a line. jsonl: one JSON object a line, {\"text\":
               "one): no line end (<eos>, <S>) as the start of the line. A text without context then has its first "
               "token neither predicted nor counted.")
 @click.option("--batch-budget", type=click.IntRange(min=1), default=BATCH_BUDGET_BYTES >> 20, show_default=True,
-              metavar="MiB", help="Memory one batch of rows may take: each row's model memory and its log-prob "
-              "chunk. At least one row runs.")
+              metavar="MiB", help="Memory one batch of rows may take: each row's model memory, its log-prob "
+              "chunk and its share of the model's temporaries. At least one row runs.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "executorch", "torch", "torch-fast"]),
               help="[default: by file type]")
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
