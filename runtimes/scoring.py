@@ -5,8 +5,9 @@ The items that share a context (one group) are scored from one reading of it: th
 row, and its memory is forked into a row per hypothesis (`select_rows`); the hypotheses then run as one batch,
 padded at their ends. Rows are independent streams and a position never sees a later one, so padding changes no
 real position's log-prob; the padded positions are not counted. Without `same_length` a token's prediction depends
-on where the segments start (the paper's evaluation cuts fixed segments), so there the shared reading stops at the
-last whole segment of the context and each row re-reads the rest: every result equals `TxlRuntime.score` of
+on where the segments start (the paper's evaluation cuts fixed segments) once the text outgrows the memory, so
+there the shared reading stops at the last whole segment of the context and each row re-reads the rest: every
+result equals `TxlRuntime.score` of
 start + context + text alone, either way. What is counted: docs/scoring.md.
 """
 
@@ -137,7 +138,9 @@ def rows_within(rt, budget: int, q: int) -> int:
 def _score_group(rt, group: _Group, chunk: int, budget: int, progress, results: list, per_token: bool):
     """Feed the group's shared prefix once, fork it into a row per hypothesis, score the hypotheses in batches."""
     prefix = group.prefix
-    shared = prefix.size if rt.config.same_length else prefix.size // chunk * chunk
+    # without same_length, cuts change nothing only while every token so far still fits in the memory
+    cuts_matter = not rt.config.same_length and max(r.ids.size for r in group.rows) > rt.mem_len
+    shared = prefix.size // chunk * chunk if cuts_matter else prefix.size
     rt.reset()
     last = saved = None
     for k in range(0, shared, chunk):  # cut as TxlRuntime.score cuts the text alone

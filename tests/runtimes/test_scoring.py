@@ -98,12 +98,14 @@ def test_a_tiny_budget_cuts_batches_and_changes_nothing(ort_rt, items):
 
 
 def test_without_same_length_the_shared_reading_keeps_the_segments_of_the_text_alone(tiny_ckpt):
-    # without same_length a prediction depends on where segments start: 4-token segments, contexts of 10 and 3
+    # without same_length a prediction depends on where segments start once the text outgrows the memory (12
+    # tokens): 4-token segments; start + context + text of 9 to 20 tokens (a context of 7 is read whole at 12)
     with TxlRuntime.load(tiny_ckpt, backend="torch-fast", same_length=False, max_segment=4, threads=1) as rt:
-        assert not rt.config.same_length
+        assert not rt.config.same_length and rt.mem_len == 12
         rng = np.random.default_rng(11)
         ctx = words(rng, 10)
         items = [ScoreItem(words(rng, n), ctx) for n in (1, 6, 9)] + [ScoreItem(words(rng, 5), "w1 w2 w3")]
+        items += [ScoreItem(words(rng, 5), words(rng, 6), group="fits")]
         for item, got in zip(items, rt.score_texts(items, per_token=True)):
             np.testing.assert_allclose(got["token_log_probs"], alone(rt, item), atol=TOL)
 
