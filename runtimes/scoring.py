@@ -7,8 +7,7 @@ padded at their ends. Rows are independent streams and a position never sees a l
 real position's log-prob; the padded positions are not counted. Without `same_length` a token's prediction depends
 on where the segments start (the paper's evaluation cuts fixed segments) once the text outgrows the memory, so
 there the shared reading stops at the last whole segment of the context and each row re-reads the rest: every
-result equals `TxlRuntime.score` of
-start + context + text alone, either way. What is counted: docs/scoring.md.
+result equals `TxlRuntime.score` of start + context + text alone, either way. What is counted: docs/scoring.md.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from txl_deploy.runtimes.score_input import ScoreItem
 # Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
 SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
 BATCH_BUDGET_BYTES = 1 << 30  # memory of one batch of rows: their state, log-prob chunk and temporaries
-MAX_ROWS = 512  # beyond this a batch gains no speed on a CPU, only padding
+MAX_ROWS = 512  # rows in one batch whatever the budget: a small model's budget would allow thousands
 
 
 def score_chunk(backend, batch: int) -> int:
@@ -60,7 +59,7 @@ def score_texts(rt, items, per_token: bool = False, batch_budget: int = BATCH_BU
 
     Counted: every token of the text, predicted from the context before it, after the vocabulary's line end
     (`<eos>`; One Billion Word: `<S>`) as the start of the line when `start` and the vocabulary has one; else the
-    text's first token has nothing before it and is not counted. `line_end`: score the text as a closed line, its
+    first token of a text without context has nothing before it and is not counted. `line_end`: score the text as a closed line, its
     line end (`<eos>`) counted too. The memory of `rt` is used and left empty (reset).
     batch_budget: bytes a batch may take (each row's memory, its log-prob chunk and its share of the model's
     temporaries, `rows_within`); at least one row runs."""
