@@ -30,11 +30,10 @@ from txl_deploy.runtimes.decoding import sample_full, sample_lazy
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.runtimes.saved_state import read_saved_state, state_members
+from txl_deploy.runtimes.scoring import BATCH_BUDGET_BYTES, score_chunk, score_texts
 from txl_deploy.vocab import CONTINUING
 
 GENERATE_DEFAULTS = dict(max_new_tokens=100, temperature=1.0, top_k=None, top_p=None, seed=None, stop=None)
-# Bound on materialised log-probs per call when scoring (floats), so a 267k-word vocabulary stays in memory.
-SCORE_CHUNK_FLOATS = 32 * 1024 * 1024
 
 
 class TxlRuntime:
@@ -283,19 +282,29 @@ class TxlRuntime:
             if Q < 2:
                 raise InputError("score() needs at least two tokens per row")
             self._ensure_state(B)
-            chunk = max(1, min(self.backend.max_segment, SCORE_CHUNK_FLOATS // (B * self.n_token)))
+            chunk = score_chunk(self.backend, B)
             nll = np.empty((B, Q - 1), dtype=np.float64)
             rows = np.arange(B)[:, None]
             for start in range(0, Q - 1, chunk):
-                seg = tokens[:, start:start + chunk]
+                seg = tokens[:, start:min(start + chunk, Q - 1)]  # the last token is fed below, once
                 q = seg.shape[1]
                 positions = np.ascontiguousarray(np.broadcast_to(np.arange(q, dtype=np.int64), (B, q)))
                 lp = self.backend.run(self._state, seg, positions)
-                targets = tokens[:, start + 1:start + 1 + q]
-                nll[:, start:start + targets.shape[1]] = -lp[rows, np.arange(targets.shape[1])[None], targets]
+                nll[:, start:start + q] = -lp[rows, np.arange(q)[None], tokens[:, start + 1:start + 1 + q]]
             # the last token is fed too, so the memory covers the whole input
             self._last_log_probs = self.backend.run(self._state, tokens[:, Q - 1:], np.zeros((B, 1), np.int64))[:, -1]
             return nll
+
+    def score_texts(self, items, *, per_token: bool = False, batch_budget: int = BATCH_BUDGET_BYTES,
+                    start: bool = True, line_end: bool = False, progress: bool = False) -> list[dict]:
+        """Score many texts at batch speed: for each item (a str, or a `ScoreItem`/dict with `text`, optional
+        `context` and `group`) its total log-prob (nats), counted tokens and perplexity, in input order; a bad item
+        gets {"error": ...}. Items sharing a context (or a group) are scored from one reading of it, forked into a
+        row each. Uses the memory and leaves it empty. Arguments and what is counted: runtimes/scoring.py,
+        docs/scoring.md."""
+        with self._lock:
+            return score_texts(self, items, per_token=per_token, batch_budget=batch_budget, start=start,
+                               line_end=line_end, progress=progress)
 
     # -- state -----------------------------------------------------------------------------------------------
     def select_rows(self, rows):

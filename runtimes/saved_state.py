@@ -117,7 +117,7 @@ def state_bytes(backend, arrays: dict, last_log_probs: np.ndarray | None = None)
 def max_archive_bytes(backend, rows: int = 1) -> int:
     """The largest saved state of `rows` rows for this backend, in bytes: its tensors, its last log-probs and the
     margin for the archive's headers. What a server may accept as one conversation's state."""
-    return rows * _row_bytes(backend) + MARGIN_BYTES
+    return rows * row_bytes(backend) + MARGIN_BYTES
 
 
 def _layout(backend, rows: int) -> dict:
@@ -125,14 +125,14 @@ def _layout(backend, rows: int) -> dict:
             for name, (shape, dtype) in backend.state_layout(rows).items()}
 
 
-def _row_bytes(backend) -> int:
+def row_bytes(backend) -> int:
     """Bytes of one row: its state tensors and its last log-probs."""
     return layout_bytes(_layout(backend, 1)) + backend.config.n_token * 4
 
 
 # -- the archive --------------------------------------------------------------------------------------------------
 def _from_archive(f, size: int, backend, max_rows, where) -> SavedState:
-    row = _row_bytes(backend)
+    row = row_bytes(backend)
     if max_rows is not None:
         max_rows = int(max_rows)
         if size > max_archive_bytes(backend, max_rows):

@@ -23,9 +23,6 @@ BASE_EXPORT = 400_000_000
 BASE_RUNTIME = 120_000_000
 # torch.export and the ONNX translation hold about this fraction of the weights while tracing (measured 0.56).
 TRACE_FRACTION = 0.6
-# Activations of one call: this many fp32 tensors of the attention-score size [B, H, Q, Q + S] are alive at once
-# (scores, masks, the gathered positional terms and their int64 indices, exp); measured 1.08 GB at B 2, Q 512, S 1600.
-SCORE_TENSORS = 10
 # An output layer over P positions holds its log-probs twice (the cluster pieces and their concatenation), and the
 # heap keeps some of what earlier calls freed: the large shape's verification measured 4.54 GB, estimated 4.57 GB.
 LOG_PROB_COPIES = 2.6
@@ -82,12 +79,6 @@ def loaded_weight_bytes(loaded) -> int:
     return 4 * sum(int(t.numel()) for t in loaded.state_dict.values() if t.is_floating_point())
 
 
-def _activations(cfg, batch: int, q: int, slots: int) -> int:
-    scores = batch * cfg.n_head * q * (q + slots) * 4
-    ff = batch * q * (cfg.d_inner + 4 * cfg.d_model) * 4
-    return SCORE_TENSORS * scores + ff
-
-
 def runtime_peak(cfg, weight_bytes: int, mem_len: int, max_segment: int, batch: int = 1,
                  precision: str = "fp32") -> Estimate:
     """TxlRuntime on ONNX Runtime (CPU): weights once (prepacked), the state, and a prefill piece's temporaries
@@ -95,7 +86,7 @@ def runtime_peak(cfg, weight_bytes: int, mem_len: int, max_segment: int, batch: 
     q = min(max_segment, 512)
     return Estimate("runtime peak", {
         "weights": weight_bytes, "state": state_bytes(cfg, mem_len, batch, precision),
-        "temporaries": _activations(cfg, batch, q, mem_len), "process": BASE_RUNTIME})
+        "temporaries": cfg.activation_bytes(batch, q, mem_len), "process": BASE_RUNTIME})
 
 
 def export_peaks(cfg, weight_bytes: int, mem_len: int, max_segment: int) -> dict[str, Estimate]:
@@ -111,14 +102,14 @@ def export_peaks(cfg, weight_bytes: int, mem_len: int, max_segment: int) -> dict
     batch = 2
     reference = Estimate("reference pass", {
         "weights": weight_bytes, "memory": batch * cfg.memory_bytes_per_stream(mem_len)["hidden"],
-        "temporaries": _activations(cfg, batch, q, q + mem_len), "process": BASE_EXPORT})
+        "temporaries": cfg.activation_bytes(batch, q, q + mem_len), "process": BASE_EXPORT})
     # One runtime call returns at most log_prob_budget's bytes; bigger segments run in blocks of
     # positions, the same call repeated without advancing the memory (exporters.verify.PositionBlocks).
     log_probs = batch * q * cfg.n_token * 4
     per_call = min(log_probs, log_prob_budget(weight_bytes))
     session = Estimate("ONNX Runtime pass", {
         "weights": weight_bytes, "output layer copy": output_layer_bytes(cfg),
-        "state": state_bytes(cfg, mem_len, batch), "temporaries": _activations(cfg, batch, q, mem_len),
+        "state": state_bytes(cfg, mem_len, batch), "temporaries": cfg.activation_bytes(batch, q, mem_len),
         "log-probs": LOG_PROB_COPIES * per_call, "process": BASE_EXPORT})
     verified = max((write, reference, session), key=lambda e: e.total)
     return {"no_verify": write, "verify": Estimate(f"export (peak in the {verified.what})", dict(verified.terms))}

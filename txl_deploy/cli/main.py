@@ -23,6 +23,7 @@ from txl_deploy.cli import (
     generate,
     info,
     midi,
+    score,
     serve,
     serve_client,
     triton_repo,
@@ -33,7 +34,7 @@ from txl_deploy.cli import (
 from txl_deploy.cli.output import command_output
 from txl_deploy.errors import TxlError, missing_package_hint
 
-COMMAND_MODULES = (convert, info, export, verify, generate, midi, evaluate, bench, build_engine, triton_repo,
+COMMAND_MODULES = (convert, info, export, verify, generate, midi, evaluate, score, bench, build_engine, triton_repo,
                    triton_server, serve, serve_client, web_demo, demo)
 
 
