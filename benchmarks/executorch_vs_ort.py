@@ -18,6 +18,7 @@ from benchmarks import harness
 from benchmarks.harness import CACHE
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.benchmark import machine_info, versions, versions_text
+from txl_deploy.bench.peak_usage import proc_status, rss_bytes
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
@@ -120,14 +121,14 @@ def child_memory(path: str, threads) -> dict:
         from executorch.runtime import Runtime  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
-    base = harness.process_memory()["VmRSS"]
+    base = rss_bytes()
     rt = TxlRuntime.load(path, threads=int(threads))
-    loaded = harness.process_memory()["VmRSS"]
+    loaded = rss_bytes()
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
-    status = harness.process_memory()
+    status = proc_status("VmRSS", "VmHWM")
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 

@@ -170,17 +170,6 @@ def stop_on_sigterm():
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def process_memory() -> dict:
-    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def in_fresh_process(name: str, *args):
     """`python -m benchmarks.NAME --child ARGS` in a fresh interpreter (what it measures of its memory is its own):
     the result it prints as JSON on its last line (`child_main`)."""
