@@ -67,6 +67,20 @@ class Backend(abc.ABC):
     def reset_rows(self, state, rows: np.ndarray):
         """Empty the memory of these rows only."""
 
+    def select_rows(self, state, index: np.ndarray):
+        """A state whose row r is `state`'s row index[r] (index: valid row numbers [N], repeats allowed): a fork
+        copies one row's memory into several, a beam search reorders its rows. `state` may be reused (in place
+        where N is its batch) and must not be used after. This default goes through the host arrays."""
+        arrays = self.state_arrays(state)
+        return self.state_from_arrays({k: v[index] for k, v in arrays.items()}, copy=False)
+
+    def copy_rows(self, state, src: np.ndarray, dst: np.ndarray):
+        """Rows dst[i] of `state` take what rows src[i] hold (dst distinct; the other rows keep theirs), in place:
+        a server forks a session into free rows of its pool. Returns the state (this default selects every row)."""
+        index = np.arange(self.state_batch(state))
+        index[dst] = src
+        return self.select_rows(state, index)
+
     @abc.abstractmethod
     def state_arrays(self, state) -> dict[str, np.ndarray]:
         """The state as host numpy arrays (for save_state)."""

@@ -58,6 +58,23 @@ class HostRingBackend(Backend):
             a[rows] = 0  # count 0 masks every slot; zeroed buffers keep 0 * stale-inf from turning into NaN
         state[io_spec.MEM_COUNT][rows] = initial_mem_count(self.config, self.mem_len)  # REMI: attended zeros
 
+    def select_rows(self, state, index):
+        if len(index) == self.state_batch(state):  # a reorder: the same buffers, rewritten in place
+            for a in state.values():
+                a[:] = a[self._index(index)]  # gathered into a temporary first, so rows may swap
+            return state
+        self._check_batch(len(index))
+        return {k: a[self._index(index)] for k, a in state.items()}  # new buffers of the new batch
+
+    def copy_rows(self, state, src, dst):
+        for a in state.values():
+            a[self._index(dst)] = a[self._index(src)]  # only these rows move; src is gathered before dst is written
+        return state
+
+    def _index(self, index: np.ndarray):
+        """Row numbers as the state's arrays take them."""
+        return index
+
     def _adopt(self, arrays: dict):
         """The state holding these checked host arrays (they are the backend's to keep)."""
         return arrays

@@ -25,7 +25,7 @@ from txl_deploy.files import atomic_path
 from txl_deploy.music.grammar import constraint
 from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
-from txl_deploy.runtimes.lazy_decode import decide, full_log_probs
+from txl_deploy.runtimes.decoding import sample_full, sample_lazy
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
 from txl_deploy.runtimes.saved_state import read_saved_state, state_members
@@ -249,14 +249,8 @@ class TxlRuntime:
                 return
             if self._state is None:
                 raise InputError("reset(rows) needs a running batch; call step() first or reset() without rows")
-            batch = self.backend.state_batch(self._state)
-            idx = np.atleast_1d(np.asarray(rows))
-            if not np.issubdtype(idx.dtype, np.integer) or idx.ndim != 1:
-                raise InputError(f"rows must be a list of row indices, got {rows!r}")
-            if idx.size and (idx.min() < 0 or idx.max() >= batch):
-                raise InputError(f"row {int(idx.max() if idx.max() >= batch else idx.min())} is outside the batch "
-                                 f"[0, {batch})")
-            self.backend.reset_rows(self._state, idx.astype(np.int64))
+            idx = self._row_index(rows, "rows")
+            self.backend.reset_rows(self._state, idx)
             if self._last_log_probs is not None:
                 self._last_log_probs = self._last_log_probs.copy()
                 self._last_log_probs[idx] = np.nan  # no prediction for a fresh row until it is fed
@@ -303,6 +297,42 @@ class TxlRuntime:
             return nll
 
     # -- state -----------------------------------------------------------------------------------------------
+    def select_rows(self, rows):
+        """Make row r of the memory (and of the last distribution) what row rows[r] holds now, for every r: the
+        batch becomes len(rows). Forks a prefix read once into several streams (`select_rows([0] * n)`) and
+        reorders beams; each row is a copy, and writing one never changes another."""
+        with self._lock:
+            index = self._row_index(rows, "rows")
+            if not index.size:
+                raise InputError("select_rows() needs at least one row")
+            self._state = self.backend.select_rows(self._state, index)
+            if self._last_log_probs is not None:
+                self._last_log_probs = self._last_log_probs[index]
+
+    def copy_rows(self, src, dst):
+        """Copy the memory (and last distribution) of rows `src` into rows `dst` (lists of equal length; a row may
+        be copied to several); the other rows keep theirs."""
+        with self._lock:
+            src, dst = self._row_index(src, "src"), self._row_index(dst, "dst")
+            if src.shape != dst.shape or len(set(dst.tolist())) != dst.size:
+                raise InputError("copy_rows() needs src and dst of equal length, each dst row named once")
+            self._state = self.backend.copy_rows(self._state, src, dst)
+            if self._last_log_probs is not None:
+                self._last_log_probs = self._last_log_probs.copy()
+                self._last_log_probs[dst] = self._last_log_probs[src]
+
+    def _row_index(self, rows, what: str) -> np.ndarray:
+        if self._state is None:
+            raise InputError(f"there is no memory to take {what} from yet: call step() first")
+        batch = self.backend.state_batch(self._state)
+        idx = np.atleast_1d(np.asarray(rows))
+        if idx.ndim != 1 or not (idx.size == 0 or np.issubdtype(idx.dtype, np.integer)):
+            raise InputError(f"{what} must be a list of row indices, got {str(rows)[:60]}")
+        if idx.size and (idx.min() < 0 or idx.max() >= batch):
+            bad = int(idx.max() if idx.max() >= batch else idx.min())
+            raise InputError(f"row {bad} is outside the batch [0, {batch})")
+        return idx.astype(np.int64)
+
     def save_state(self, path=None) -> dict:
         """The memory as plain numpy arrays (with the model's fingerprint), to park a conversation and resume it.
 
@@ -416,8 +446,8 @@ class TxlRuntime:
         sampler = Sampler(params, self.n_token, context=context, vocab=self.vocab, clusters=Clusters.of(self.config),
                           constraint=None if grammar is None else constraint(grammar, self.vocab, context))
         if self.lazy and self.backend.clusters is not None:
-            return self._generate_lazy(ids, sampler)
-        return self._generate(ids, sampler)
+            return sample_lazy(self, ids, sampler)
+        return sample_full(self, ids, sampler)
 
     def _check_can_continue(self):
         if self._last_log_probs is None or self.batch_size is None:
@@ -427,74 +457,3 @@ class TxlRuntime:
                              "and feed a single row")
         if np.isnan(self._last_log_probs[0]).any():
             raise InputError("generate() needs a prompt (this stream was reset since its last call)")
-
-    def _generate_lazy(self, ids, sampler: Sampler) -> Iterator[int]:
-        """`_generate` through the softmax's parts: each fed token computes the head, and a decision computes only
-        the tails its sampler asks for (runtimes/lazy_decode.py). While suspended between tokens the runtime has
-        no full distribution of the next token (`_last_log_probs` is a NaN row, which generate() without a prompt
-        refuses); when the generator ends or is dropped it is assembled from the head and every tail, once."""
-        pending = np.full((1, self.n_token), np.nan, dtype=np.float32)
-        last = None
-        try:
-            with self._lock:
-                if ids is not None:
-                    last = self._feed_head(ids)
-                else:
-                    self._check_can_continue()
-                    log_probs = self._last_log_probs[0]
-            for _ in range(sampler.params.max_tokens):
-                if last is None:
-                    tok, revealed = sampler.choose(log_probs), ()  # continuing a full distribution left by a call
-                else:
-                    choice = decide(self.backend, [sampler], *last).choices[0]
-                    tok, revealed = int(choice.token), choice.revealed
-                self._count_decision(revealed)
-                yield tok  # no lock held here
-                if tok in sampler.params.stop_token_ids:
-                    return
-                with self._lock:  # one locked step, fed when the next token is asked for (the last one too)
-                    last = self._feed_head(self._check_tokens(np.array([[tok]], dtype=np.int64)))
-                    self._last_log_probs = pending
-        finally:
-            with self._lock:
-                if last is not None and (self._last_log_probs is pending or ids is not None and
-                                         self._last_log_probs is None):
-                    self._last_log_probs = full_log_probs(self.backend, *last)
-
-    def _feed_head(self, tokens: np.ndarray):
-        """Feed tokens [B, Q] (checked) and return run_head's outputs at the last position: (hidden [B, d_model],
-        head [B, H]). Segments before the last run the full path at their last position only."""
-        B, Q = tokens.shape
-        self._ensure_state(B)
-        step = self.backend.max_segment
-        starts = list(range(0, Q, step))
-        self._last_log_probs = None
-        for start in starts[:-1]:
-            seg = tokens[:, start:start + step]
-            self.backend.run(self._state, seg, np.full((B, 1), seg.shape[1] - 1, dtype=np.int64))
-        seg = tokens[:, starts[-1]:]
-        hidden, head = self.backend.run_head(self._state, seg, np.full((B, 1), seg.shape[1] - 1, dtype=np.int64))
-        return hidden[:, -1], head[:, -1]
-
-    def _count_decision(self, revealed):
-        stats = self.tail_stats
-        stats["decisions"] += 1
-        for i in set(revealed):
-            stats["tails"][i - 1] += 1
-
-    def _generate(self, ids, sampler: Sampler) -> Iterator[int]:
-        with self._lock:
-            # Checked again: another caller may have changed the memory since generate() was called.
-            if ids is not None:
-                log_probs = self.prefill(ids)[0]
-            else:
-                self._check_can_continue()
-                log_probs = self._last_log_probs[0]
-        for _ in range(sampler.params.max_tokens):
-            tok = sampler.choose(log_probs)
-            yield tok  # no lock held here
-            if tok in sampler.params.stop_token_ids:
-                return
-            # Fed when the next token is asked for (the last one too), so the memory holds the generated text.
-            log_probs = self.prefill(np.array([[tok]], dtype=np.int64))[0]  # one locked step
-

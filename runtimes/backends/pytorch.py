@@ -180,6 +180,12 @@ class TorchEagerBackend(_TorchBase):
 
             state["batched"] = [torch.cat([r[i] for r in state["rows"]]) for i in range(self.config.n_layer)]
 
+    def select_rows(self, state, index):
+        rows = self._rows(state)  # hidden states are replaced, never written in place: rows may share them
+        state = {"rows": [rows[int(r)] for r in index], "batched": None}
+        self.reset_rows(state, [])  # batches the rows again where their lengths agree
+        return state
+
     def state_arrays(self, state):
         rows = self._rows(state)
         B, M, D = len(rows), self.mem_len, self.config.d_model
@@ -302,6 +308,9 @@ class TorchCachedBackend(HostRingBackend, _TorchBase):
 
     def reset_rows(self, state, rows):
         super().reset_rows(state, self._tensor(np.asarray(rows, dtype=np.int64)))
+
+    def _index(self, index):
+        return self._tensor(np.asarray(index, dtype=np.int64))
 
     def _adopt(self, arrays):
         return {k: self._tensor(v, copy=False) for k, v in arrays.items()}  # the arrays are ours already

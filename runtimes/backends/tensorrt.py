@@ -220,6 +220,25 @@ class TensorRTBackend(Backend):
         self._sync()
         del keep
 
+    def select_rows(self, state, index):
+        # Device-to-device row copies into the spare buffer set (a reorder, then flip to it) or a new state's.
+        same = len(index) == state.batch
+        if not same:
+            self._check_batch(len(index))
+        target = state if same else _TrtState(self, len(index))
+        dst_set = state.nxt if same else target.cur
+        for name in self.state_names:
+            row = self.state_nbytes(name, 1)
+            src, dst = state.cur[name].ptr, dst_set[name].ptr
+            for r, i in enumerate(index):
+                _ok(self.cudart.cudaMemcpyAsync(dst + r * row, src + int(i) * row, row,
+                                                self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream),
+                    "cudaMemcpyAsync")
+        self._sync()
+        if same:
+            state.parity = 1 - state.parity  # each parity's captured decode graph reads the set it names
+        return target
+
     def _upload_initial_counts(self, state, rows) -> list:
         """A fresh row's mem_count where it is not 0 (REMI's attended zero memory: mem_len); the zeroed rings are
         its keys and values. Returns the host arrays to keep alive until the stream is synchronised."""
