@@ -1,10 +1,5 @@
 """Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins),
-each in a fresh process (this file with --child). Method and targets: docs/benchmarks.md ("Memory").
-
-    python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
-    python -m benchmarks.peak_ram --shape enwik8-large --formats ours
-    python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
-"""
+each in a fresh process (this file with --child). Runs, method and targets: docs/benchmarks.md ("Memory")."""
 
 from __future__ import annotations
 
