@@ -25,6 +25,7 @@ from txl_deploy.files import atomic_path
 from txl_deploy.music.grammar import constraint
 from txl_deploy.runtimes.arguments import whole
 from txl_deploy.runtimes.backend import Backend
+from txl_deploy.runtimes.beam_search import Beam, BeamParams, run_beam_search
 from txl_deploy.runtimes.decoding import sample_full, sample_lazy
 from txl_deploy.runtimes.registry import open_backend
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, generation_params
@@ -426,15 +427,7 @@ class TxlRuntime:
                      stop=stop)
         params = generation_params("TxlRuntime.generate()", params, given, GENERATE_DEFAULTS, controls)
         params.check_vocabulary(self.n_token)
-        ids = None
-        if prompt is not None:
-            ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
-            if ids.ndim == 2 and ids.shape[0] != 1:
-                raise InputError(f"generate() runs one stream, but the prompt has {ids.shape[0]} rows; pass one "
-                                 "row (for several streams, use step()/prefill() with batch rows)")
-            if ids.ndim not in (1, 2):
-                raise InputError(f"the prompt must be text or token ids [Q] or [1, Q], got shape {ids.shape}")
-            ids = ids.reshape(1, -1) if ids.size else None
+        ids = self._prompt_row(prompt, "generate()")
         with self._lock:
             if ids is not None:
                 ids = self._check_tokens(ids)  # ids in the vocabulary; one row needs a memory of one row
@@ -448,6 +441,39 @@ class TxlRuntime:
         if self.lazy and self.backend.clusters is not None:
             return sample_lazy(self, ids, sampler)
         return sample_full(self, ids, sampler)
+
+    def _prompt_row(self, prompt, what: str) -> np.ndarray | None:
+        """A prompt (text or ids [Q] or [1, Q]) as ids [1, Q], unchecked against the vocabulary; None (also for an
+        empty prompt): continue from the last call."""
+        if prompt is None:
+            return None
+        ids = self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt)
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            raise InputError(f"{what} runs one stream, but the prompt has {ids.shape[0]} rows; pass one "
+                             "row (for several streams, use step()/prefill() with batch rows)")
+        if ids.ndim not in (1, 2):
+            raise InputError(f"the prompt must be text or token ids [Q] or [1, Q], got shape {ids.shape}")
+        return ids.reshape(1, -1) if ids.size else None
+
+    def beam_search(self, prompt=None, num_beams: int = 4, max_new_tokens: int = 100, *, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, num_return_sequences: int = 1, stop=None) -> list[Beam]:
+        """The num_return_sequences best hypotheses of a beam search, best first: `Beam(tokens, score)` with the
+        generated ids (a stop id that ended one is its last) and `sum log p / len(tokens) ** length_penalty`.
+
+        Decodes as HuggingFace's `generate(num_beams=..., do_sample=False)` with the same arguments (stop: its
+        eos_token_id, ids that end a hypothesis; early_stopping True, False or "never"); docs/beam_search.md. The
+        beams are num_beams rows of the memory, reordered in place each step. The prompt (text or ids; None
+        continues from the last call) is read once, and the stream is left holding it, one row, as if no beam had
+        been decoded: feed the chosen beam's tokens to go on with it. Arguments are checked before anything is fed."""
+        params = BeamParams.checked(self.n_token, num_beams, max_new_tokens, length_penalty, early_stopping,
+                                    num_return_sequences, stop)
+        ids = self._prompt_row(prompt, "beam_search()")
+        with self._lock:
+            if ids is not None:
+                ids = self._check_tokens(ids)
+            else:
+                self._check_can_continue()
+            return run_beam_search(self, ids, params)
 
     def _check_can_continue(self):
         if self._last_log_probs is None or self.batch_size is None:
