@@ -142,7 +142,8 @@ def measure(args) -> dict:
                 continue
             for verify in (True, False):
                 print(f"export {fmt} verify={verify} ...", flush=True)
-                r = harness.in_fresh_process("peak_ram", "export", src, onnx_path, int(verify), work / "vocab.json" if fmt == "model.pt" else "")
+                r = harness.in_fresh_process("peak_ram", "export", src, onnx_path, int(verify),
+                                             work / "vocab.json" if fmt == "model.pt" else "")
                 r.update(format=fmt, verify=verify, checkpoint_bytes=checkpoint_bytes(src),
                          estimate=export_est["verify" if verify else "no_verify"].total)
                 raw["export"].append(r)
@@ -236,7 +237,8 @@ def render_runtime(raw: dict) -> str:
                         "decode p50", f"prefill of {raw['mem_len']}"],
                        [[r["label"], r["sessions"], fb(loaded), f"{loaded / weights:.2f}x", fb(peak),
                          f"{peak / weights:.2f}x", f"{r['decode_ms']:.1f} ms", f"{r['prefill_s']:.2f} s"]
-                        for r in raw["runtime"] for loaded, peak in [(r["loaded"] - r["base"], r["peak"] - r["base"])]]),
+                        for r in raw["runtime"]
+                        for loaded, peak in [(r["loaded"] - r["base"], r["peak"] - r["base"])]]),
         "",
         "How the pool holds each weight once, and what the peak over the loaded level is: docs/benchmarks.md "
         "(\"Memory\"). Decode and prefill times are single runs: see results_efficiency.md for interleaved ones.",

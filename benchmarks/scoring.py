@@ -25,6 +25,8 @@ from txl_deploy.runtimes.backends.onnxruntime import OrtBackend
 SEGMENT = 64  # every side reads a text in segments of this many tokens (the demo model's training length)
 SIDES = {"onnxruntime": "ONNX Runtime", "eager": "PyTorch eager", "transformers": "HuggingFace TransfoXL (mems)",
          "floor": "matmul floor"}
+BEAM_SIDES = {"txl-deploy": "`TxlRuntime.beam_search` (ONNX Runtime)",
+              "transformers": "HuggingFace `generate(num_beams, do_sample=False)`"}
 TITLE = "Scoring, rescoring and beam search"
 BEAM_PROMPT = 32  # tokens of the context that beam search starts from
 QUICK = {"batch": [1, 2], "length": 80, "rounds": 1, "context": 40, "hypotheses": 3, "hypothesis_len": 5,
@@ -93,9 +95,8 @@ def reread(rt, context, hypotheses):
 
 
 def beam_sides(rt, hf, prompt, num_beams: int, tokens: int) -> dict:
-    """`tokens` steps of beam search from `prompt`, both sides from HuggingFace's first memory (zero vectors):
-    `TxlRuntime.beam_search` and HuggingFace's `generate(num_beams=..., do_sample=False)`, each giving its best
-    hypothesis."""
+    """`tokens` steps of `TxlRuntime.beam_search` and of HuggingFace's `generate(num_beams, do_sample=False)` from
+    `prompt` and HuggingFace's first memory (zero vectors); each side gives its best hypothesis."""
     import torch  # optional (the torch extra): HuggingFace's side is a PyTorch model
 
     def ours():
@@ -167,9 +168,8 @@ def measure(args, command):
         rt.close()
     model = Path(args.model).name if Path(args.model).exists() else args.model
     raw = {"command": command, "load_start": load_start, "load_end": harness.load_average(), "model": model,
-           "config": cfg.to_dict(), "segment": SEGMENT, "threads": args.threads, "rounds": args.rounds,
-           "length": args.length, "context": args.context, "hypotheses": args.hypotheses,
-           "hypothesis_len": args.hypothesis_len, "throughput": throughput, "rescoring": rescoring, "beam": beam}
+           "config": cfg.to_dict(), "segment": SEGMENT, "throughput": throughput, "rescoring": rescoring, "beam": beam,
+           **{k: getattr(args, k) for k in ("threads", "rounds", "length", "context", "hypotheses", "hypothesis_len")}}
     return harness.results_markdown(TITLE, markdown(raw), command), raw, 0
 
 
@@ -200,10 +200,8 @@ def markdown(raw: dict) -> str:
         f"scores differ by at most {r['max_abs_nll_diff']:.1e} nats.",
         "", f"## Beam search, k = {beam['num_beams']}: {beam['tokens']} tokens from a {beam['prompt']}-token prompt",
         "", *harness.table(["path", "tokens/s", "ms per token"],
-                           [[name, f"{beam['tokens'] / harness.median(s):.1f}",
-                             f"{1e3 * harness.median(s) / beam['tokens']:.1f}"] for name, s in (
-                               ("`TxlRuntime.beam_search` (ONNX Runtime)", beam["seconds"]["txl-deploy"]),
-                               ("HuggingFace `generate(num_beams, do_sample=False)`", beam["seconds"]["transformers"]))],
+                           [[BEAM_SIDES[name], f"{beam['tokens'] / harness.median(s):.1f}",
+                             f"{1e3 * harness.median(s) / beam['tokens']:.1f}"] for name, s in beam["seconds"].items()],
                            numeric_from=1),
         "", f"txl-deploy is **{beam['speedup']:.1f}x** faster; both sides return the same best hypothesis: "
         f"{'yes' if beam['same_best'] else 'NO'}."]
