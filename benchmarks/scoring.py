@@ -14,6 +14,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.peer_huggingface import HuggingFaceBackend, transformers_on_current_torch, with_generate
 from txl_deploy.assets import DEMO_DIR
+from txl_deploy.bench.bandwidth_floor import blas_threads
 from txl_deploy.bench.eager_baseline import EagerAtPositions
 from txl_deploy.bench.random_weights import standin_onnx
 from txl_deploy.bench.runners import torch_threads
@@ -54,14 +55,12 @@ def matmul_shapes(cfg, batch: int, length: int, segment: int) -> list[tuple[int,
 
 def matmul_floor(shapes, threads: int):
     """(FLOPs, a side running every product of `shapes` in numpy, float32, on `threads` BLAS threads)."""
-    from threadpoolctl import threadpool_limits  # optional (the bench extra)
-
     rng = np.random.default_rng(0)
     operands = {s: (rng.standard_normal(s[:3], np.float32), rng.standard_normal((s[0], s[2], s[3]), np.float32))
                 for s in set(shapes)}
 
     def run():
-        with threadpool_limits(limits=threads, user_api="blas"):
+        with blas_threads(threads):
             for s in shapes:
                 np.matmul(*operands[s])
     return sum(2 * s * m * k * n for s, m, k, n in shapes), run

@@ -34,7 +34,7 @@ class BandwidthProbe:
         self.repeats = repeats
 
     def __call__(self) -> Bandwidth:
-        with _one_blas_thread():
+        with blas_threads(1):
             return self._measure()
 
     def _measure(self) -> Bandwidth:
@@ -52,14 +52,14 @@ class BandwidthProbe:
                          read_cpu=self.src.nbytes / max(read_cpu, 1e-9), copy_cpu=2 * self.src.nbytes / max(copy_cpu, 1e-9))
 
 
-def _one_blas_thread():
-    """numpy's BLAS on one thread: OpenBLAS would split the read's dot product over every core."""
+def blas_threads(n: int):
+    """numpy's BLAS on `n` threads (OpenBLAS would split the read's dot product over every core)."""
     try:
         from threadpoolctl import threadpool_limits  # optional (the bench extra)
     except ImportError:
-        logger.warning("threadpoolctl is not installed: the plain read may run on several BLAS threads")
+        logger.warning("threadpoolctl is not installed: numpy's products may run on several BLAS threads")
         return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
