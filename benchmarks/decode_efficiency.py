@@ -58,20 +58,12 @@ def profile(path, rt, threads: int) -> dict:
 def option_sides(path, rt) -> dict:
     """{label: (what it does, a callable running one decode step)}: sessions of the graph at `path` from the memory
     `rt` holds (kept fixed: every side reads the same full memory), one intra-op thread each."""
-    import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
-
     state = {k: v for k, v in rt.save_state().items() if not k.startswith("__")}
     outputs = rt.backend.output_names
     rng = np.random.default_rng(2)
 
-    def plain(config: dict, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads, opts.inter_op_num_threads = 1, 1
-        opts.graph_optimization_level = level
-        opts.enable_cpu_mem_arena = False
-        for key, value in config.items():
-            opts.add_session_config_entry(key, value)
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    def plain(config: dict, basic: bool = False):
+        return harness.ort_session(path, 1, arena=False, basic=basic, config=config)
 
     def run_step(session):
         def step():
@@ -87,8 +79,7 @@ def option_sides(path, rt) -> dict:
         "no prepacking": ("the same with session.disable_prepacking = 1, run()",
                           run_step(plain({"session.disable_prepacking": "1"}))),
         "basic optimisations": ("no prepacking, graph optimisation level BASIC instead of ALL, run()",
-                                run_step(plain({"session.disable_prepacking": "1"},
-                                               ort.GraphOptimizationLevel.ORT_ENABLE_BASIC))),
+                                run_step(plain({"session.disable_prepacking": "1"}, basic=True))),
         "txl-deploy backend": ("OrtBackend.run as TxlRuntime calls it: no prepacking, weights from the shared pool, "
                                "the segment's keys and values written into the ring",
                                lambda: ours.run(ours_state, rng.integers(0, rt.n_token, size=(1, 1)),

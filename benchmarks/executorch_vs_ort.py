@@ -16,13 +16,16 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.harness import CACHE
+from benchmarks.int4 import int4_graph
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.benchmark import machine_info, versions, versions_text
+from txl_deploy.bench.peak_usage import proc_status, rss_bytes
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.pte_file import read_pte_info
 from txl_deploy.errors import InputError
 from txl_deploy.exporters.onnx.ram import format_bytes as fb
 from txl_deploy.exporters.onnx.ram import state_bytes as ram_state_bytes
+from txl_deploy.exporters.precision.int4 import INT4_DEFAULT_BLOCK
 from txl_deploy.runtimes import TxlRuntime
 
 MAX_SEGMENT = 128  # the programs' and graphs' longest segment: the prefill size must fit in one call
@@ -48,18 +51,6 @@ def pte_export(checkpoint: Path, name: str, precision: str, mem_len: int, eval_t
     return out
 
 
-def onnx_exports(checkpoint: Path, name: str, mem_len: int, eval_text=None) -> tuple[Path, Path]:
-    """The fp32 .onnx (incremental layout) and its int4 conversion (the export default block size)."""
-    from txl_deploy.exporters.precision import convert, folding, int4
-
-    fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
-    out = fp32.with_name(fp32.stem + f"-int4-{harness.code_key(convert, folding, int4)}.onnx")
-    if not out.exists():
-        convert.reduce_onnx(fp32, out, precision="int4", eval_data=eval_text, verify=eval_text is not None,
-                            force=True)
-    return fp32, out
-
-
 def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
     """{file label: path} of one shape, and the mem_len its files were exported with."""
     if shape == "demo":
@@ -68,7 +59,8 @@ def shape_files(shape: str, mem_len: int) -> tuple[dict, int]:
     else:
         checkpoint, eval_text = standin_checkpoint(shape, CACHE), None
     name = "kjv-char" if shape == "demo" else shape
-    fp32, int4 = onnx_exports(checkpoint, name, mem_len, eval_text)
+    fp32 = standin_onnx(checkpoint, CACHE, mem_len, max_segment=MAX_SEGMENT)
+    int4 = int4_graph(fp32, INT4_DEFAULT_BLOCK, eval_data=eval_text, verify=eval_text is not None)[0]
     return {"ExecuTorch fp32": pte_export(checkpoint, name, "fp32", mem_len),
             "ExecuTorch int4 (8da4w)": pte_export(checkpoint, name, "int4", mem_len, eval_text),
             "ONNX Runtime fp32": fp32, "ONNX Runtime int4": int4}, mem_len
@@ -120,14 +112,14 @@ def child_memory(path: str, threads) -> dict:
         from executorch.runtime import Runtime  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
-    base = harness.process_memory()["VmRSS"]
+    base = rss_bytes()
     rt = TxlRuntime.load(path, threads=int(threads))
-    loaded = harness.process_memory()["VmRSS"]
+    loaded = rss_bytes()
     rng = np.random.default_rng(0)
     rt.prefill(rng.integers(0, rt.n_token, size=(1, rt.mem_len)))
     for tok in rng.integers(0, rt.n_token, size=RSS_DECODE_STEPS):
         rt.step([[int(tok)]])
-    status = harness.process_memory()
+    status = proc_status("VmRSS", "VmHWM")
     return {"peak": status["VmHWM"], "base": base, "loaded": loaded, "rss": status["VmRSS"]}
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from txl_deploy.bench.benchmark import machine_info, versions, versions_text
 from txl_deploy.bench.runners import resolve
+from txl_deploy.bench.timing import interleaved  # noqa: F401  (every benchmark takes turns through it)
 from txl_deploy.errors import InputError, TxlError
 from txl_deploy.files import atomic_path
 
@@ -52,16 +53,6 @@ def seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(sides: dict, rounds: int) -> dict:
-    """{name: [side(r) for each round r]}, the sides taking turns, the order reversed every other round (A B C,
-    C B A, ...) so that a change in the machine's other load hits every side alike."""
-    names, out = list(sides), {name: [] for name in sides}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            out[name].append(sides[name](r))
-    return out
-
-
 def table(head, rows, numeric_from: int | None = None) -> list[str]:
     """A Markdown table's lines (cells already formatted); columns from `numeric_from` on right-aligned."""
     align = ["---:" if numeric_from is not None and i >= numeric_from else "---" for i in range(len(head))]
@@ -87,6 +78,24 @@ def decode_step(rt, rng):
     """A callable running one decode step of `rt` (batch 1) with its memory full (`fill_memories`)."""
     tokens = iter(fill_memories({"": rt}, 100_000, rng)[0].tolist())
     return lambda: rt.step([[next(tokens)]])
+
+
+def ort_session(model, threads: int | None, *, arena: bool = True, basic: bool = False, config: dict | None = None):
+    """A CPU ONNX Runtime session of `model` (a path, or a model's bytes): `threads` intra-op threads and one inter-op
+    thread (None: ONNX Runtime's defaults), all graph optimisations (BASIC with `basic`), its CPU arena unless
+    `arena` is False, and `config`'s session entries."""
+    import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
+
+    opts = ort.SessionOptions()
+    levels = ort.GraphOptimizationLevel
+    opts.graph_optimization_level = levels.ORT_ENABLE_BASIC if basic else levels.ORT_ENABLE_ALL
+    opts.log_severity_level, opts.enable_cpu_mem_arena = 3, arena
+    if threads:
+        opts.intra_op_num_threads, opts.inter_op_num_threads = int(threads), 1
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
+                                providers=["CPUExecutionProvider"])
 
 
 def targets_table(targets) -> list[str]:
@@ -168,17 +177,6 @@ def stop_on_sigterm():
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
-
-
-def process_memory() -> dict:
-    """This process's resident set now (VmRSS) and its high-water mark (VmHWM), in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def in_fresh_process(name: str, *args):

@@ -15,6 +15,7 @@ from benchmarks import harness
 from benchmarks.step_bytes import graph_step_bytes
 from txl_deploy.assets import DEMO_DIR
 from txl_deploy.bench.op_profile import profile_decode, profile_table
+from txl_deploy.bench.peak_usage import rss_bytes
 from txl_deploy.bench.random_weights import standin_checkpoint, standin_onnx
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.exporters.onnx.export import export_onnx
@@ -56,9 +57,9 @@ def wt103_paths(block: int, work: Path) -> dict:
 
 def child_resident(path: str, threads: str, prepack: str) -> int:
     """In a fresh process: what loading the graph and one decode step add to its resident set."""
-    before = harness.process_memory()["VmRSS"]
+    before = rss_bytes()
     open_runtime(path, int(threads), prepack == "1").step(np.zeros((1, 1), dtype=np.int64))
-    return harness.process_memory()["VmRSS"] - before
+    return rss_bytes() - before
 
 
 def open_runtime(path, threads: int, prepack: bool = False, lazy: bool = True):

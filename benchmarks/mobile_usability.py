@@ -84,20 +84,18 @@ def cov(d) -> str:
 
 
 def report(results: dict, command: str) -> str:
+    rows = []
+    for name, graph in results["graphs"].items():
+        fixed_graph = graph["fixed_decode_shapes"]
+        rows += [[name, provider, cov(found.get("as_exported")), cov(found.get("fixed_shapes_predicted")),
+                  cov(fixed_graph.get(provider, {}).get("as_exported")), ", ".join(found.get("unsupported_ops", []))]
+                 for provider, found in graph["as_exported"].items() if provider != "recommendation"]
+        rows.append([name, "recommendation", graph["as_exported"].get("recommendation", "-"), "",
+                     fixed_graph.get("recommendation", "-"), ""])
     lines = ["The checker: onnxruntime.tools.check_onnx_model_mobile_usability; fixed shapes by "
              "onnxruntime.tools.make_dynamic_shape_fixed: " + results["decode_shapes"] + ".", "",
-             "| graph | provider | as exported (nodes, partitions) | checker's fixed-shape prediction | "
-             "decode shapes fixed, measured | ops it lacks |", "|---|---|---|---|---|---|"]
-    for name, graph in results["graphs"].items():
-        for provider, found in graph["as_exported"].items():
-            if provider == "recommendation":
-                continue
-            fixed = graph["fixed_decode_shapes"].get(provider, {})
-            lines.append(f"| {name} | {provider} | {cov(found.get('as_exported'))} | "
-                         f"{cov(found.get('fixed_shapes_predicted'))} | {cov(fixed.get('as_exported'))} | "
-                         f"{', '.join(found.get('unsupported_ops', []))} |")
-        lines.append(f"| {name} | recommendation | {graph['as_exported'].get('recommendation', '-')} | | "
-                     f"{graph['fixed_decode_shapes'].get('recommendation', '-')} | |")
+             *harness.table(["graph", "provider", "as exported (nodes, partitions)", "checker's fixed-shape prediction",
+                             "decode shapes fixed, measured", "ops it lacks"], rows)]
     return harness.results_markdown("ONNX Runtime mobile-usability checker on the demo model's graphs",
                                     "\n".join(lines), command)
 

@@ -72,7 +72,6 @@ def export_vanilla(model, path, opset: int = 18):
 def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tuple[Path, dict]:
     """The vanilla model of a config's size as ONNX (random weights, cached), and its check against PyTorch on
     one window of `check_window` tokens."""
-    import onnxruntime as ort  # optional (the cpu or gpu extra)
     import torch  # optional (the torch extra): only code that runs a PyTorch model gets here
 
     from txl_deploy.model import vanilla  # imports torch
@@ -89,28 +88,13 @@ def vanilla_onnx(config, cache_dir, seed: int = 0, check_window: int = 64) -> tu
     with atomic_path(path, force=True) as tmp:
         export_vanilla(model, tmp)
         window = np.random.default_rng(seed).integers(0, cfg.n_token, (1, check_window))
-        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-        got = session.run([OUTPUT], {INPUT: window})[0]
+        got = harness.ort_session(tmp, None).run([OUTPUT], {INPUT: window})[0]
         with torch.no_grad():
             want = model(torch.from_numpy(window)).numpy()
         check = {"window": check_window, "max_abs_diff": float(np.abs(got - want).max()),
                  "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).mean()), "config": cfg.to_dict()}
     check_path.write_text(json.dumps(check))
     return path, check
-
-
-def vanilla_session(path, threads: int | None):
-    """ONNX Runtime as a careful user opens it: all graph optimisations, `threads` intra-op threads, one inter-op
-    thread, its default CPU arena (the window's [L, L] score blocks reused between runs)."""
-    import onnxruntime as ort  # optional (the cpu or gpu extra)
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    if threads:
-        opts.intra_op_num_threads = int(threads)
-        opts.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int = DEFAULT_SEGMENT,
@@ -127,7 +111,8 @@ def run_table9(lengths=DEFAULT_LENGTHS, model: str = DEFAULT_SHAPE, segment: int
     config = load_model(checkpoint).config
     vanilla_path, vanilla_check = vanilla_onnx(config, cache_dir, seed)
     graphs = {n: standin_onnx(checkpoint, cache_dir, n, max_segment=segment) for n in lengths}  # exports first
-    vanilla = vanilla_session(vanilla_path, threads)
+    # as a careful user opens it: its default CPU arena reuses the window's [L, L] score blocks between runs
+    vanilla = harness.ort_session(vanilla_path, threads)
     rows = []
     bar = tqdm(total=len(lengths) * (rounds + warmup), desc="table 9", unit="round", disable=not progress, leave=False)
     for n in lengths:

@@ -1,10 +1,5 @@
 """Peak memory and time of an export and of the runtime, on the large published shapes (random-weight stand-ins),
-each in a fresh process (this file with --child). Method and targets: docs/benchmarks.md ("Memory").
-
-    python -m benchmarks.peak_ram                      # WikiText-103 large, our format and an original model.pt
-    python -m benchmarks.peak_ram --shape enwik8-large --formats ours
-    python -m benchmarks.peak_ram --runtime-only --shape wt103-base   # the runtime alone
-"""
+each in a fresh process (this file with --child). Runs, method and targets: docs/benchmarks.md ("Memory")."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from txl_deploy.bench.peak_usage import proc_status, rss_bytes
 
 
 def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> dict:
@@ -25,14 +21,15 @@ def child_export(checkpoint: str, out: str, verify: bool, vocab: str | None) -> 
     from txl_deploy.checkpoints import load_model
     from txl_deploy.exporters.onnx.export import export_onnx
 
-    base = harness.process_memory()["VmRSS"]
+    base = rss_bytes()
     start = time.perf_counter()
     loaded = load_model(checkpoint, **({"vocab": vocab} if vocab else {}))
     export_onnx(loaded, out, verify=verify, force=True, consume=True)
-    return {"seconds": time.perf_counter() - start, "peak": harness.process_memory()["VmHWM"], "base": base}
+    return {"seconds": time.perf_counter() - start, "peak": proc_status("VmHWM")["VmHWM"], "base": base}
 
 
 PROMPT_PATHS = ("prefill", "generate", "step")  # the calls that read a prompt (--runtime-only measures each)
+RESIDENT = ("VmRSS", "VmHWM", "RssFile")  # RssFile: the resident pages that are files' (code, mapped files)
 
 
 def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: bool = False,
@@ -57,9 +54,9 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
 
         ort.SessionOptions = Prepacked
         ort_backend.SharedWeights = lambda *_: None  # noqa: E731  (no pool: OrtBackend opens each file itself)
-    base = resident()
+    base = proc_status(*RESIDENT)
     rt = TxlRuntime.load(model, threads=os.cpu_count())
-    loaded = resident()
+    loaded = proc_status(*RESIDENT)
     tokens = np.random.default_rng(0).integers(0, rt.n_token, size=(1, prefill + decode))
     start = time.perf_counter()
     if path == "prefill":
@@ -69,13 +66,13 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
     else:  # every position's log-probs, handed to the caller (dropped here: what the caller keeps is theirs)
         rt.step(tokens[:, :prefill])
     prefill_s = time.perf_counter() - start
-    prompted = resident()  # what the runtime keeps once a prompt has been read
+    prompted = proc_status(*RESIDENT)  # what the runtime keeps once a prompt has been read
     times = []
     for i in range(decode):
         t = time.perf_counter()
         rt.step(tokens[:, prefill + i:prefill + i + 1])
         times.append(time.perf_counter() - t)
-    decoded = resident()
+    decoded = proc_status(*RESIDENT)
     pool = getattr(rt.backend, "weights", None)
     vocab = rt.vocab
     return {"peak": decoded["VmHWM"], "base": base["VmRSS"], "loaded": loaded["VmRSS"],
@@ -88,19 +85,6 @@ def child_runtime(model: str, prefill: int, decode: int, arena: bool, separate: 
             "sessions": 1 + (rt.backend._head is not None) + len(rt.backend._tails),
             "decode_ms": 1e3 * float(np.median(times)),
             "state_bytes": sum(a.nbytes for k, a in rt.save_state().items() if not k.startswith("__"))}
-
-
-def resident() -> dict:
-    """harness.process_memory() and RssFile: the resident pages that are files' (libraries' code, mapped files)."""
-    out = harness.process_memory()
-    with open("/proc/self/status") as f:
-        out["RssFile"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
-    return out
-
-
-def run_child(*args) -> dict:
-    """This file's child_export or child_runtime (args[0]: export, runtime) in a fresh interpreter."""
-    return harness.in_fresh_process("peak_ram", *args)
 
 
 def child(kind: str, *rest) -> dict:
@@ -158,13 +142,14 @@ def measure(args) -> dict:
                 continue
             for verify in (True, False):
                 print(f"export {fmt} verify={verify} ...", flush=True)
-                r = run_child("export", src, onnx_path, int(verify), work / "vocab.json" if fmt == "model.pt" else "")
+                r = harness.in_fresh_process("peak_ram", "export", src, onnx_path, int(verify),
+                                             work / "vocab.json" if fmt == "model.pt" else "")
                 r.update(format=fmt, verify=verify, checkpoint_bytes=checkpoint_bytes(src),
                          estimate=export_est["verify" if verify else "no_verify"].total)
                 raw["export"].append(r)
         for arena in (False, True):
             print(f"runtime arena={arena} ...", flush=True)
-            r = run_child("runtime", onnx_path, mem_len, args.decode, int(arena))
+            r = harness.in_fresh_process("peak_ram", "runtime", onnx_path, mem_len, args.decode, int(arena))
             r.update(arena=arena, weight_bytes=checkpoint_bytes(onnx_path))
             raw["runtime"].append(r)
     return raw
@@ -192,14 +177,14 @@ def measure_runtime(args) -> dict:
                                    ("each session its own weights, prepacked, no CPU arena", False, True),
                                    ("ONNX Runtime's defaults: own weights, prepacked, CPU arena", True, True)):
         print(f"runtime {label} ...", flush=True)
-        r = run_child("runtime", model, mem_len, args.decode, int(arena), int(separate))
+        r = harness.in_fresh_process("peak_ram", "runtime", model, mem_len, args.decode, int(arena), int(separate))
         r.update(label=label, arena=arena, separate=separate)
         raw["runtime"].append(r)
     # what the backend keeps after each call that reads a prompt (prefill is the first row's)
     raw["prompts"] = [raw["runtime"][0]]
     for path in PROMPT_PATHS[1:]:
         print(f"runtime after a prompt through {path} ...", flush=True)
-        raw["prompts"].append(run_child("runtime", model, mem_len, args.decode, 0, 0, path))
+        raw["prompts"].append(harness.in_fresh_process("peak_ram", "runtime", model, mem_len, args.decode, 0, 0, path))
     raw["load_average_end"] = os.getloadavg()
     return raw
 
@@ -225,41 +210,35 @@ def render_runtime(raw: dict) -> str:
         "",
         "## Target",
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        f"| loaded runtime within 1.1x the model's weight bytes | {held:.2f}x | {'yes' if held <= 1.1 else 'NO'} |",
-        f"| after a prompt of {raw['mem_len']} tokens ({', '.join(kept)}) within 1.15x, everything the process keeps "
-        f"(its memory state included) | {kept[worst]:.3f}x ({worst}) | {'yes' if kept[worst] <= 1.15 else 'NO'} |",
+        *harness.targets_table([
+            ("loaded runtime within 1.1x the model's weight bytes", f"{held:.2f}x", held <= 1.1),
+            (f"after a prompt of {raw['mem_len']} tokens ({', '.join(kept)}) within 1.15x, everything the process "
+             "keeps (its memory state included)", f"{kept[worst]:.3f}x ({worst})", kept[worst] <= 1.15)]),
     ]
     if "prompts" in raw:
+        rows = []
+        for r in prompts:
+            after, pool, files = r["prompted"] - r["base"], r["pool_bytes"], r["file_backed"]["prompted"]
+            parts = (pool, r["state_bytes"], r["vocab_bytes"], files,
+                     after - pool - r["state_bytes"] - r["vocab_bytes"] - files)  # the rest
+            rows.append([f"`{r['path']}`", f"{after / weights:.3f}x", f"{(r['decoded'] - r['base']) / weights:.3f}x",
+                         *(f"{x / weights:.3f}x ({fb(x)})" for x in parts), f"{r['prefill_s']:.1f} s"])
         lines += ["", "## What the runtime keeps after a prompt", "",
                   f"Resident set over the base, as a multiple of the weights ({fb(weights)}), after a prompt of "
                   f"{raw['mem_len']} tokens through each call, then after {raw['decode_steps']} decode steps; the "
                   "parts: docs/benchmarks.md (\"Memory\").", "",
-                  "| prompt through | after it | after decoding | weights | state | vocabulary | files' pages | "
-                  "the rest | prompt time |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in prompts:
-            after = r["prompted"] - r["base"]
-            pool, files = r["pool_bytes"], r["file_backed"]["prompted"]
-            rest = after - pool - r["state_bytes"] - r["vocab_bytes"] - files
-            lines.append(f"| `{r['path']}` | {after / weights:.3f}x | {(r['decoded'] - r['base']) / weights:.3f}x | "
-                         + " | ".join(f"{x / weights:.3f}x ({fb(x)})" for x in
-                                      (pool, r["state_bytes"], r["vocab_bytes"], files, rest))
-                         + f" | {r['prefill_s']:.1f} s |")
+                  *harness.table(["prompt through", "after it", "after decoding", "weights", "state", "vocabulary",
+                                  "files' pages", "the rest", "prompt time"], rows)]
     lines += [
         "",
         "## Runtime (ONNX Runtime, fp32, CPU)",
         "",
-        "| how the sessions are loaded | sessions | loaded | x weights | peak | x weights | decode p50 | "
-        f"prefill of {raw['mem_len']} |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in raw["runtime"]:
-        loaded, peak = r["loaded"] - r["base"], r["peak"] - r["base"]
-        lines.append(f"| {r['label']} | {r['sessions']} | {fb(loaded)} | {loaded / weights:.2f}x | {fb(peak)} | "
-                     f"{peak / weights:.2f}x | {r['decode_ms']:.1f} ms | {r['prefill_s']:.2f} s |")
-    lines += [
+        *harness.table(["how the sessions are loaded", "sessions", "loaded", "x weights", "peak", "x weights",
+                        "decode p50", f"prefill of {raw['mem_len']}"],
+                       [[r["label"], r["sessions"], fb(loaded), f"{loaded / weights:.2f}x", fb(peak),
+                         f"{peak / weights:.2f}x", f"{r['decode_ms']:.1f} ms", f"{r['prefill_s']:.2f} s"]
+                        for r in raw["runtime"]
+                        for loaded, peak in [(r["loaded"] - r["base"], r["peak"] - r["base"])]]),
         "",
         "How the pool holds each weight once, and what the peak over the loaded level is: docs/benchmarks.md "
         "(\"Memory\"). Decode and prefill times are single runs: see results_efficiency.md for interleaved ones.",
@@ -298,14 +277,10 @@ def render(raw: dict) -> str:
         "",
         "## Export",
         "",
-        "| job | checkpoint | peak | x checkpoint | time | estimate (`info --memory`) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in raw["export"]:
-        lines.append(f"| {r['format']}, {'verified' if r['verify'] else '--no-verify'} | {fb(r['checkpoint_bytes'])} "
-                     f"| {fb(r['peak'])} | {r['peak'] / r['checkpoint_bytes']:.2f}x | {r['seconds']:.0f} s | "
-                     f"{fb(r['estimate'])} |")
-    lines += [
+        *harness.table(["job", "checkpoint", "peak", "x checkpoint", "time", "estimate (`info --memory`)"],
+                       [[f"{r['format']}, {'verified' if r['verify'] else '--no-verify'}", fb(r["checkpoint_bytes"]),
+                         fb(r["peak"]), f"{r['peak'] / r['checkpoint_bytes']:.2f}x", f"{r['seconds']:.0f} s",
+                         fb(r["estimate"])] for r in raw["export"]]),
         "",
         "`ours` is the txl-deploy folder (safetensors, memory-mapped), `model.pt` the same weights written as the "
         "original code's `torch.save(model)` (zip format, memory-mapped by `torch.load(mmap=True)`).",
@@ -316,12 +291,10 @@ def render(raw: dict) -> str:
         f"steps with a full memory, all cores. Weights {fb(ours_rt['weight_bytes'])}, state "
         f"{fb(ours_rt['state_bytes'])}.",
         "",
-        "| session | peak | x (weights + state) | decode p50 | estimate (`info --memory`) |",
-        "|---|---|---|---|---|",
-        f"| txl-deploy (no CPU arena) | {fb(ours_rt['peak'])} | {ours_rt['peak'] / budget:.2f}x | "
-        f"{ours_rt['decode_ms']:.1f} ms | {fb(raw['runtime_estimate'])} |",
-        f"| ONNX Runtime defaults (CPU arena) | {fb(default_rt['peak'])} | {default_rt['peak'] / budget:.2f}x | "
-        f"{default_rt['decode_ms']:.1f} ms | |",
+        *harness.table(["session", "peak", "x (weights + state)", "decode p50", "estimate (`info --memory`)"],
+                       [[name, fb(r["peak"]), f"{r['peak'] / budget:.2f}x", f"{r['decode_ms']:.1f} ms", estimate]
+                        for name, r, estimate in (("txl-deploy (no CPU arena)", ours_rt, fb(raw["runtime_estimate"])),
+                                                  ("ONNX Runtime defaults (CPU arena)", default_rt, ""))]),
     ]
     return "\n".join(lines)
 

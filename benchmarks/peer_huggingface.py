@@ -88,6 +88,24 @@ def to_huggingface(model):
     return hf
 
 
+def with_generate(hf):
+    """`hf` (a TransfoXLLMHeadModel) with a working `generate` and no stop id unless a call names one. transformers
+    4.56's deprecated class lacks `GenerationMixin`, and `generate` would pass its default cache as `mems`: the
+    class gets the mixin back and opts out of that cache (as xlnet does); TransfoXL's own `_reorder_cache` then
+    reorders its `mems` for beam search."""
+    from transformers import GenerationConfig, GenerationMixin  # optional (the test extra: a peer the bench compares)
+
+    class TransfoXLGenerating(type(hf), GenerationMixin):
+        @classmethod
+        def _supports_default_dynamic_cache(cls):
+            return False  # the model keeps its own `mems` list
+
+    hf.__class__ = TransfoXLGenerating
+    hf.generation_config = GenerationConfig.from_model_config(hf.config)
+    hf.generation_config.eos_token_id = None  # the config's eos id 0 would otherwise end hypotheses
+    return hf
+
+
 class HuggingFaceBackend(EagerAtPositions):
     """The eager reference's memory of hidden states (its state, saved as it saves it) run through HuggingFace's
     model, whose memory is the same hidden states, time-major."""

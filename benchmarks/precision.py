@@ -47,12 +47,12 @@ def accuracy(args, command):
     metric = rows[0]["metric"].replace("_", " ")
     lines = [f"Model `{model.name}`, {rows[0]['tokens']} held-out tokens of `{text.name}` (second half; the first "
              f"half calibrates int8), ONNX Runtime CPU, streaming evaluation with the memory.", "",
-             f"| precision | {metric} fp32 | reduced | relative change | top-1 agreement | max abs diff (stream) "
-             f"| TensorRT-ready | file MB |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['precision']} | {r['fp32']:.4f} | {r['reduced']:.4f} | {100 * r['relative_change']:+.3f}% "
-                     f"| {r['top1_agreement']:.4f} | {r['stream_max_abs_diff']:.3g} | "
-                     f"{'yes' if r['tensorrt_ready'] else 'no'} | {r['size_mb']:.1f} |")
+             *harness.table(["precision", f"{metric} fp32", "reduced", "relative change", "top-1 agreement",
+                             "max abs diff (stream)", "TensorRT-ready", "file MB"],
+                            [[r["precision"], f"{r['fp32']:.4f}", f"{r['reduced']:.4f}",
+                              f"{100 * r['relative_change']:+.3f}%", f"{r['top1_agreement']:.4f}",
+                              f"{r['stream_max_abs_diff']:.3g}", "yes" if r["tensorrt_ready"] else "no",
+                              f"{r['size_mb']:.1f}"] for r in rows])]
     met = {r["precision"]: abs(r["relative_change"]) <= TARGETS[r["precision"]] for r in rows if r["precision"] in TARGETS}
     lines += ["", "Targets (relative change in " + metric + " against fp32): "
               + ", ".join(f"{k} <= {100 * v:g}%" for k, v in TARGETS.items() if k in met) + ": "

@@ -40,6 +40,7 @@ SCRIPTS = {
     "int4": ["int4", "--force"],
     "efficiency": ["decode_efficiency", "--force"],
     "lazy-decode": ["lazy_decode", "--force"],
+    "scoring": ["scoring", "--force"],
     "precision": ["precision", "--out", "/tmp/bench/prec", "--force"],
     "triton": ["triton_load", "--force"],
     "serve": ["serve_load", "--model", "txl_deploy/assets/demo/kjv-char", "--model", "enwik8-base", "--force"],

@@ -27,6 +27,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.chaos_mix import ANSWERED, BUSY, CRITERIA, JUNK, MIX, OK, ChaosClient, ChaosSettings, Hang, Target
 from benchmarks.serving_load import ServeProcess, machine, measured_line, prepare_model, runtime_reference, versions
+from txl_deploy.bench.peak_usage import rss_bytes
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
 
@@ -51,11 +52,6 @@ def open_fds(pid: int) -> list[str]:
 def fd_kinds(pid: int) -> dict:
     """Open descriptors by kind: socket, pipe, anon_inode:[eventfd], or the file's path."""
     return dict(Counter(re.sub(r"^(socket|pipe):\[\d+\]$", r"\1", t) for t in open_fds(pid)))
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def metric_value(text: str, name: str) -> float | None:

@@ -205,8 +205,6 @@ EVICT_BYTES = 128 * 2**20
 def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
     """Median ms of each named weight product run alone (a one-node model, same constant B, one token, after a read
     of EVICT_BYTES so that the weight comes from memory as in a step); a B that is not a constant is left out."""
-    import onnxruntime as ort  # optional (the cpu extra): only the ONNX Runtime benchmarks get here
-
     graph = onnx.load(str(onnx_path)).graph
     by_name = {n.name: n for n in graph.node if n.op_type in ("MatMul", "Gemm")}
     sessions = {}
@@ -235,11 +233,8 @@ def matmul_alone(onnx_path, names, threads: int = 1, runs: int = 30) -> dict:
             helper.make_graph([one], "product", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)], weights),
             opset_imports=[helper.make_opsetid("", 18)])
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.disable_prepacking", "1")  # as the runtime runs fp32 graphs
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        session = harness.ort_session(model.SerializeToString(), threads,  # no prepacking: as the runtime runs fp32
+                                      config={"session.disable_prepacking": "1"})
         x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
         session.run(None, {"x": x})  # first-run allocation
         sessions[name] = (session, x, b.nbytes)

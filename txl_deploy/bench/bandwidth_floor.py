@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from txl_deploy.contract.clusters import pieces
+from txl_deploy.exporters.onnx.ram import output_layer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class BandwidthProbe:
         self.repeats = repeats
 
     def __call__(self) -> Bandwidth:
-        with _one_blas_thread():
+        with blas_threads(1):
             return self._measure()
 
     def _measure(self) -> Bandwidth:
@@ -52,14 +52,14 @@ class BandwidthProbe:
                          read_cpu=self.src.nbytes / max(read_cpu, 1e-9), copy_cpu=2 * self.src.nbytes / max(copy_cpu, 1e-9))
 
 
-def _one_blas_thread():
-    """numpy's BLAS on one thread: OpenBLAS would split the read's dot product over every core."""
+def blas_threads(n: int):
+    """numpy's BLAS on `n` threads (OpenBLAS would split the read's dot product over every core)."""
     try:
         from threadpoolctl import threadpool_limits  # optional (the bench extra)
     except ImportError:
-        logger.warning("threadpoolctl is not installed: the plain read may run on several BLAS threads")
+        logger.warning("threadpoolctl is not installed: numpy's products may run on several BLAS threads")
         return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 PRECISION_BYTES = {"fp32": (4, 4), "fp16": (2, 2), "int8": (1, 4), "int8-dynamic": (1, 4)}  # (weights, memory)
@@ -77,15 +77,7 @@ def decode_bytes(config, mem_len: int, batch: int, table_size: int | None = None
                  + 2 * D * Di + Di + D  # pos_ff
                  + 4 * D  # two layer norms
                  + H * Dh * T + 2 * H * Dh)  # positional table (r_net applied once, at export), r_w_bias, r_r_bias
-    out = 0
-    d_embed = config.d_embed
-    if config.n_clusters:
-        out += config.n_clusters * (d_embed + 1)
-    for i, (lo, hi) in enumerate(pieces(config.cutoffs, config.n_token)):
-        d_i = d_embed // config.div_val**i if config.div_val > 1 else d_embed
-        out += (hi - lo) * (d_i + 1)
-        if config.div_val > 1 or D != d_embed:
-            out += D * d_i
+    out = output_layer_bytes(config) // 4  # its values: weights, biases, projections, the head's cluster rows
     weights = (L * per_layer + out + batch * D) * bytes_per_value  # + one embedding row per token
     memory = batch * L * 2 * H * Dh * mem_len * memory_bytes_per_value
     return {"weight_bytes": int(weights), "memory_bytes": int(memory), "output_layer_bytes": int(out * bytes_per_value),

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+def proc_status(*fields: str, pid="self") -> dict:
+    """The named fields of /proc/PID/status (VmRSS, VmHWM, RssFile, ...: the kernel counts them in kB), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in fields}
 
 
-def rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
+def rss_bytes(pid="self") -> int:
+    return proc_status("VmRSS", pid=pid)["VmRSS"]
 
 
 class RssPeak:
@@ -25,7 +26,7 @@ class RssPeak:
         return self
 
     def __exit__(self, *exc):
-        self.rise = max(0, _status_kib("VmHWM") * 1024 - self.start)
+        self.rise = max(0, proc_status("VmHWM")["VmHWM"] - self.start)
 
 
 class CudaPeak:

@@ -114,6 +114,16 @@ def _memory_pass(side: Side, stream: Stream):
         side.sync()
 
 
+def interleaved(sides: dict, rounds: int) -> dict:
+    """{name: [side(r) for each round r]}, the sides taking turns, the order reversed every other round (A B C,
+    C B A, ...) so that a change in the machine's other load hits every side alike."""
+    names, out = list(sides), {name: [] for name in sides}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out[name].append(sides[name](r))
+    return out
+
+
 def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progress=None, probe=None) -> list:
     """Measure every side on `stream`, interleaved, then each side's memory; `progress(n)` hears of each phase.
     `probe()` takes a turn in every round (after the sides, then before); returns its results."""
@@ -121,17 +131,17 @@ def run_pair(sides: list[Side], stream: Stream, repeat: int, warmup: int, progre
         _setup(side, stream, warmup)
         if progress:
             progress(1)
-    probed = []
-    turns = [*sides, None] if probe is not None else list(sides)
-    for r in range(repeat):
-        order = turns if r % 2 == 0 else turns[::-1]
-        for side in order:
-            if side is None:
-                probed.append(probe())
-                continue
+
+    def turn(side):
+        def run(r):
             _repeat(side, stream, keep_log_probs=(r == 0))
             if progress:
                 progress(1)
+        return run
+
+    turns = {id(side): turn(side) for side in sides}
+    probed = interleaved({**turns, "probe": lambda r: probe()} if probe is not None else turns, repeat)
+    probed = probed.get("probe", [])
     for side in sides:
         _memory_pass(side, stream)
         side.path = getattr(side.rt.backend, "path", None)
