@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from txl_deploy.runtimes.runtime import SCORE_CHUNK_FLOATS
+from txl_deploy.runtimes.scoring import SCORE_CHUNK_FLOATS
 from txl_deploy.runtimes.sampling import top_logprobs
 from txl_deploy.serving.http.completion import TokenOut, token_text, wire_logprob
 from txl_deploy.vocab import CONTINUING, Vocab
