@@ -20,6 +20,7 @@ import pytest
 
 from txl_deploy.errors import InputError
 from txl_deploy.runtimes import TxlRuntime
+from txl_deploy.runtimes.beam_search import best_first
 
 torch = pytest.importorskip("torch")
 
@@ -96,16 +97,29 @@ def tiny_reference(tiny_ckpt):
         yield [_search(rt, case, zero_memory=False) for case in CASES]
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast", "executorch"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "onnxruntime-full", "torch-fast", "executorch"])
 def test_beam_search_agrees_across_backends(request, tiny_ckpt, tiny_onnx, tiny_reference, backend):
+    lazy = backend != "onnxruntime-full"
+    backend = backend.removesuffix("-full")
     if backend == "executorch":
         pytest.importorskip("executorch", reason="pip install 'txl-deploy[executorch]'")
         path, name = request.getfixturevalue("tiny_pte"), None
     else:
         path, name = (tiny_onnx, None) if backend == "onnxruntime" else (tiny_ckpt, backend)
-    with TxlRuntime.load(path, backend=name, threads=1) as rt:
+    with TxlRuntime.load(path, backend=name, threads=1, lazy=lazy) as rt:
         for case, want in zip(CASES, tiny_reference):
             _assert_same(_search(rt, case, zero_memory=False), [(b.tokens, b.score) for b in want])
+
+
+def test_candidates_are_ranked_best_first_with_ties_to_the_lower_index():
+    """The order HuggingFace's top-k gives a step's candidates on distinct values; ties (equal sums, as -1e9 slots
+    are) go to the lower index, so a search is reproducible."""
+    values = np.array([0.5, -np.inf, 2.0, 0.5, -1e9, 2.0, -1e9, 0.5], dtype=np.float32)
+    assert best_first(values, 4).tolist() == [2, 5, 0, 3]
+    assert best_first(values, 8).tolist() == [2, 5, 0, 3, 7, 4, 6, 1]
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 50, 100_000).astype(np.float32)
+    assert best_first(big, 9).tolist() == np.lexsort((np.arange(big.size), -big))[:9].tolist()
 
 
 def test_the_stream_is_left_holding_the_prompt(tiny_onnx):
