@@ -118,7 +118,8 @@ def run_beam_search(rt, ids, params: BeamParams) -> list[Beam]:
 
 
 def _search(rt, dist, p: BeamParams, lazy: bool) -> list[Beam]:
-    k, K, n_token = p.num_beams, p.candidates, rt.n_token
+    k, n_token = p.num_beams, rt.n_token
+    K = min(p.candidates, k * n_token)  # many stop ids on a small vocabulary: every continuation
     running = [[] for _ in range(k)]
     running_scores = np.full(k, NO_SCORE, dtype=np.float32)
     running_scores[0] = 0.0  # the beams are copies of one prompt: only the first may start
