@@ -80,6 +80,18 @@ class BeamParams:
         return max(2, 1 + len(self.stop)) * self.num_beams
 
 
+def best_first(values: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest values, largest first, ties to the lower index; linear in len(values) (a step's
+    k x V candidates of a 267k-word vocabulary are a million)."""
+    if n < values.size:
+        kth = np.partition(values, values.size - n)[values.size - n]
+        above, tied = np.flatnonzero(values > kth), np.flatnonzero(values == kth)
+        idx = np.concatenate([above, tied[:n - above.size]])
+    else:
+        idx = np.arange(values.size)
+    return idx[np.lexsort((idx, -values[idx]))]
+
+
 def penalised(score, length: int, length_penalty: float):
     """A score divided by length ** length_penalty in float32, as HF divides its float32 tensor by a Python float."""
     return np.float32(score) / np.float32(float(length) ** length_penalty)
@@ -106,7 +118,8 @@ def run_beam_search(rt, ids, params: BeamParams) -> list[Beam]:
 
 
 def _search(rt, dist, p: BeamParams, lazy: bool) -> list[Beam]:
-    k, K, n_token = p.num_beams, p.candidates, rt.n_token
+    k, n_token = p.num_beams, rt.n_token
+    K = min(p.candidates, k * n_token)  # many stop ids on a small vocabulary: every continuation
     running = [[] for _ in range(k)]
     running_scores = np.full(k, NO_SCORE, dtype=np.float32)
     running_scores[0] = 0.0  # the beams are copies of one prompt: only the first may start
@@ -118,16 +131,16 @@ def _search(rt, dist, p: BeamParams, lazy: bool) -> list[Beam]:
     for t in range(p.max_new_tokens):
         acc = _accumulated(rt, dist, running_scores, K)
         flat = acc.reshape(-1)
-        top = np.lexsort((np.arange(flat.size), -flat))[:K]  # best first; ties to the lower index
+        top = best_first(flat, K)
         beam, token, score = top // n_token, top % n_token, flat[top]
         ends = np.isin(token, stop) | (t + 1 >= p.max_new_tokens)
         # the k best continuations that do not end run on
         masked = score + ends.astype(np.float32) * NO_SCORE
-        keep = np.lexsort((np.arange(K), -masked))[:k]
+        keep = best_first(masked, k)
         # the first k continuations that end are hypotheses; the k best of old and new are kept
         new_scores = penalised(score, t + 1, p.length_penalty) + (~(ends & (np.arange(K) < k))) * NO_SCORE
         merged = np.concatenate([finished_scores, new_scores.astype(np.float32)])
-        best = np.lexsort((np.arange(merged.size), -merged))[:k]
+        best = best_first(merged, k)
         hypotheses = finished + [running[b] + [int(x)] for b, x in zip(beam, token)]
         done = np.concatenate([finished_full, ends & (np.arange(K) < k)])
         finished, finished_scores, finished_full = [hypotheses[i] for i in best], merged[best], done[best]
@@ -184,4 +197,4 @@ def _accumulated(rt, dist, running_scores, K: int) -> np.ndarray:
             rt.tail_stats["tails"][i - 1] += rows.size
 
 
-__all__ = ["Beam", "BeamParams", "run_beam_search"]
+__all__ = ["Beam", "BeamParams", "best_first", "run_beam_search"]

@@ -481,14 +481,14 @@ class TxlRuntime:
             if ids is not None:
                 ids = self._check_tokens(ids)
             else:
-                self._check_can_continue()
+                self._check_can_continue("beam_search()")
             return run_beam_search(self, ids, params)
 
-    def _check_can_continue(self):
+    def _check_can_continue(self, what: str = "generate()"):
         if self._last_log_probs is None or self.batch_size is None:
-            raise InputError("generate() needs a prompt (nothing has been fed to this stream yet)")
+            raise InputError(f"{what} needs a prompt (nothing has been fed to this stream yet)")
         if self.batch_size != 1:
-            raise InputError(f"generate() runs one stream, but the memory holds {self.batch_size} rows; reset() "
+            raise InputError(f"{what} runs one stream, but the memory holds {self.batch_size} rows; reset() "
                              "and feed a single row")
         if np.isnan(self._last_log_probs[0]).any():
-            raise InputError("generate() needs a prompt (this stream was reset since its last call)")
+            raise InputError(f"{what} needs a prompt (this stream was reset since its last call)")

@@ -111,6 +111,19 @@ def test_fp32_engine_greedy_tokens_equal_onnxruntime(exported):
     assert got == want and len(got) == 100
 
 
+def test_fp32_engine_beam_search_equals_onnxruntime(exported):
+    """The beams are the engine's rows, reordered on the device each step (select_rows into its spare set): the
+    same hypotheses as ONNX Runtime, scores within the fp32 tolerance summed over the steps."""
+    from txl_deploy.runtimes import TxlRuntime
+
+    args = {"num_beams": 2, "max_new_tokens": 12, "num_return_sequences": 2, "stop": [0]}  # 2 rows: the profile's
+    with TxlRuntime.load(exported / "fp32.onnx") as ref, TxlRuntime.load(_engine_for(exported, "fp32")) as rt:
+        want, got = ref.beam_search([1, 2, 3], **args), rt.beam_search([1, 2, 3], **args)
+        assert rt.batch_size == 1  # the stream holds the prompt again
+    assert [b.tokens for b in got] == [b.tokens for b in want]
+    assert np.allclose([b.score for b in got], [b.score for b in want], rtol=0, atol=12 * TOLERANCE["fp32"])
+
+
 def test_memory_stays_on_the_device(exported):
     """Per decode step only the tokens and positions go up and the log-probs come down."""
     from txl_deploy.runtimes import TxlRuntime

@@ -6,29 +6,15 @@ bookkeeping, not arithmetic:
   given it back: the model has no `generate` (AttributeError);
 - `generate` then starts an empty `DynamicCache` for every model that does not opt out, and TransfoXL's
   `prepare_inputs_for_generation` passes it as `mems`, where `mems[0].size(0)` fails (a cache layer is a tuple).
-`beam_searcher` gives the model a class with `GenerationMixin` that opts out of the default cache (as 4.56 does for
-xlnet and reformer, the other models with a `mems`-style cache). `generate` then runs its unchanged `_beam_search`:
+`benchmarks.peer_huggingface.with_generate` gives the model a class with `GenerationMixin` that opts out of the
+default cache (as 4.56 does for xlnet and reformer, the other models with a `mems`-style cache), for this oracle and
+the beam-search benchmark alike. `generate` then runs its unchanged `_beam_search`:
 the model's `mems` output is its cache (`_update_model_kwargs_for_generation` maps `mems` to `past_key_values`),
 reordered every step by TransfoXL's own `_reorder_cache`. Its first memory is HF's default, mem_len zero vectors
 that are attended to (`TxlRuntime.start_from_zero_memory` reproduces it).
 """
 
 from __future__ import annotations
-
-
-def beam_searcher(transfo, model):
-    """`model` (a TransfoXLLMHeadModel) with a working `generate`; no stop id unless a call names one."""
-    from transformers import GenerationConfig, GenerationMixin  # heavy: only the oracle tests load it
-
-    class TransfoXLBeamSearch(transfo.TransfoXLLMHeadModel, GenerationMixin):
-        @classmethod
-        def _supports_default_dynamic_cache(cls):
-            return False  # the model keeps its own `mems` list
-
-    model.__class__ = TransfoXLBeamSearch
-    model.generation_config = GenerationConfig.from_model_config(model.config)
-    model.generation_config.eos_token_id = None  # the config's eos id 0 would otherwise apply to every call
-    return model
 
 
 def hf_beams(model, prompt, num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences,

@@ -38,6 +38,17 @@ OUTPUT = click.Path(dir_okay=False, path_type=Path)
               help=f"At most this many new tokens. [default: {TEXT_MAX_NEW_TOKENS}; a song: "
                    f"{UPSTREAM_TOKEN_LIMIT}, remi-xl's limit]")
 @sampling_options(temperature=1.0)
+@click.option("--num-beams", type=click.IntRange(min=2), default=None,
+              help="Beam search with this many beams instead of sampling: print the best continuations, best "
+                   "first, each after its score (HuggingFace's num_beams; --stop-token-id ends a beam).")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Beam search: a continuation scores its log-prob sum / its length ** this (> 0 favours long ones).")
+@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
+              help="Beam search: true stops once num-beams continuations have ended; false stops when the best "
+                   "running beam cannot beat them any more (judged at its current length); never judges it at the "
+                   "longest length it could reach.")
+@click.option("--num-return-sequences", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Beam search: print this many of the best continuations (at most --num-beams).")
 @click.option("--grammar", type=click.Choice(sorted(GRAMMARS)), default=None,
               help="A music model: sample only the events this representation's grammar allows next, so its MIDI "
                    "writer places every one (valid music by construction). A song uses its own unless --no-grammar.")
@@ -66,7 +77,8 @@ OUTPUT = click.Path(dir_okay=False, path_type=Path)
 @click.option("--providers", help="ONNX Runtime providers, comma-separated (cpu, cuda, tensorrt).")
 @tokenizer_option("For this run only.")
 @threads_option
-def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, midi_out, events_out, roll_out, bars, prompt_midi,
+def generate_cmd(model, prompt, max_new_tokens, sampling, num_beams, length_penalty, early_stopping,
+                 num_return_sequences, grammar, midi_out, events_out, roll_out, bars, prompt_midi,
                  chords, representation_name, no_grammar, force, backend, providers, tokenizer, threads):
     """Stream text generated from MODEL (an .onnx, an .engine, an ExecuTorch .pte or a checkpoint) after PROMPT,
     or, with --midi (--events, --piano-roll), write a music model's song.
@@ -79,12 +91,17 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, midi_out, eve
     MODEL may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION], run as a checkpoint by PyTorch after it
     is fetched into the hub cache (or found there offline); exporting it first runs faster.
 
+    --num-beams K searches instead of sampling (as HuggingFace's generate(num_beams=K, do_sample=False)) and
+    prints --num-return-sequences continuations, best first, one a line: the score, a tab, the prompt and the
+    continuation (a newline in them written \\n).
+
     A song (a REMI or remi-xl model, told by its vocabulary's events) starts as its project starts one, or from
     --prompt-midi, and stops after --bars bars or at remi-xl's EOS_None, sampled under the representation's grammar
     so the MIDI writer places every event. The same --seed gives the same song.
 
     \b
     Example:
+      txl-deploy generate model.onnx --prompt "The river" --num-beams 4 --num-return-sequences 2 --stop-token-id 0
       txl-deploy generate REMI-tempo-checkpoint --midi song.mid --bars 16 --temperature 1.2 --top-k 5
       txl-deploy generate remi.onnx --midi more.mid --prompt-midi song.mid --events more.txt --piano-roll more.png
     """
@@ -97,6 +114,15 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, midi_out, eve
         raise click.UsageError("a song starts from --prompt-midi (or as its project starts one), not --prompt")
     if not song and prompt is None:
         raise click.UsageError("pass --prompt (text to continue), or --midi to write a music model's song")
+    if num_beams is None and (num_return_sequences != 1 or _given("length_penalty", "early_stopping")):
+        raise click.UsageError("--length-penalty, --early-stopping and --num-return-sequences need --num-beams")
+    if num_beams is not None:
+        sampled = [n for n in ("grammar", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                               "presence_penalty", "frequency_penalty", "no_repeat_ngram_size", "logit_bias",
+                               "min_tokens", "seed", "ban_unk") if _given(n)]
+        if song or sampled:
+            raise click.UsageError("--num-beams searches text deterministically: drop "
+                                   + ", ".join("--" + n.replace("_", "-") for n in sampled or ["midi"]))
     for out in (midi_out, events_out, roll_out):
         if out is not None:
             check_writable(out, force)  # before the song is generated, not after
@@ -111,12 +137,26 @@ def generate_cmd(model, prompt, max_new_tokens, sampling, grammar, midi_out, eve
             raise InputError(f"{model}: has no vocabulary, so it cannot read a text prompt")
         # checked here, before the prompt is echoed
         max_new_tokens = TEXT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+        if num_beams is not None:
+            beams = rt.beam_search(prompt, num_beams, max_new_tokens, length_penalty=length_penalty,
+                                   early_stopping={"true": True, "false": False}.get(early_stopping, early_stopping),
+                                   num_return_sequences=num_return_sequences, stop=sampling["stop_token_ids"])
+            for beam in beams:
+                text = "".join(rt.vocab.stream_decoder(prompt, context=rt.encode(prompt)).pieces(beam.tokens))
+                click.echo(f"{beam.score:.4f}\t" + (prompt + text).replace("\n", "\\n"))  # one line each
+            return
         pieces = rt.generate_text(prompt, max_new_tokens, grammar=grammar, **sampling)
         click.echo(prompt, nl=False)
         for piece in pieces:  # decoded incrementally: a character over several byte tokens prints once whole
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
+
+
+def _given(*names) -> bool:
+    """Whether any of these options was given on the command line (not left at its default)."""
+    ctx = click.get_current_context()
+    return any(ctx.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT) for n in names)
 
 
 def _song(rt, model: Path, max_new_tokens, sampling, grammar, midi_out, events_out, roll_out, bars, prompt_midi,
