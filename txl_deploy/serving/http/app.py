@@ -262,11 +262,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     @app.post("/v1/sessions", dependencies=guarded, status_code=201)
     async def create_session(request: Request):
         eng = engine()
-        raw = await request.body()
-        try:
-            spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        spec = await _session_spec(request)
         session = eng.create_session(spec.id)
         return JSONResponse(eng.sessions.info(session, eng.bytes_per_session), status_code=201)
 
@@ -300,11 +296,7 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
     @app.post("/v1/sessions/{session_id}/fork", dependencies=guarded, status_code=201)
     async def fork(session_id: str, request: Request):
         eng = engine()
-        raw = await request.body()
-        try:
-            spec = SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        spec = await _session_spec(request)
         session = await run_in_threadpool(eng.fork, session_id, spec.id)
         return JSONResponse(eng.sessions.info(session, eng.bytes_per_session), status_code=201)
 
@@ -324,6 +316,15 @@ def create_app(load_engine: Callable[[], object], settings: ServeSettings, on_lo
         return per + STATE_OVERHEAD_BYTES
 
     return Guard(app, settings, metrics, state_limit)
+
+
+async def _session_spec(request: Request) -> SessionCreate:
+    """A session's create or fork body: optional JSON naming the new session's id."""
+    raw = await request.body()
+    try:
+        return SessionCreate.model_validate_json(raw) if raw.strip() else SessionCreate()
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def _check_id(session_id: str):
