@@ -79,7 +79,7 @@ class TxlConfig:
         for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val"):
             value = getattr(self, name)
             if not 0 < value <= MAX_SIZE:
-                problems.append(f"{name} must be in 1..{MAX_SIZE}, got {str(value)[:40]}")
+                problems.append(f"{name} must be a positive integer at most {MAX_SIZE}, got {str(value)[:40]}")
         for name in ("mem_len", "tgt_len", "clamp_len", "same_length_extra"):
             if not -MAX_SIZE <= getattr(self, name) <= MAX_SIZE:
                 problems.append(f"{name} must be at most {MAX_SIZE} in size, got {str(getattr(self, name))[:40]}")

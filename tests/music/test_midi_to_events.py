@@ -195,6 +195,15 @@ def test_not_midi_or_without_notes_is_a_one_line_error(tmp_path):
         assert "\n" not in str(caught.value)
 
 
+def test_a_key_signature_mido_cannot_decode_is_a_one_line_error(tmp_path):
+    """mido raises its own KeySignatureError (not a ValueError) for a key with 8 sharps; the fuzzer found it."""
+    track = b"\x00\xff\x59\x02\x08\x52\x00\xff\x2f\x00"  # key signature: 8 sharps, mode 82; end of track
+    (tmp_path / "key.mid").write_bytes(b"MThd\x00\x00\x00\x06\x00\x00\x00\x01\x01\xe0MTrk"
+                                       + len(track).to_bytes(4, "big") + track)
+    with pytest.raises(InputError, match="not a readable MIDI file"):
+        midi_to_events(tmp_path / "key.mid")
+
+
 def test_files_too_large_or_too_long_are_refused_before_they_are_laid_out(tmp_path):
     (tmp_path / "big.mid").write_bytes(b"MThd" + bytes(4 << 20))
     with pytest.raises(InputError, match="too large for a MIDI file"):

@@ -143,7 +143,7 @@ def read_midi(path) -> Performance:
         # from memory: mido reads each chunk with the size its header claims, which a file object would allocate
         # whole (gigabytes for a damaged header); a bytes buffer hands back only what the file holds
         midi = mido.MidiFile(file=io.BytesIO(data))
-    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as e:
+    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, mido.KeySignatureError) as e:
         raise InputError(f"{path}: not a readable MIDI file ({_reason(e)})") from None
     if not 0 < midi.ticks_per_beat < 0x8000:  # the top bit would mean SMPTE frames, which have no beats
         raise InputError(f"{path}: its time division ({midi.ticks_per_beat}) is not in ticks per beat")
