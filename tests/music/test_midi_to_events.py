@@ -204,6 +204,16 @@ def test_a_key_signature_mido_cannot_decode_is_a_one_line_error(tmp_path):
         midi_to_events(tmp_path / "key.mid")
 
 
+def test_a_tempo_of_zero_is_a_one_line_error(tmp_path):
+    """set_tempo 0 (microseconds a beat) made mido's tempo2bpm divide by zero; the fuzzer found it."""
+    track = (b"\x00\xff\x51\x03\x00\x00\x00"  # set_tempo 0
+             b"\x00\x90\x3c\x40\x83\x60\x80\x3c\x40\x00\xff\x2f\x00")  # a note on and off; end of track
+    (tmp_path / "tempo.mid").write_bytes(b"MThd\x00\x00\x00\x06\x00\x00\x00\x01\x01\xe0MTrk"
+                                         + len(track).to_bytes(4, "big") + track)
+    with pytest.raises(InputError, match="tempo of 0 microseconds per beat"):
+        midi_to_events(tmp_path / "tempo.mid")
+
+
 def test_files_too_large_or_too_long_are_refused_before_they_are_laid_out(tmp_path):
     (tmp_path / "big.mid").write_bytes(b"MThd" + bytes(4 << 20))
     with pytest.raises(InputError, match="too large for a MIDI file"):

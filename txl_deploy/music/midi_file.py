@@ -151,7 +151,7 @@ def read_midi(path) -> Performance:
     notes = _first_instrument_notes(tracks)
     if not notes:
         raise InputError(f"{path}: holds no notes")
-    return Performance(notes, _tempo_changes(tracks, mido), midi.ticks_per_beat)
+    return Performance(notes, _tempo_changes(tracks, mido, path), midi.ticks_per_beat)
 
 
 def _reason(error: Exception) -> str:
@@ -167,12 +167,14 @@ def _absolute(track) -> list[tuple[int, object]]:
     return events
 
 
-def _tempo_changes(tracks, mido) -> list[tuple[int, float]]:
+def _tempo_changes(tracks, mido, path) -> list[tuple[int, float]]:
     changes = [(0, float(DEFAULT_BPM))]
     for track in tracks:
         for tick, message in track:
             if message.type != "set_tempo":
                 continue
+            if message.tempo == 0:  # 0 microseconds a beat: no tempo (miditoolkit divides by it and fails)
+                raise InputError(f"{path}: sets a tempo of 0 microseconds per beat")
             bpm = mido.tempo2bpm(message.tempo)
             if tick == 0:
                 changes = [(0, bpm)]
