@@ -150,12 +150,7 @@ class SessionStore:
 
     def begin_park(self, id_: str) -> Session:
         """The session, marked parking: it keeps its memory (and nothing may use or take it) until `end_park`."""
-        with self._lock:
-            session = self._find(id_)
-            if session.busy:
-                raise self._busy(session, "park it when that is done")
-            session.state = PARKING
-            return session
+        return self._hold(id_, PARKING, "park")
 
     def end_park(self, session: Session, parked: bool):
         """parked: its bytes exist, the session ends (its memory is freed); else it is idle again, as it was."""
@@ -169,11 +164,15 @@ class SessionStore:
 
     def begin_fork(self, id_: str) -> Session:
         """The session, marked forking: its memory stays as it is (nothing may use or take it) until `end_fork`."""
+        return self._hold(id_, FORKING, "fork")
+
+    def _hold(self, id_: str, state: str, verb: str) -> Session:
+        """The idle session, now in `state` (parking or forking: nothing else may use or take it); 409 if busy."""
         with self._lock:
             session = self._find(id_)
             if session.busy:
-                raise self._busy(session, "fork it when that is done")
-            session.state = FORKING
+                raise self._busy(session, f"{verb} it when that is done")
+            session.state = state
             return session
 
     def end_fork(self, session: Session):
