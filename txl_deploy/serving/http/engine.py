@@ -223,15 +223,8 @@ class EngineCore(abc.ABC):
         429). The source must be idle (409 otherwise) and stays so. Blocks: call it from a worker thread."""
         source = self.sessions.begin_fork(id_)
         try:
-            fork = self.sessions.create(fork_id, loading=True)
-            try:
-                self._copy_session(source, fork)
-            except BaseException:
-                self.sessions.discard(fork, f"could not be forked; {GONE}")
-                raise
-            fork.tokens = source.tokens
-            self.sessions.loaded(fork)
-            return fork
+            return self._new_session(fork_id, lambda fork: self._copy_session(source, fork), "forked",
+                                     tokens=source.tokens)
         finally:
             self.sessions.end_fork(source)
 
@@ -240,11 +233,18 @@ class EngineCore(abc.ABC):
         `loading` (nothing may use it or take it away) until its memory holds the state. Blocks: call it from a
         worker thread."""
         state = self._check_state(blob)
+        return self._new_session(id_, lambda session: self._load_state(session, state), "restored")
+
+    def _new_session(self, id_: str | None, fill, done: str, tokens: int | None = None) -> Session:
+        """A new session, `loading` (nothing may use it or take it away) until `fill(session)` has put its memory
+        in; discarded if that fails."""
         session = self.sessions.create(id_, loading=True)
         try:
-            self._load_state(session, state)
+            fill(session)
         except BaseException:
-            self.sessions.discard(session, f"could not be restored; {GONE}")
+            self.sessions.discard(session, f"could not be {done}; {GONE}")
             raise
+        if tokens is not None:
+            session.tokens = tokens
         self.sessions.loaded(session)
         return session
