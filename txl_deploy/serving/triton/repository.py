@@ -377,7 +377,7 @@ that runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxr
 
 - Without Docker (Triton 2.51 from the `nvidia-pytriton` wheel, which bundles the Python backend):
 
-      pip install 'txl-deploy[cpu]' 'tritonclient[all]'
+      pip install -e '.[cpu]' 'tritonclient[all]'      # from the txl-deploy checkout
       pip install --no-deps --target .venv/triton nvidia-pytriton==0.7.0
       txl-deploy triton-server REPO --http-port 8000 --grpc-port 8001
 
@@ -386,7 +386,7 @@ that runs it needs `txl-deploy` and its runtime dependencies (numpy, onnx, onnxr
   libpython, `PYTHONPATH` to your environment's site-packages (model.py applies it: the stub ignores it), and a
   working directory holding a link to your numpy.
 - In Triton's container (`nvcr.io/nvidia/tritonserver:<yy.mm>-py3`), install txl-deploy into the container's
-  Python (`pip install txl-deploy[cpu]`) and run `tritonserver --model-repository=/models`.
+  Python (mount its checkout: `pip install -e '.[cpu]'`) and run `tritonserver --model-repository=/models`.
 """
     else:
         platform = PLATFORMS[opts.backend]
