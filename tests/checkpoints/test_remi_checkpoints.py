@@ -19,6 +19,7 @@ import pytest
 # The oracle that writes the fixtures (tensorflow-cpu is in the test extra: a missing install fails, never skips).
 import tensorflow as tf
 from helpers.cli import assert_one_line_error, cli
+from helpers.file_reads import count_reads
 from helpers.remi import SCOPE, keras_norm, remi_stream, remi_variables
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,6 +102,13 @@ def test_folder_is_read_without_flags(remi):
     # its vocabulary is the dictionary.pkl beside it: events kept whole, told as REMI's
     assert loaded.vocab.kind == "events" and loaded.vocab.representation == "remi"
     assert loaded.vocab.symbols[:2] == ["Bar_None", "Position_1/16"] and "Note On_60" in loaded.vocab.symbols
+
+
+def test_the_checkpoint_file_and_index_are_read_once(remi, monkeypatch):
+    """REMI's reader claims the folder by its index; the read reuses what the claim read."""
+    reads = count_reads(monkeypatch)
+    assert load_model(remi[0]).source_format == "remi"
+    assert (reads["checkpoint"], reads["model.index"]) == (1, 1)
 
 
 def test_converted_folder_keeps_remis_settings(remi, tmp_path):
