@@ -194,6 +194,30 @@ def test_reduced_precision_and_executorch_keep_remis_settings(remi, remi_onnx, t
     np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_fp16_and_int4_graphs_keep_remis_differences(remi, remi_onnx, tmp_path, precision):
+    """Each reduced graph keeps both ReLUs of every feed-forward block and Keras's epsilon, and starts from the zero
+    memory: the fp16 graph is within 5e-2 of the numpy reference (test_precision's fp16 bound; a model starting
+    from an empty memory is off by ~4 here), the int4 graph is judged against fp32 at export (its KL tolerance)."""
+    import onnx
+
+    from txl_deploy.exporters.precision.convert import reduce_onnx
+    from txl_deploy.runtimes import TxlRuntime
+
+    _, weights = remi
+    out = tmp_path / f"remi-{precision}.onnx"
+    reduce_onnx(remi_onnx, out, precision=precision, threads=1)  # refused past STREAM_TOLERANCE
+    nodes = onnx.load(str(out)).graph.node
+    eps = [a.f for n in nodes if n.op_type == "LayerNormalization" for a in n.attribute if a.name == "epsilon"]
+    assert eps == pytest.approx([1e-3] * 2 * DIMS["n_layer"])
+    assert sum(n.op_type == "Relu" for n in nodes) == 2 * DIMS["n_layer"]
+    rt = TxlRuntime.load(out)
+    assert (rt.config.mem_init, rt.config.ff_out_relu, rt.config.layer_norm_epsilon) == ("zeros", True, 1e-3)
+    if precision == "fp16":
+        tokens = _stream(seed=6)
+        np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=5e-2, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "torch-fast"])
 def test_pytorch_backends_start_and_reset_from_the_zero_memory(remi, backend):
     from txl_deploy.runtimes import TxlRuntime
