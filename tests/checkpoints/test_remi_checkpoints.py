@@ -249,6 +249,35 @@ def test_page_and_triton_start_from_the_zero_memory(remi_onnx, tmp_path):
     assert result.exit_code == 0 and "mem_init" in result.output and "zeros" in result.output, result.output
 
 
+def test_the_page_computes_remis_model_in_the_browser(remi, remi_onnx, tmp_path):
+    """In headless Chromium (onnxruntime-web, wasm) the page's stream matches the numpy reference of REMI's model
+    (1e-4, the page's fp32 bound) as its memory wraps, and a reset starts again from the zero memory."""
+    import json
+
+    from helpers.browser import Browser, SiteServer, chromium, ort_web
+
+    from txl_deploy.exporters.web.site import write_site
+
+    exe = chromium()
+    site = write_site(remi_onnx, tmp_path / "site", ort_web=ort_web())
+    tokens = _stream(batch=1, seed=7)
+    segments = [tokens[0, s:s + SEG].tolist() for s in range(0, tokens.shape[1], SEG)]
+    server = SiteServer(site)
+    try:
+        browser = Browser(exe)
+        try:
+            browser.open(server.url + "index.html?ep=wasm")
+            runs = [browser.evaluate(f"txlDemo.logProbs({json.dumps(segments)})") for _ in range(2)]  # each resets
+        finally:
+            browser.close()
+    finally:
+        server.stop()
+    want = _reference(remi[1], tokens)[0]
+    for run in runs:
+        got = np.concatenate([np.array(a, dtype=np.float64).reshape(len(s), -1) for a, s in zip(run, segments)])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 def test_info_names_the_family_and_its_settings(remi):
     folder, _ = remi
     result = cli("info", folder)
