@@ -44,5 +44,6 @@ def test_each_file_is_read_once(tiny_ckpt, tmp_path, reads):
 def test_every_family_has_one_reader_that_names_it():
     names = [r.name for r in READERS]
     assert len(set(names)) == len(names)
-    assert {"txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia", "tensorflow", "remi-xl"} <= set(names)
+    assert {"txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia", "tensorflow", "remi",
+            "remi-xl"} <= set(names)
     assert all(r.family for r in READERS)
