@@ -4,15 +4,14 @@ unpickled once."""
 
 from __future__ import annotations
 
-import collections
 import json
-from pathlib import Path
 
 import pytest
 from helpers import remi_xl as rx
+from helpers.file_reads import count_reads
 from helpers.reference_models import CMU_VARIANTS, save_our_model_as_model_pt
 
-from txl_deploy.checkpoints import load_model, reader
+from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.detect import READERS
 from txl_deploy.errors import CheckpointError
 
@@ -21,21 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def reads(monkeypatch):
-    """File name -> how many times its text was read or it was unpickled."""
-    counts = collections.Counter()
-    read_text, torch_load = Path.read_text, reader.torch_load
-
-    def counted_read_text(self, *args, **kwargs):
-        counts[self.name] += 1
-        return read_text(self, *args, **kwargs)
-
-    def counted_torch_load(path):
-        counts[Path(path).name] += 1
-        return torch_load(path)
-
-    monkeypatch.setattr(Path, "read_text", counted_read_text)
-    monkeypatch.setattr(reader, "torch_load", counted_torch_load)
-    return counts
+    """File name -> how many times its text or bytes were read or it was unpickled."""
+    return count_reads(monkeypatch)
 
 
 def test_each_file_is_read_once(tiny_ckpt, tmp_path, reads):
@@ -58,5 +44,6 @@ def test_each_file_is_read_once(tiny_ckpt, tmp_path, reads):
 def test_every_family_has_one_reader_that_names_it():
     names = [r.name for r in READERS]
     assert len(set(names)) == len(names)
-    assert {"txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia", "tensorflow", "remi-xl"} <= set(names)
+    assert {"txl-deploy", "cmu", "cmu-state-dict", "huggingface", "nvidia", "tensorflow", "remi",
+            "remi-xl"} <= set(names)
     assert all(r.family for r in READERS)

@@ -19,6 +19,7 @@ import pytest
 # The oracle that writes the fixtures (tensorflow-cpu is in the test extra: a missing install fails, never skips).
 import tensorflow as tf
 from helpers.cli import assert_one_line_error, cli
+from helpers.file_reads import count_reads
 from helpers.remi import SCOPE, keras_norm, remi_stream, remi_variables
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,6 +102,13 @@ def test_folder_is_read_without_flags(remi):
     # its vocabulary is the dictionary.pkl beside it: events kept whole, told as REMI's
     assert loaded.vocab.kind == "events" and loaded.vocab.representation == "remi"
     assert loaded.vocab.symbols[:2] == ["Bar_None", "Position_1/16"] and "Note On_60" in loaded.vocab.symbols
+
+
+def test_the_checkpoint_file_and_index_are_read_once(remi, monkeypatch):
+    """REMI's reader claims the folder by its index; the read reuses what the claim read."""
+    reads = count_reads(monkeypatch)
+    assert load_model(remi[0]).source_format == "remi"
+    assert (reads["checkpoint"], reads["model.index"]) == (1, 1)
 
 
 def test_converted_folder_keeps_remis_settings(remi, tmp_path):
@@ -186,6 +194,30 @@ def test_reduced_precision_and_executorch_keep_remis_settings(remi, remi_onnx, t
     np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_fp16_and_int4_graphs_keep_remis_differences(remi, remi_onnx, tmp_path, precision):
+    """Each reduced graph keeps both ReLUs of every feed-forward block and Keras's epsilon, and starts from the zero
+    memory: the fp16 graph is within 5e-2 of the numpy reference (test_precision's fp16 bound; a model starting
+    from an empty memory is off by ~4 here), the int4 graph is judged against fp32 at export (its KL tolerance)."""
+    import onnx
+
+    from txl_deploy.exporters.precision.convert import reduce_onnx
+    from txl_deploy.runtimes import TxlRuntime
+
+    _, weights = remi
+    out = tmp_path / f"remi-{precision}.onnx"
+    reduce_onnx(remi_onnx, out, precision=precision, threads=1)  # refused past STREAM_TOLERANCE
+    nodes = onnx.load(str(out)).graph.node
+    eps = [a.f for n in nodes if n.op_type == "LayerNormalization" for a in n.attribute if a.name == "epsilon"]
+    assert eps == pytest.approx([1e-3] * 2 * DIMS["n_layer"])
+    assert sum(n.op_type == "Relu" for n in nodes) == 2 * DIMS["n_layer"]
+    rt = TxlRuntime.load(out)
+    assert (rt.config.mem_init, rt.config.ff_out_relu, rt.config.layer_norm_epsilon) == ("zeros", True, 1e-3)
+    if precision == "fp16":
+        tokens = _stream(seed=6)
+        np.testing.assert_allclose(_run_stream(rt, tokens), _reference(weights, tokens), atol=5e-2, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "torch-fast"])
 def test_pytorch_backends_start_and_reset_from_the_zero_memory(remi, backend):
     from txl_deploy.runtimes import TxlRuntime
@@ -215,6 +247,35 @@ def test_page_and_triton_start_from_the_zero_memory(remi_onnx, tmp_path):
     assert (write_repository(remi_onnx, tmp_path / "py", backend="python", name="remi") / "remi").is_dir()
     result = cli("info", remi_onnx)
     assert result.exit_code == 0 and "mem_init" in result.output and "zeros" in result.output, result.output
+
+
+def test_the_page_computes_remis_model_in_the_browser(remi, remi_onnx, tmp_path):
+    """In headless Chromium (onnxruntime-web, wasm) the page's stream matches the numpy reference of REMI's model
+    (1e-4, the page's fp32 bound) as its memory wraps, and a reset starts again from the zero memory."""
+    import json
+
+    from helpers.browser import Browser, SiteServer, chromium, ort_web
+
+    from txl_deploy.exporters.web.site import write_site
+
+    exe = chromium()
+    site = write_site(remi_onnx, tmp_path / "site", ort_web=ort_web())
+    tokens = _stream(batch=1, seed=7)
+    segments = [tokens[0, s:s + SEG].tolist() for s in range(0, tokens.shape[1], SEG)]
+    server = SiteServer(site)
+    try:
+        browser = Browser(exe)
+        try:
+            browser.open(server.url + "index.html?ep=wasm")
+            runs = [browser.evaluate(f"txlDemo.logProbs({json.dumps(segments)})") for _ in range(2)]  # each resets
+        finally:
+            browser.close()
+    finally:
+        server.stop()
+    want = _reference(remi[1], tokens)[0]
+    for run in runs:
+        got = np.concatenate([np.array(a, dtype=np.float64).reshape(len(s), -1) for a, s in zip(run, segments)])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
 def test_info_names_the_family_and_its_settings(remi):

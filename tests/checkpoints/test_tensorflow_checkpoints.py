@@ -24,6 +24,7 @@ import pytest
 # tensorflow-cpu is in the test extra).
 import tensorflow as tf
 from helpers.cli import assert_one_line_error, cli
+from helpers.file_reads import count_reads
 
 from txl_deploy.checkpoints import load_model
 from txl_deploy.checkpoints.tensorflow.architecture import infer_architecture
@@ -538,6 +539,15 @@ def test_checkpoint_path_with_vocab(published, tmp_path):
     loaded = load_model(prefix, config=root / "flags.json", vocab=root / "data" / "cache.pkl")
     assert loaded.source_format == "tensorflow" and loaded.vocab.symbols == symbols_for(spec)
     assert loaded.config.mem_len == spec["mem_len"]
+
+
+def test_each_file_is_read_once_though_two_readers_look(published, monkeypatch):
+    """REMI's reader looks at every TensorFlow checkpoint's index before the paper's reader claims it: the
+    `checkpoint` file and the index are read once."""
+    root = published["full-softmax"][0]
+    reads = count_reads(monkeypatch)
+    assert load_model(root, config=root / "flags.json").source_format == "tensorflow"
+    assert (reads["checkpoint"], reads["model.ckpt-0.index"], reads["flags.json"]) == (1, 1, 1)
 
 
 # -- presets and flags -----------------------------------------------------------------------------------------

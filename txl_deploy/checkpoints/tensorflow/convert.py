@@ -90,21 +90,21 @@ def to_state_dict(ckpt, arch: dict) -> dict:
 
 
 def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, verify_checksums: bool = True,
-                    found: tuple | None = None):
+                    found: tuple | None = None, ckpt: TFCheckpoint | None = None):
     """A `LoadedModel` from the published folder layout or a `model.ckpt-N` path.
 
     `config`: the original training flags (JSON file or dict, tf/train_gpu.py names); `preset`: one of PRESETS;
     `vocab`: a vocabulary file (a `cache.pkl`, read safely, or any other `vocab_files` reads) overriding
     `data/cache.pkl`. The corpus it or `data/corpus-info.json` names picks the preset and later fixes the
     vocabulary's kind (enwik8: bytes, text8: text8); `vocab_files.attach_vocab` applies the user's kind and checks
-    the size. `found`: what `find_checkpoint(path)` returned, when the caller has looked already."""
+    the size. `found`, `ckpt`: what `find_checkpoint(path)` returned and its index, when the caller has read them."""
     found = find_checkpoint(path) if found is None else found
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.ckpt-N.index)")
     prefix, data_dir = found
     if config is not None and preset is not None:
         raise CheckpointError(path, "pass either --preset or --config, not both")
-    ckpt = TFCheckpoint(prefix, verify_checksums=verify_checksums)
+    ckpt = TFCheckpoint(prefix, verify_checksums=verify_checksums) if ckpt is None else ckpt
     where = ckpt.index_path
     arch = infer_architecture({n: e.shape for n, e in ckpt.entries.items()}, where)
 
@@ -148,13 +148,20 @@ def load_checkpoint(path, config=None, preset: str | None = None, vocab=None, ve
     return loaded
 
 
-def _found(source: Source):
-    return source.once(FORMAT, lambda: find_checkpoint(source.path))  # by the claim, then by the read
+def found_checkpoint(source: Source):
+    """`find_checkpoint` of the source, looked for once: by REMI's claim and read, then by the paper's."""
+    return source.once(FORMAT, lambda: find_checkpoint(source.path))
+
+
+def checkpoint_index(source: Source) -> TFCheckpoint:
+    """The index of the checkpoint `found_checkpoint` names, read once for every reader that looks at it."""
+    return source.once(FORMAT + " index", lambda: TFCheckpoint(found_checkpoint(source)[0]))
 
 
 # Its vocabulary is its corpus cache (data/cache.pkl), or the user's file: the corpus named there picks the preset.
 READER = Reader(FORMAT, "the paper's TensorFlow checkpoint (model.ckpt-N, or the published pretrained_xl/tf_<name> "
-                "folder)", lambda s: _found(s) is not None,
-                lambda s: load_checkpoint(s.path, config=s.config, preset=s.preset, vocab=s.vocab, found=_found(s)),
+                "folder)", lambda s: found_checkpoint(s) is not None,
+                lambda s: load_checkpoint(s.path, config=s.config, preset=s.preset, vocab=s.vocab,
+                                          found=found_checkpoint(s), ckpt=checkpoint_index(s)),
                 location=lambda s: s.path, vocab_folder=lambda s: None,
                 takes=frozenset({"config", "preset", "vocab"}))

@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 
 from txl_deploy.checkpoints.native import LoadedModel
-from txl_deploy.checkpoints.reader import Reader
+from txl_deploy.checkpoints.reader import Reader, Source
 from txl_deploy.checkpoints.tensorflow.architecture import IGNORED, infer_architecture
 from txl_deploy.checkpoints.tensorflow.bundle import TFCheckpoint
-from txl_deploy.checkpoints.tensorflow.convert import to_state_dict
+from txl_deploy.checkpoints.tensorflow.convert import checkpoint_index, found_checkpoint, to_state_dict
 from txl_deploy.checkpoints.tensorflow.discovery import find_checkpoint
 from txl_deploy.config import TxlConfig
 from txl_deploy.errors import CheckpointError, TxlError
@@ -46,11 +46,14 @@ VALUE_SOURCES = {
 
 def is_remi_checkpoint(path) -> bool:
     """A TensorFlow checkpoint (folder or prefix) whose index holds REMI's `transformer/normal_embed` table."""
-    found = find_checkpoint(path)
-    if found is None:
+    return _claims(Source(path))
+
+
+def _claims(source: Source) -> bool:
+    if found_checkpoint(source) is None:
         return False
     try:
-        return EMBEDDING in TFCheckpoint(found[0]).entries  # the index only: no tensor is read
+        return EMBEDDING in checkpoint_index(source).entries  # the index only: no tensor is read
     except CheckpointError:
         return False  # the TensorFlow reader reports what is wrong with it
 
@@ -119,18 +122,20 @@ def remi_architecture(shapes: dict, where) -> tuple[dict, dict]:
     return names, arch
 
 
-def load_remi(path, config=None, preset=None, verify_checksums: bool = True) -> LoadedModel:
+def load_remi(path, config=None, preset=None, verify_checksums: bool = True, found: tuple | None = None,
+              ckpt: TFCheckpoint | None = None) -> LoadedModel:
     """A `LoadedModel` of a REMI folder (or its `model` prefix), without its vocabulary: `dictionary.pkl` beside it
     is read by the vocabulary step every format goes through (`vocab_files.attach_vocab`). `config` and `preset`
-    (the paper's TensorFlow checkpoints' options) are refused: REMI's settings are its own."""
+    (the paper's TensorFlow checkpoints' options) are refused: REMI's settings are its own. `found`, `ckpt`: what
+    `find_checkpoint(path)` returned and its index, when the caller has read them."""
     if config is not None or preset is not None:
         raise CheckpointError(path, "is a REMI checkpoint, whose settings are REMI's own (--config and --preset are "
                                     "for the paper's TensorFlow checkpoints)")
-    found = find_checkpoint(path)
+    found = find_checkpoint(path) if found is None else found
     if found is None:
         raise CheckpointError(path, "is not a TensorFlow checkpoint (no model.index)")
     prefix = found[0]
-    ckpt = TFCheckpoint(prefix, verify_checksums=verify_checksums)
+    ckpt = TFCheckpoint(prefix, verify_checksums=verify_checksums) if ckpt is None else ckpt
     where = ckpt.index_path
     names, arch = remi_architecture({n: e.shape for n, e in ckpt.entries.items()}, where)
     try:
@@ -153,6 +158,7 @@ def load_remi(path, config=None, preset=None, verify_checksums: bool = True) -> 
 # Its settings are REMI's own: it takes --config and --preset only to refuse them in its own words; its
 # dictionary.pkl beside the checkpoint is found by the vocabulary step.
 READER = Reader(FORMAT, "the Pop Music Transformer's TensorFlow checkpoint folder (YatingMusic/remi)",
-                lambda s: is_remi_checkpoint(s.path), lambda s: load_remi(s.path, config=s.config, preset=s.preset),
+                _claims, lambda s: load_remi(s.path, config=s.config, preset=s.preset, found=found_checkpoint(s),
+                                             ckpt=checkpoint_index(s)),
                 location=lambda s: s.path, vocab_folder=lambda s: s.path if s.path.is_dir() else s.path.parent,
                 takes=frozenset({"config", "preset"}))
