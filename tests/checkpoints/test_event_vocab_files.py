@@ -99,6 +99,19 @@ def test_the_representation_can_be_overridden_and_must_fit(tmp_path):
     assert vocab.kind == "events" and vocab.symbols[1] == "Note On_60" and vocab.representation == "remi"
 
 
+@pytest.mark.parametrize("events, name", [(REMI_EVENTS, "remi"), (REMI_XL_EVENTS, "remi-xl")])
+def test_a_text_list_of_events_is_read_as_events_without_flags(tmp_path, events, name):
+    """One event a line, as `info --list-vocab` and the projects' dictionaries hold them: REMI's events keep their
+    spaces (read as words, `Note On_60` would be `Note`, a duplicate); a word list stays a word list."""
+    path = tmp_path / "events.txt"
+    path.write_text("".join(e + "\n" for e in events))
+    found = open_vocab_file(path)
+    assert found.vocab.kind == "events" and found.vocab.symbols == events and "one event a line" in found.format
+    assert read_vocab_file(path).representation == name
+    (tmp_path / "words.txt").write_text("the\nNote On\nBar_None\n")  # not all events of one representation
+    assert read_vocab_file(tmp_path / "words.txt").kind == "word"
+
+
 def disagree(tmp_path, event2word, word2event) -> str:
     path = tmp_path / "dictionary.pkl"
     path.write_bytes(pickle.dumps((event2word, word2event)))

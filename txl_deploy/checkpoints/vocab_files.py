@@ -279,10 +279,10 @@ def open_vocab_file(path, kind: str | None = None) -> VocabFile:
     `kind`: what the user says a text file is (a character list is read as one only when asked for "char")."""
     path = Path(path)
     if path.suffix not in PICKLE_SUFFIXES:
-        vocab = Vocab.read(path, kind=kind)
+        vocab = Vocab.read(path, kind=kind, are_events=lambda lines: detect(lines) is not None)
         if path.suffix == ".json":
             return VocabFile(vocab, f"{path.name} (txl-deploy vocabulary)")
-        return VocabFile(vocab, f"{path.name} (one symbol a line)")
+        return VocabFile(vocab, f"{path.name} (one {'event' if vocab.kind == 'events' else 'symbol'} a line)")
     if path.name in EVENT_FILES:  # read with the event dictionaries' own allow-list: plain containers only
         return VocabFile(*read_event_dictionary(path))
     obj = unpickle_vocab_file(path)

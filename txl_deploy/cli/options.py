@@ -82,7 +82,8 @@ KIND_HELP = ("What the vocabulary's symbols are, and so how text is read and wri
              "newlines are dropped as the original preprocessing dropped them, so the model never sees or predicts "
              "one), text8 (the letters a-z and '_' for the space) or events (music events such as REMI's "
              "'Note On_60', kept whole, spaces included: text is one event a line; a text --vocab holds one event "
-             "a line). [default: the vocabulary file's (events for an event dictionary); else the corpus's (a "
+             "a line). [default: the vocabulary file's (events for an event dictionary, or for a text --vocab whose "
+             "lines are all REMI's or remi-xl's events); else the corpus's (a "
              "TensorFlow corpus-info.json or a corpus cache saying enwik8 or text8); else bytes or text8 when the "
              "symbols are exactly those; else word]")
 

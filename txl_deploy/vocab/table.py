@@ -256,12 +256,14 @@ class Vocab:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
-    def read(cls, path, kind: str | None = None) -> Vocab:
+    def read(cls, path, kind: str | None = None, are_events=None) -> Vocab:
         """Read our vocab.json, the original one-symbol-a-line vocab.txt, or a character list file.
 
         `kind`: what the user says the vocabulary is (it overrides our vocab.json's). Otherwise a vocab.txt or a
         JSON list is `bytes` or `text8` when its symbols show it (see `kinds.detect_kind`), else `word` (a
-        vocab.txt) or `char` (a JSON list)."""
+        vocab.txt) or `char` (a JSON list). `are_events(lines)`: whether a text file's whole lines are a music
+        representation's events (music.representation, a layer above this one); then it is read as `events`,
+        verbatim, since a word vocabulary keeps only each line's first field (`Note On_60` would be `Note`)."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -291,6 +293,10 @@ class Vocab:
                     return cls([("\n" if line == "" else line) for line in lines[:-1]], kind="char")
                 return cls(list(text.rstrip("\n")), kind="char")
             symbols = symbols_of_lines(text, path)
+            if kind is None and are_events is not None:
+                lines = event_file_lines(text, path)
+                if are_events(lines):
+                    return cls(lines, kind="events")
             return cls(symbols, kind=choose_kind(symbols, kind))
         except UnknownKindError as e:
             raise CheckpointError(path, str(e)) from None
