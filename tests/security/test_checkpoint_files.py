@@ -46,3 +46,28 @@ def test_a_pickle_rebuilds_bytes_from_data_only(tmp_path, call, problem):
     # what protocol 2 writes for bytes is still read
     (tmp_path / "ok.pt").write_bytes(legacy_torch_file({"b": b"\x00\xffdata", "a": bytearray(b"xy")}, {}))
     assert torch_load(tmp_path / "ok.pt") == {"b": b"\x00\xffdata", "a": bytearray(b"xy")}
+
+
+def test_a_zip_record_claiming_a_newer_zip_version_is_one_line(tmp_path):
+    """zipfile raises NotImplementedError for a record needing a zip version past 6.3 (found by the fuzzer)."""
+    from crafted_files import zip_torch_file
+
+    data = bytearray(zip_torch_file({"w": 1}, {}))
+    record = data.index(b"PK\x01\x02")  # the central directory's first record: version needed at +6
+    data[record + 6:record + 8] = (64).to_bytes(2, "little")
+    (tmp_path / "ep_1.pth.tar").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt torch.save archive \(zip file version 6.4\)"):
+        torch_load(tmp_path / "ep_1.pth.tar")
+
+
+def test_a_state_dict_keyed_by_a_number_is_one_line(tmp_path, tiny_ckpt):
+    """A pickle may key a dict by anything; a tensor under 7 is not a parameter (found by the fuzzer)."""
+    import torch
+
+    torch.save({"r_w_bias": torch.zeros(2, 8), 7: torch.zeros(2)}, tmp_path / "model.pt")
+    config = json.loads((tiny_ckpt / "config.json").read_text())["config"]
+    with pytest.raises(CheckpointError, match="holds a tensor under 7, not a parameter's name"):
+        load_model(tmp_path / "model.pt", config=config)
+    torch.save({7: torch.zeros(2), "module.r_w_bias": torch.zeros(2, 8)}, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match="holds a tensor under 7"):
+        load_model(tmp_path / "model.pt", config=config)

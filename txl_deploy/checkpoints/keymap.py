@@ -34,6 +34,8 @@ def rename(state_dict: dict, rules: list[Rule], path, source: str) -> dict:
     compiled = [(re.compile(r.pattern), r.target, r.transform) for r in rules]
     out: dict = {}
     for key, tensor in state_dict.items():
+        if not isinstance(key, str):  # a pickle may key a dict by anything
+            raise CheckpointError(path, f"holds a tensor under {repr(key)[:40]}, not a parameter's name")
         for pattern, target, transform in compiled:
             m = pattern.fullmatch(key)
             if m:
@@ -55,7 +57,7 @@ def rename(state_dict: dict, rules: list[Rule], path, source: str) -> dict:
 
 def strip_prefix(state_dict: dict, prefix: str) -> dict:
     """Drop a prefix every key carries (`module.` from DataParallel)."""
-    if state_dict and all(k.startswith(prefix) for k in state_dict):
+    if state_dict and all(isinstance(k, str) and k.startswith(prefix) for k in state_dict):
         return {k[len(prefix):]: v for k, v in state_dict.items()}
     return state_dict
 

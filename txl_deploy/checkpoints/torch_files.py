@@ -198,7 +198,8 @@ def torch_load(path):
                 # storage key -> bytes of its record: what each storage the pickle names may claim
                 records = {i.filename.rsplit("/data/", 1)[1]: i.file_size for i in z.infolist()
                            if "/data/" in i.filename and "/.data/" not in i.filename}
-        except (zipfile.BadZipFile, OSError, ValueError, IndexError) as e:
+        # NotImplementedError: a record claiming a zip version or a feature zipfile lacks
+        except (zipfile.BadZipFile, OSError, ValueError, IndexError, NotImplementedError) as e:
             raise CheckpointError(path, f"truncated or corrupt torch.save archive ({one_line(e)})") from None
         if any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in names):
             # torch.load would hand this to torch.jit.load, which runs TorchScript: not a checkpoint we read.
@@ -228,7 +229,7 @@ def torch_load(path):
     except (EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(path, f"truncated or corrupt pickle ({one_line(e)})") from None
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, AssertionError,
-            zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
+            NotImplementedError, zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
         if "explicit pickle_module" in str(e):
             raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
                                         "restricted unpickler; unset it to read this file") from None
