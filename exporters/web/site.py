@@ -24,6 +24,7 @@ import onnx
 from txl_deploy.contract import io_spec
 from txl_deploy.contract.clusters import Clusters
 from txl_deploy.music.grammar import detected
+from txl_deploy.music.representation import representation
 from txl_deploy.contract.describe import headline
 from txl_deploy.contract.metadata import read_onnx_info
 from txl_deploy.contract.onnx_file import external_data
@@ -111,7 +112,9 @@ def graph_spec(model_path) -> dict:
             "fresh_prefill": info.state == "incremental" and mem_k.shape.dim[3].HasField("dim_param")}
 
 
-def _default_prompt(vocab) -> str:
+def _default_prompt(vocab, grammar: dict | None) -> str:
+    if grammar is not None:  # a music model (the page samples under its grammar): a piece opens with a bar
+        return representation(grammar["name"]).bar
     for prompt in ("And God said", "The", "the"):
         try:
             ids = vocab.encode(prompt)
@@ -159,7 +162,7 @@ def write_site(model_path, out_dir, ort_web=None, force: bool = False, title: st
                  "IMPORTMAP": json.dumps(importmap, indent=1),
                  "ORT_MODULE": _html(ort["module"]), "ORT_MODULE_INTEGRITY": ort["module_integrity"],
                  "SITE_CONFIG": json.dumps({"ort": ort}, indent=1).replace("</", "<\\/"),
-                 "PROMPT": _html(_default_prompt(vocab) if prompt is None else prompt)}
+                 "PROMPT": _html(_default_prompt(vocab, spec["grammar"]) if prompt is None else prompt)}
         for key, value in fills.items():
             page = page.replace(f"@@{key}@@", value)
         (tmp / "index.html").write_text(page, encoding="utf-8")

@@ -109,22 +109,41 @@ def test_the_grammar_dict_is_plain_json(name):
     assert json.loads(json.dumps(d)) == d
 
 
-def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_path):
+@pytest.fixture(scope="module")
+def xl_onnx(tmp_path_factory):
+    """A tiny remi-xl model's ONNX export (events vocabulary, adaptive softmax)."""
+    from helpers.event_models import save_event_model
+
+    from txl_deploy.exporters.onnx.export import export_onnx
+
+    root = tmp_path_factory.mktemp("xl")
+    onnx_path = root / "xl.onnx"
+    export_onnx(save_event_model(root / "xl", "remi-xl"), onnx_path, state="full", max_segment=16, verify=False)
+    return onnx_path
+
+
+def test_a_music_page_starts_from_a_bar(xl_onnx, tmp_path):
+    """Written without --prompt, a music model's page opens with the prompt a piece starts with (a text model's
+    default words are not events, so its prompt box would be empty and Generate refused)."""
+    from txl_deploy.exporters.web.site import write_site
+
+    page = (write_site(xl_onnx, tmp_path / "site") / "index.html").read_text()
+    assert '<textarea id="prompt" rows="2">Bar_None</textarea>' in page
+
+
+def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(xl_onnx, tmp_path):
     """End to end in the browser: a tiny remi-xl model's page samples under the grammar its model.json carries,
     and chooses the tokens TxlRuntime.generate(grammar="remi-xl") chooses on the same graph with the same seed;
     it places the events as the notes events_to_midi places, draws them on its piano roll, and Play schedules
     every one of them on a WebAudio context."""
     from helpers.browser import Browser, SiteServer, chromium, ort_web
-    from helpers.event_models import save_event_model
 
-    from txl_deploy.exporters.onnx.export import export_onnx
     from txl_deploy.exporters.web.site import write_site
     from txl_deploy.runtimes import TxlRuntime
 
     exe = chromium()
-    onnx_path = tmp_path / "xl.onnx"
-    export_onnx(save_event_model(tmp_path / "xl", "remi-xl"), onnx_path, state="full", max_segment=16, verify=False)
-    site = write_site(onnx_path, tmp_path / "site", ort_web=ort_web(), prompt="Bar_None")
+    onnx_path = xl_onnx
+    site = write_site(onnx_path, tmp_path / "site", ort_web=ort_web())  # its default prompt, as a user gets it
     assert json.loads((site / "model.json").read_text())["grammar"]["name"] == "remi-xl"
     fields = dict(temperature=1.1, top_k=12, seed=8, max_tokens=60)
     server = SiteServer(site)
@@ -132,7 +151,8 @@ def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_
         browser = Browser(exe)
         try:
             browser.open(server.url + "index.html?ep=wasm")
-            ids, _ = browser.evaluate(f"txlDemo.ready.then(() => txlDemo.generate('Bar_None', "
+            prompt = browser.evaluate("document.getElementById('prompt').value")
+            ids, _ = browser.evaluate(f"txlDemo.ready.then(() => txlDemo.generate({json.dumps(prompt)}, "
                                       f"{json.dumps(_camel(fields))}))")
             notes = browser.evaluate("txlNotes.map((n) => [n.start, n.end, n.pitch, n.velocity])")
             shown = browser.evaluate("!document.getElementById('music').hidden")
@@ -144,6 +164,7 @@ def test_a_music_page_generates_what_txlruntime_generates_under_the_grammar(tmp_
             browser.close()
     finally:
         server.stop()
+    assert prompt == "Bar_None"
     placed = events_to_score([SYMBOLS["remi-xl"][i] for i in [0, *ids]], "remi-xl").notes
     assert len(placed) > 0
     assert notes == [[n.start, n.end, n.pitch, n.velocity] for n in placed]

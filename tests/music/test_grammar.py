@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from helpers.event_models import REMI_SYMBOLS, REMI_XL_SYMBOLS, SYMBOLS, save_event_model
 
 from txl_deploy.errors import InputError
+from txl_deploy.music.events_to_midi import events_to_score
 from txl_deploy.music.grammar import GrammarState, compiled, constraint
 
 
@@ -196,3 +197,27 @@ def test_generate_with_a_grammar_is_refused_in_one_line(music_runtime, ref_rt):
         rt.generate([0], grammar="midi")
     with pytest.raises(InputError, match="symbols are not music events"):
         ref_rt.generate([0], grammar=name)  # a word model's vocabulary has no events
+
+
+# values at the edges of what each writer reads (tests/music/test_events_to_midi.py: the writer's own refusals)
+EDGE_VALUES = {"remi": ["Note Velocity_0", "Note Velocity_31", "Note Velocity_32", "Note Duration_63",
+                        "Note Duration_64", "Tempo Value_59", "Tempo Value_60", "Position_16/16", "Position_0/16",
+                        "Chord_C maj", "Chord_\u00e9", "Chord_" + "x" * 64, "Chord_" + "x" * 65, "Tempo Class_presto"],
+               "remi-xl": ["Tempo_3", "Tempo_4", "Tempo_1000", "Tempo_1001", "Note_Duration_1048576",
+                           "Note_Duration_1048577", "Beat_15", "Beat_16", "Chord_C M_x", "Chord_\u00e9_M",
+                           "Note_Velocity_127", "Note_Velocity_128"]}
+
+
+@pytest.mark.parametrize("name", ["remi", "remi-xl"])
+def test_the_grammar_allows_a_value_exactly_when_the_writer_places_it(name):
+    """Generating under the grammar never gives an event the MIDI writer refuses: each symbol is allowed somewhere
+    exactly when events_to_score reads it."""
+    symbols = list(dict.fromkeys(SYMBOLS[name] + EDGE_VALUES[name]))
+    g = compiled(name, symbols)
+    for v, symbol in enumerate(symbols):
+        try:
+            events_to_score([symbol], name)
+            writable = True
+        except InputError:
+            writable = False
+        assert (g.kind[v] >= 0) == writable, symbol

@@ -18,7 +18,8 @@ from txl_deploy.exporters.web.site import write_site
                    "[default: a pinned release from the jsDelivr CDN, checked by subresource-integrity hashes]")
 @click.option("--title", help="Page title. [default: the model's description: its source, vocabulary, layers, "
               "parameters and precision]")
-@click.option("--prompt", help="The prompt the page starts with. [default: a short one the vocabulary can spell]")
+@click.option("--prompt", help="The prompt the page starts with. [default: a short one the vocabulary can spell; "
+              "Bar_None for a music model]")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def web_demo(model, output, ort_web, title, prompt, force):
     """Write a static web site that runs MODEL.onnx in the browser with onnxruntime-web (WebAssembly, and WebGPU

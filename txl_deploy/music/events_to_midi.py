@@ -77,9 +77,15 @@ def events_to_score(events, representation="remi") -> Score:
     return _place_remi(parsed) if rep is REMI else _place_remi_xl(parsed)
 
 
+def value_readers(representation) -> dict:
+    """Per event name of the representation, what reads an event's value as its writer uses it (None: the writer
+    cannot place it). The grammar allows exactly these values, so the writer places whatever it lets through."""
+    return _REMI_VALUES if as_representation(representation) is REMI else _REMI_XL_VALUES
+
+
 def _parse(events, rep: Representation) -> list[tuple[str, object]]:
     """(name, value) of each event, the value converted as the writer uses it; special symbols left out."""
-    parse_value = _REMI_VALUES if rep is REMI else _REMI_XL_VALUES
+    parse_value = value_readers(rep)
     parsed = []
     for index, symbol in enumerate(events):
         if not isinstance(symbol, str):

@@ -19,45 +19,37 @@ from dataclasses import dataclass
 import numpy as np
 
 from txl_deploy.errors import InputError
+from txl_deploy.music.events_to_midi import value_readers
 from txl_deploy.music.representation import REMI, REMI_XL, Representation, detect, representation
 
 logger = logging.getLogger(__name__)
 START = ""  # the last event name before any event
 
 
-def whole_in(lo: int, hi: int) -> Callable[[str], int | None]:
-    """A value that is a whole number in [lo, hi] (its number), else None."""
-    def read(value: str) -> int | None:
-        if not (value.isascii() and value.isdigit()):  # ("²".isdigit() is true, and int() refuses it)
-            return None
-        n = int(value)
-        return n if lo <= n <= hi else None
-    return read
+def in_bar(read: Callable[[str], int | None]) -> Callable[[str], int | None]:
+    """A writer's reader of a position in the bar (0 = the first) as the grammar counts it (1 = the first)."""
+    def position(value: str) -> int | None:
+        k = read(value)
+        return None if k is None else k + 1
+    return position
 
 
-def one_of(*values: str) -> Callable[[str], int | None]:
-    return lambda value: 0 if value in values else None
-
-
-def sixteenths(value: str) -> int | None:
-    """REMI's `k/16` position (k = 1..16) as k."""
-    k, slash, of = value.partition("/")
-    return whole_in(1, 16)(k) if slash and of == "16" else None
-
-
-def chord_xl(value: str) -> int | None:
-    """remi-xl's `root_quality` chord (the writer reads both parts)."""
-    root, sep, quality = value.partition("_")
-    return 0 if root and sep and quality and "_" not in quality else None
+def writer_values(rep: Representation) -> dict[str, Callable[[str], object]]:
+    """The values the representation's MIDI writer reads (events_to_midi's readers, the one place that says which
+    values it places), with the positions counted from 1."""
+    readers = dict(value_readers(rep))
+    position = "Position" if rep is REMI else "Beat"
+    readers[position] = in_bar(readers[position])
+    return readers
 
 
 @dataclass(frozen=True)
 class Grammar:
     """The event orders a representation's writer places. `follows[name]`: the names that may come after an
-    event called `name` (START: first). `values[name]` reads a value the writer can use (None: it cannot);
-    for the `position` event it gives the position in the bar, 1 = the first. `repeat_position`: the position
-    may stay where it is (REMI repeats it before every note) rather than only increase. The bar event
-    (`representation.bar`) starts the positions again."""
+    event called `name` (START: first). `values[name]` reads a value the writer can use (None: it cannot; the
+    writer's own readers, `writer_values`); for the `position` event it gives the position in the bar, 1 = the
+    first. `repeat_position`: the position may stay where it is (REMI repeats it before every note) rather than
+    only increase. The bar event (`representation.bar`) starts the positions again."""
 
     representation: Representation
     follows: Mapping[str, tuple[str, ...]]
@@ -84,9 +76,7 @@ REMI_GRAMMAR = Grammar(
              "Chord": ("Position", "Bar"),
              "Tempo Class": ("Tempo Value",),
              "Tempo Value": ("Position", "Bar")},
-    values={"Bar": one_of("None"), "Position": sixteenths, "Note Velocity": whole_in(0, 32),
-            "Note On": whole_in(0, 127), "Note Duration": whole_in(0, 63), "Chord": lambda v: 0 if v else None,
-            "Tempo Class": one_of("slow", "mid", "fast"), "Tempo Value": whole_in(0, 59)},
+    values=writer_values(REMI),
     position="Position", repeat_position=True)
 
 # remi-xl: Bar, then per beat in time order Beat_k, an optional Chord, an optional Tempo and the beat's notes
@@ -103,9 +93,7 @@ REMI_XL_GRAMMAR = Grammar(
              "Note_Pitch": ("Note_Velocity",),
              "Note_Velocity": ("Note_Duration",),
              "Note_Duration": ("Note_Pitch", "Beat", "Bar")},
-    values={"Bar": one_of("None"), "EOS": one_of("None"), "Beat": lambda v: None if whole_in(0, 15)(v) is None
-            else int(v) + 1, "Chord": chord_xl, "Tempo": whole_in(1, 1000), "Note_Pitch": whole_in(0, 127),
-            "Note_Velocity": whole_in(0, 127), "Note_Duration": whole_in(0, 1_000_000)},
+    values=writer_values(REMI_XL),
     position="Beat", repeat_position=False)
 
 GRAMMARS = {g.name: g for g in (REMI_GRAMMAR, REMI_XL_GRAMMAR)}

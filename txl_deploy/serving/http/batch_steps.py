@@ -58,7 +58,8 @@ class BatchSteps:
                 else:
                     job.handle = self.rows.start()
                 job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                            clusters=self.clusters, grammar=job.grammar)
+                                            clusters=self.clusters, grammar=job.grammar if job.session is None
+                                            else job.session.grammar_for(job.grammar))
                 job.echoed = PromptEcho.of(job, self.vocab, None if job.session is None else
                                            job.session.last_log_probs)
             except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on
@@ -291,6 +292,7 @@ class BatchSteps:
                 job.session.forget_next()
                 if complete:
                     job.session.last_log_probs = self._next_log_probs(job)
+                    job.session.grammar = job.completion.sampler.constraint
             self.sessions.release(job.session)
         elif job.handle is not None:
             self.rows.release(job.handle)

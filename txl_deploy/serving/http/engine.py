@@ -10,6 +10,7 @@ lives and how it stops. The session states themselves are sessions.py's.
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import logging
 import threading
@@ -222,9 +223,13 @@ class EngineCore(abc.ABC):
         from then on. The new one counts against --max-sessions as any new session does (the same eviction, or
         429). The source must be idle (409 otherwise) and stays so. Blocks: call it from a worker thread."""
         source = self.sessions.begin_fork(id_)
+
+        def fill(fork: Session):
+            self._copy_session(source, fork)
+            fork.grammar = copy.copy(source.grammar)  # a music grammar's piece goes on in each
+
         try:
-            return self._new_session(fork_id, lambda fork: self._copy_session(source, fork), "forked",
-                                     tokens=source.tokens)
+            return self._new_session(fork_id, fill, "forked", tokens=source.tokens)
         finally:
             self.sessions.end_fork(source)
 

@@ -175,7 +175,8 @@ class FleetEngine(EngineCore):
                 return
             conv = self._conversation(job.session) if job.forked is None else self._resumed(job.forked)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                    clusters=self.client.clusters, grammar=job.grammar)
+                                    clusters=self.client.clusters, grammar=job.grammar if job.session is None
+                                    else job.session.grammar_for(job.grammar))
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
             # the full log-probs
             feed = conv.feed_head if self.lazy else conv.feed
@@ -209,6 +210,7 @@ class FleetEngine(EngineCore):
                     job.session.last_log_probs = np.array(log_probs, dtype=np.float32)
                 else:  # what a next request continues from is the conversation's (`latest_head`)
                     job.session.last_head = np.array(log_probs, dtype=np.float32)
+                job.session.grammar = completion.sampler.constraint
             if not job.cancelled:
                 last = ("done", {"finish_reason": completion.finish, "prompt_tokens": int(job.prompt.size),
                                  "completion_tokens": completion.generated})

@@ -38,7 +38,7 @@ _DOING = {RUNNING: "is running a request", LOADING: "is being restored", PARKING
 
 
 class Session:
-    __slots__ = ("id", "created", "used", "state", "handle", "tokens", "last_log_probs", "last_head")
+    __slots__ = ("id", "created", "used", "state", "handle", "tokens", "last_log_probs", "last_head", "grammar")
 
     def __init__(self, id_: str, now: float, state: str = IDLE):
         self.id, self.created, self.used, self.state = id_, now, now, state
@@ -49,6 +49,9 @@ class Session:
         # head of it ([shortlist + clusters]; the conversation keeps it, its server the hidden vector for the tails).
         self.last_log_probs: np.ndarray | None = None
         self.last_head: np.ndarray | None = None
+        # Where the last request left a music grammar (a GrammarState, music/grammar.py), so a request under the same
+        # grammar goes on with the piece rather than starting one; None after a request without one, or cut short.
+        self.grammar = None
 
     @property
     def continuable(self) -> bool:
@@ -58,6 +61,15 @@ class Session:
     def forget_next(self):
         """The memory's next distribution is unknown (a request was cut short, or failed part way)."""
         self.last_log_probs = self.last_head = None
+        self.grammar = None
+
+    def grammar_for(self, compiled):
+        """What a request under `compiled` (a CompiledGrammar, or None) samples under: the state the session's last
+        request left, when it followed the same grammar (the piece goes on), else the grammar itself (it starts after
+        this request's prompt)."""
+        if compiled is not None and self.grammar is not None and self.grammar.compiled is compiled:
+            return self.grammar
+        return compiled
 
     @property
     def busy(self) -> bool:
