@@ -471,7 +471,9 @@ class Worker:
 
     def start(self):
         paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]  # this folder and tests/ (helpers)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        # One malloc arena: glibc reserves 64 MB of address space for each thread's own arena, and short-lived
+        # library threads would spend the worker's address-space limit as if a case had allocated it.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "MALLOC_ARENA_MAX": "1"}
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         line = self._line(300)
