@@ -228,8 +228,9 @@ def torch_load(path):
                   f"module attributes are allowed (nothing from the file was run)") from None
     except (EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(path, f"truncated or corrupt pickle ({one_line(e)})") from None
+    # torch asserts on persistent ids and archive records it does not expect; zipfile lacks some zip versions
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, AssertionError,
-            NotImplementedError, zipfile.BadZipFile) as e:  # torch asserts on persistent ids and archive records it does not expect
+            NotImplementedError, zipfile.BadZipFile) as e:
         if "explicit pickle_module" in str(e):
             raise CheckpointError(path, "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which disables txl-deploy's "
                                         "restricted unpickler; unset it to read this file") from None

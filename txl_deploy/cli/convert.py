@@ -33,7 +33,8 @@ def convert(src, out, config, preset, vocab, vocab_kind, representation, tokeniz
     atomically.
 
     SRC may be a HuggingFace hub reference, hf://OWNER/NAME[@REVISION]: it is fetched into the hub cache (or read
-    from it offline) and read as a HuggingFace folder (needs the hub extra; from the checkout: pip install -e '.[hub]')."""
+    from it offline) and read as a HuggingFace folder (needs the hub extra; from the checkout:
+    pip install -e '.[hub]')."""
     check_writable(out, force)  # fail before the (possibly long) load
     src = local_model(src)
     with progress_bar(total=3, desc="convert", unit="step") as bar:

@@ -90,7 +90,8 @@ def export_cmd(checkpoint, to_onnx, executorch, output, mem_len, clamp_len, same
 
     A hub reference, hf://OWNER/NAME[@REVISION], is fetched into the HuggingFace hub cache (config.json, the
     PyTorch weights and the vocabulary only) and read as a HuggingFace folder; with HF_HUB_OFFLINE=1, or when the
-    hub cannot be reached, the cache's copy is read. It needs the hub extra (from the checkout: pip install -e '.[hub]').
+    hub cannot be reached, the cache's copy is read. It needs the hub extra (from the checkout:
+    pip install -e '.[hub]').
 
     \b
     Example:

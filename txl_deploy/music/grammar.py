@@ -179,10 +179,7 @@ class CompiledGrammar:
 
     def start(self, context=()) -> GrammarState:
         """A stream's state after `context` (token ids), the constraint its sampler applies."""
-        state = GrammarState(self)
-        for tok in np.asarray(context, dtype=np.int64).reshape(-1).tolist():
-            state.advance(tok)
-        return state
+        return GrammarState(self).follow(context)
 
     def first_error(self, ids) -> int | None:
         """The index of the first token of `ids` (a piece from its start) the grammar does not allow, or None."""
@@ -204,6 +201,12 @@ class GrammarState:
 
     def allowed(self) -> np.ndarray:
         return self.compiled.masks[self.last, self.at]
+
+    def follow(self, context) -> GrammarState:
+        """This state advanced over `context` (token ids)."""
+        for tok in np.asarray(context, dtype=np.int64).reshape(-1).tolist():
+            self.advance(tok)
+        return self
 
     def advance(self, token: int) -> None:
         c = self.compiled
@@ -253,17 +256,15 @@ def detected(vocab) -> CompiledGrammar | None:
 
 def constraint(which, vocab, context=()) -> GrammarState:
     """The constraint a sampler applies: `which` a grammar or its name, compiled against the vocabulary (a Vocab,
-    or its symbols) and started after `context` (token ids), or a `GrammarState` (a piece going on from an earlier
-    call) advanced over it."""
+    or its symbols) and started after `context` (token ids); a `CompiledGrammar` (compiled for that vocabulary)
+    started after it; or a `GrammarState` (a piece going on from an earlier call) advanced over it."""
     if isinstance(which, GrammarState):
         n = len(getattr(vocab, "symbols", vocab) or ())
         if len(which.compiled.symbols) != n:
             raise InputError(f"the grammar state was compiled for {len(which.compiled.symbols)} symbols, the "
                              f"vocabulary has {n}")
-        for tok in np.asarray(context, dtype=np.int64).reshape(-1).tolist():
-            which.advance(tok)
-        return which
-    return compiled(which, vocab).start(context)
+        return which.follow(context)
+    return (which if isinstance(which, CompiledGrammar) else compiled(which, vocab)).start(context)
 
 
 __all__ = ["constraint", "detected", "Grammar", "CompiledGrammar", "GrammarState", "GRAMMARS", "REMI_GRAMMAR",

@@ -58,8 +58,7 @@ class BatchSteps:
                 else:
                     job.handle = self.rows.start()
                 job.completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                            clusters=self.clusters, grammar=job.grammar if job.session is None
-                                            else job.session.grammar_for(job.grammar))
+                                            clusters=self.clusters, grammar=job.followed_grammar())
                 job.echoed = PromptEcho.of(job, self.vocab, None if job.session is None else
                                            job.session.last_log_probs)
             except Exception as e:  # noqa: BLE001 - this request fails; the engine checks it can go on

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from txl_deploy.music.grammar import GrammarState, constraint
+from txl_deploy.music.grammar import constraint
 from txl_deploy.runtimes.sampling import Sampler, SamplingParams, top_logprobs
 from txl_deploy.vocab import CONTINUING, Vocab
 
@@ -110,8 +110,7 @@ class Completion:
         # ones TxlRuntime.generate makes: the same tokens as generate, with the same seed. grammar: a compiled music
         # grammar, started after this request's prompt, or a session's GrammarState, which goes on over it
         self.sampler = Sampler(params, n_token, context, vocab=vocab, clusters=clusters,
-                               constraint=None if grammar is None else constraint(grammar, vocab, context)
-                               if isinstance(grammar, GrammarState) else grammar.start(context))
+                               constraint=None if grammar is None else constraint(grammar, vocab, context))
         self.stops = StopText(params.stop)
         # The completion continues the prompt's text (or, with none, a session's earlier text it was not shown): a
         # word gets its leading space unless the prompt ends a line, and a character that a byte-level model spells

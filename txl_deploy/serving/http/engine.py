@@ -57,6 +57,11 @@ class Job:
     def prefilling(self) -> bool:
         return self.fed < self.prompt.size
 
+    def followed_grammar(self):
+        """What this request samples under: its session's piece going on (`Session.grammar_for`), else its grammar,
+        started after the prompt."""
+        return self.grammar if self.session is None else self.session.grammar_for(self.grammar)
+
     def choice(self, i: int) -> "Job":
         """Choice i of this request, sampled on its own seed stream: seed + i (docs/serving.md, n and best_of)."""
         params = self.params if self.params.seed is None else dataclasses.replace(self.params,

@@ -175,8 +175,7 @@ class FleetEngine(EngineCore):
                 return
             conv = self._conversation(job.session) if job.forked is None else self._resumed(job.forked)
             completion = Completion(job.params, self.vocab, self.n_token, context=job.prompt,
-                                    clusters=self.client.clusters, grammar=job.grammar if job.session is None
-                                    else job.session.grammar_for(job.grammar))
+                                    clusters=self.client.clusters, grammar=job.followed_grammar())
             # lazily the head of each distribution (the conversation keeps it, the server its hidden vector), else
             # the full log-probs
             feed = conv.feed_head if self.lazy else conv.feed
